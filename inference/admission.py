@@ -1,0 +1,104 @@
+"""The admission gate: a thread-level, memory-weighted semaphore acquired inside the worker thread.
+
+An asyncio semaphore cannot bound work that runs in a thread pool (the seed's warning), so the gate
+is a `threading.Condition`. Each request weighs its predicted peak memory; in slot mode every
+sequence weighs one slot. Waiters are served first come, first served so a heavy request is not
+starved by a stream of light ones. The canary has a slot of its own: a busy but healthy server
+must not look hung to the watchdog.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import deque
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class GateStats:
+    capacity: float
+    in_use: float
+    holders: int
+    waiting: int
+    peak_holders: int
+    canary_busy: bool
+
+
+class AdmissionGate:
+    def __init__(self, capacity: float) -> None:
+        if capacity <= 0:
+            raise ValueError("admission capacity must be positive")
+        self._capacity = float(capacity)
+        self._in_use = 0.0
+        self._holders = 0
+        self._peak_holders = 0
+        self._queue: deque[object] = deque()
+        self._cond = threading.Condition()
+        self._canary = threading.BoundedSemaphore(1)
+        self._canary_busy = False
+
+    @property
+    def capacity(self) -> float:
+        return self._capacity
+
+    def clamp(self, weight: float) -> float:
+        """A request heavier than the whole budget still runs, alone."""
+        return min(max(weight, 0.0), self._capacity)
+
+    def acquire(self, weight: float, timeout: float | None) -> bool:
+        """Block the calling thread until `weight` fits; False when `timeout` seconds pass first."""
+        weight = self.clamp(weight)
+        ticket = object()
+        with self._cond:
+            self._queue.append(ticket)
+            try:
+                ok = self._cond.wait_for(
+                    lambda: self._queue[0] is ticket and self._in_use + weight <= self._capacity + 1e-9,
+                    timeout=timeout,
+                )
+            finally:
+                self._queue.remove(ticket)
+                self._cond.notify_all()
+            if not ok:
+                return False
+            self._in_use += weight
+            self._holders += 1
+            self._peak_holders = max(self._peak_holders, self._holders)
+            return True
+
+    def release(self, weight: float) -> None:
+        weight = self.clamp(weight)
+        with self._cond:
+            if self._holders <= 0:
+                raise RuntimeError("admission gate released more often than acquired")
+            self._in_use = max(0.0, self._in_use - weight)
+            self._holders -= 1
+            self._cond.notify_all()
+
+    def set_capacity(self, capacity: float) -> None:
+        if capacity <= 0:
+            raise ValueError("admission capacity must be positive")
+        with self._cond:
+            self._capacity = float(capacity)
+            self._cond.notify_all()
+
+    def acquire_canary(self, timeout: float | None) -> bool:
+        ok = self._canary.acquire(timeout=timeout) if timeout is not None else self._canary.acquire()
+        if ok:
+            self._canary_busy = True
+        return ok
+
+    def release_canary(self) -> None:
+        self._canary_busy = False
+        self._canary.release()
+
+    def stats(self) -> GateStats:
+        with self._cond:
+            return GateStats(
+                capacity=self._capacity,
+                in_use=self._in_use,
+                holders=self._holders,
+                waiting=len(self._queue),
+                peak_holders=self._peak_holders,
+                canary_busy=self._canary_busy,
+            )

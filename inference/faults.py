@@ -1,0 +1,130 @@
+"""Fault injection: every failure the watchdog reacts to can be produced on a CPU.
+
+Only active when the server starts with `--fault-injection`. Faults act at the engine's
+hardware edge (just before a forward pass, and on the allocator figures), so the rest of the
+process handles them exactly as it would handle the real thing.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "clear")
+
+INJECTED_FATAL_MESSAGE = "CUDA error: an illegal memory access was encountered (injected fault)"
+
+
+class FaultError(ValueError):
+    """A fault request that names an unknown kind or a bad parameter."""
+
+
+@dataclass(frozen=True)
+class Fragmentation:
+    ratio: float
+    sticky: bool
+
+
+class FaultInjector:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._context_loss = False
+        self._oom_remaining = 0
+        self._hang = threading.Event()
+        self._unhang = threading.Event()
+        self._slow_s = 0.0
+        self._fragmentation: Fragmentation | None = None
+        self.injected_ooms = 0
+
+    def inject(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
+        if kind not in FAULT_KINDS:
+            raise FaultError(f"kind: must be one of {', '.join(FAULT_KINDS)}")
+        with self._lock:
+            if kind == "context_loss":
+                self._context_loss = True
+            elif kind == "oom":
+                count = _int_param(params, "count", 1, 1, 1000)
+                self._oom_remaining += count
+            elif kind == "hang":
+                self._unhang.clear()
+                self._hang.set()
+            elif kind == "fragmentation":
+                ratio = _float_param(params, "ratio", 0.6, 0.0, 0.99)
+                sticky = params.get("sticky", False)
+                if not isinstance(sticky, bool):
+                    raise FaultError("sticky: must be a boolean")
+                self._fragmentation = Fragmentation(ratio=ratio, sticky=sticky)
+            elif kind == "slow":
+                self._slow_s = _float_param(params, "delay_s", 0.5, 0.0, 60.0)
+            elif kind == "clear":
+                self._context_loss = False
+                self._oom_remaining = 0
+                self._hang.clear()
+                self._unhang.set()
+                self._slow_s = 0.0
+                self._fragmentation = None
+            return self.describe()
+
+    def describe(self) -> dict[str, Any]:
+        return {
+            "context_loss": self._context_loss,
+            "oom_remaining": self._oom_remaining,
+            "hang": self._hang.is_set(),
+            "slow_s": self._slow_s,
+            "fragmentation": None
+            if self._fragmentation is None
+            else {"ratio": self._fragmentation.ratio, "sticky": self._fragmentation.sticky},
+        }
+
+    def before_forward(self) -> None:
+        """Called in the worker thread right before GPU work: raise, block or delay as injected."""
+        with self._lock:
+            fatal = self._context_loss
+            oom = self._oom_remaining > 0
+            if oom and not fatal:
+                self._oom_remaining -= 1
+                self.injected_ooms += 1
+            slow = self._slow_s
+        if fatal:
+            raise RuntimeError(INJECTED_FATAL_MESSAGE)
+        if oom:
+            raise _oom_error()
+        if self._hang.is_set():
+            # A hung kernel never returns; only `clear` (or the process dying) releases it.
+            self._unhang.wait()
+        if slow > 0:
+            time.sleep(slow)
+
+    @property
+    def fragmentation(self) -> Fragmentation | None:
+        return self._fragmentation
+
+    def on_empty_cache(self) -> bool:
+        """Emptying the cache cures an injected non-sticky fragmentation. True when it did."""
+        with self._lock:
+            if self._fragmentation is not None and not self._fragmentation.sticky:
+                self._fragmentation = None
+                return True
+            return False
+
+
+def _oom_error() -> BaseException:
+    import torch
+
+    return torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB (injected fault)")
+
+
+def _int_param(params: dict[str, Any], name: str, default: int, lo: int, hi: int) -> int:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not lo <= value <= hi:
+        raise FaultError(f"{name}: must be an integer between {lo} and {hi}")
+    return value
+
+
+def _float_param(params: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = params.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise FaultError(f"{name}: must be a number between {lo} and {hi}")
+    return float(value)

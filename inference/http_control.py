@@ -1,0 +1,154 @@
+"""The pod-local control API (127.0.0.1:8001, bearer token) that the watchdog drives."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from aiohttp import web
+
+from inference.faults import FaultError
+from inference.service import InferenceService
+from inference.validation import BadRequest, parse_json_object
+from watchdog import logs
+
+log = logs.get("inference.control")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+def _bad(exc: BadRequest) -> web.Response:
+    return web.json_response(exc.body(), status=exc.status)
+
+
+def bearer_auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+    expected = token.encode()
+
+    @web.middleware
+    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+        header = request.headers.get("Authorization", "")
+        scheme, _, presented = header.partition(" ")
+        # Constant-time comparison; the presented token is never logged.
+        ok = scheme.lower() == "bearer" and bool(presented) and hmac.compare_digest(presented.strip().encode(), expected)
+        if not ok:
+            log.warning("control_unauthorized", path=request.path, remote=request.remote,
+                        had_header=bool(header))
+            return web.json_response({"error": {"message": "missing or invalid bearer token", "type": "unauthorized"}},
+                                     status=401, headers={"WWW-Authenticate": 'Bearer realm="gpu-watchdog"'})
+        return await handler(request)
+
+    return middleware
+
+
+async def _optional_body(request: web.Request) -> dict[str, Any]:
+    raw = await request.read()
+    return {} if not raw.strip() else parse_json_object(raw)
+
+
+def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: float) -> float:
+    value = body.get(name, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not lo <= value <= hi:
+        raise BadRequest(400, name, f"{name} must be a number between {lo} and {hi}")
+    return float(value)
+
+
+class ControlAPI:
+    def __init__(self, service: InferenceService, token: str) -> None:
+        self.service = service
+        self.token = token
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[bearer_auth(self.token)], client_max_size=64 * 1024)
+        r = app.router
+        r.add_get("/control/memory", self.memory)
+        r.add_post("/control/empty_cache", self.empty_cache)
+        r.add_post("/control/canary", self.canary)
+        r.add_post("/control/drain", self.drain)
+        r.add_post("/control/admission", self.admission)
+        r.add_post("/control/fault", self.fault)
+        return app
+
+    def _require_started(self) -> None:
+        if self.service.scheduler is None:
+            raise web.HTTPServiceUnavailable(text='{"error": {"message": "model still loading"}}',
+                                             content_type="application/json")
+
+    async def memory(self, request: web.Request) -> web.Response:
+        self._require_started()
+        report = await asyncio.to_thread(self.service.memory_report)
+        return web.json_response(report)
+
+    async def empty_cache(self, request: web.Request) -> web.Response:
+        self._require_started()
+        assert self.service.scheduler is not None
+        freed = await asyncio.to_thread(self.service.scheduler.empty_cache)
+        log.info("empty_cache", freed_bytes=freed, source="control")
+        return web.json_response({"freed_bytes": freed})
+
+    async def canary(self, request: web.Request) -> web.Response:
+        self._require_started()
+        assert self.service.scheduler is not None
+        try:
+            body = await _optional_body(request)
+            timeout = _number(body, "timeout", 10.0, 0.01, 600.0)
+        except BadRequest as exc:
+            return _bad(exc)
+        result = await self.service.scheduler.canary(timeout)
+        log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
+        return web.json_response({"ok": result.ok, "latency_s": result.latency_s, "error_class": result.error_class,
+                                  "error": result.error, "instance_id": self.service.instance_id})
+
+    async def drain(self, request: web.Request) -> web.Response:
+        """Stop admitting (readyz turns 503) and wait, bounded, for in-flight work to finish."""
+        self._require_started()
+        sched = self.service.scheduler
+        assert sched is not None
+        try:
+            body = await _optional_body(request)
+            timeout = _number(body, "timeout", 30.0, 0.0, 3600.0)
+        except BadRequest as exc:
+            return _bad(exc)
+        sched.draining = True
+        log.info("drain_started", inflight=sched.inflight, queued=sched.queued, timeout_s=timeout)
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while (sched.inflight or sched.queued) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        drained = not (sched.inflight or sched.queued)
+        log.info("drain_finished", drained=drained, inflight=sched.inflight, queued=sched.queued)
+        return web.json_response({"drained": drained, "inflight": sched.inflight, "queued": sched.queued})
+
+    async def admission(self, request: web.Request) -> web.Response:
+        self._require_started()
+        try:
+            body = parse_json_object(await request.read())
+            limit = body.get("limit")
+            if isinstance(limit, bool) or not isinstance(limit, int) or not 1 <= limit <= 100_000:
+                raise BadRequest(400, "limit", "limit must be an integer between 1 and 100000")
+        except BadRequest as exc:
+            return _bad(exc)
+        self.service.set_admission_limit(limit)
+        assert self.service.gate is not None
+        return web.json_response({"limit": limit, "capacity": self.service.gate.capacity})
+
+    async def fault(self, request: web.Request) -> web.Response:
+        faults = self.service.faults
+        if faults is None:
+            return web.json_response(
+                {"error": {"message": "fault injection is disabled; start with --fault-injection", "type": "disabled"}},
+                status=404)
+        try:
+            body = parse_json_object(await request.read())
+            kind = body.get("kind")
+            if not isinstance(kind, str):
+                raise BadRequest(400, "kind", "kind is required (a string)")
+            state = faults.inject(kind, body)
+        except BadRequest as exc:
+            return _bad(exc)
+        except FaultError as exc:
+            field = str(exc).split(":", 1)[0]
+            return _bad(BadRequest(400, field, str(exc)))
+        log.warning("fault_injected", kind=kind, state=state)
+        return web.json_response({"injected": kind, "faults": state})

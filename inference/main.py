@@ -1,0 +1,87 @@
+"""`gpu-watchdog serve`: run the public API and the control API in one process."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import sys
+
+from aiohttp import web
+
+from inference.http_control import ControlAPI
+from inference.http_public import PublicAPI
+from inference.service import InferenceService
+from inference.settings import ServeSettings
+from watchdog import logs
+from watchdog.token import TokenError, ensure_token
+
+log = logs.get("inference.main")
+
+EXIT_POISONED = 3
+
+
+async def _serve(settings: ServeSettings) -> int:
+    token, token_path = ensure_token(settings.token_file)
+    service = InferenceService(settings)
+    public = web.AppRunner(PublicAPI(service).app(), handle_signals=False, access_log=None)
+    control = web.AppRunner(ControlAPI(service, token).app(), handle_signals=False, access_log=None)
+    await public.setup()
+    await control.setup()
+    # Probes answer (503 on /readyz) while the model loads, so a startupProbe can watch it.
+    await web.TCPSite(public, settings.host, settings.port).start()
+    await web.TCPSite(control, settings.control_host, settings.control_port).start()
+    log.info("listening", api=f"http://{settings.host}:{settings.port}",
+             control=f"http://{settings.control_host}:{settings.control_port}",
+             token_file=token_path, token_source="env" if token_path is None else "file",
+             fault_injection=settings.fault_injection)
+
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    start_task = asyncio.create_task(service.start())
+    stop_task = asyncio.create_task(stop.wait())
+    fatal_task = asyncio.create_task(service.fatal_event.wait())
+    done, _ = await asyncio.wait({start_task, stop_task}, return_when=asyncio.FIRST_COMPLETED)
+    if start_task in done and start_task.exception() is not None:
+        exc = start_task.exception()
+        log.error("start_failed", error=str(exc))
+        return 2
+    if not stop.is_set():
+        await asyncio.wait({stop_task, fatal_task}, return_when=asyncio.FIRST_COMPLETED)
+
+    if service.fatal_reason is not None:
+        # In-flight requests were answered with 500; give those responses a moment to leave.
+        await asyncio.sleep(0.3)
+        log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
+        return EXIT_POISONED
+
+    sched = service.scheduler
+    if sched is not None:
+        sched.draining = True
+        deadline = loop.time() + settings.shutdown_grace_s
+        log.info("shutdown_drain", inflight=sched.inflight, queued=sched.queued, grace_s=settings.shutdown_grace_s)
+        while (sched.inflight or sched.queued) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        log.info("shutdown", inflight_left=sched.inflight)
+    await public.cleanup()
+    await control.cleanup()
+    return 0
+
+
+def run(settings: ServeSettings) -> int:
+    logs.configure("inference")
+    try:
+        code = asyncio.run(_serve(settings))
+    except TokenError as exc:
+        print(f"gpu-watchdog serve: {exc}", file=sys.stderr)
+        code = 2
+    except OSError as exc:
+        print(f"gpu-watchdog serve: cannot listen: {exc.strerror or exc}", file=sys.stderr)
+        code = 2
+    sys.stdout.flush()
+    sys.stderr.flush()
+    # Worker threads may sit in a hung kernel; a normal interpreter exit would wait for them forever.
+    os._exit(code)

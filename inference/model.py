@@ -1,0 +1,191 @@
+"""Model loading: the built-in small causal LM (no download) or any local Hugging Face directory."""
+
+from __future__ import annotations
+
+import codecs
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+BUILTIN_NAME = "gpu-watchdog-builtin-tiny"
+_BUILTIN_SEED = 1234
+_PRINTABLE = range(32, 127)
+
+
+class Codec(Protocol):
+    """The part of a tokenizer the engine needs."""
+
+    pad_id: int
+    eos_id: int | None
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def decoder(self) -> StreamDecoder: ...
+
+
+class StreamDecoder(Protocol):
+    def feed(self, token_ids: list[int]) -> str: ...
+
+
+class ByteCodec:
+    """Byte-level tokenizer: token i is byte i; 256 is padding, 257 beginning of text."""
+
+    pad_id = 256
+    bos_id = 257
+    eos_id: int | None = None
+    vocab_size = 258
+
+    def encode(self, text: str) -> list[int]:
+        return [self.bos_id, *text.encode("utf-8")]
+
+    def decoder(self) -> _ByteDecoder:
+        return _ByteDecoder()
+
+
+class _ByteDecoder:
+    def __init__(self) -> None:
+        self._dec = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def feed(self, token_ids: list[int]) -> str:
+        return self._dec.decode(bytes(t for t in token_ids if t < 256))
+
+
+class HFCodec:
+    """Wraps a Hugging Face tokenizer; decodes incrementally so streamed text is never split mid-character."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        pad = tokenizer.pad_token_id
+        if pad is None:
+            pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+        self.pad_id: int = int(pad)
+        self.eos_id: int | None = tokenizer.eos_token_id
+
+    def encode(self, text: str) -> list[int]:
+        ids: list[int] = self._tok(text, add_special_tokens=True)["input_ids"]
+        return ids
+
+    def decoder(self) -> _HFDecoder:
+        return _HFDecoder(self._tok)
+
+
+class _HFDecoder:
+    def __init__(self, tokenizer: Any) -> None:
+        self._tok = tokenizer
+        self._ids: list[int] = []
+        self._emitted = ""
+
+    def feed(self, token_ids: list[int]) -> str:
+        self._ids.extend(token_ids)
+        text: str = self._tok.decode(self._ids, skip_special_tokens=True)
+        if text.endswith("\ufffd"):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        new = text[len(self._emitted):]
+        self._emitted = text
+        return new
+
+
+@dataclass
+class LoadedModel:
+    name: str
+    model: Any
+    codec: Codec
+    device: torch.device
+    dtype: torch.dtype
+    context_len: int
+    # Token ids the built-in model may emit (printable ASCII): random weights would otherwise
+    # produce control bytes. None for real models.
+    allowed_tokens: torch.Tensor | None
+
+
+def pick_device(requested: str) -> torch.device:
+    if requested == "cpu":
+        return torch.device("cpu")
+    if requested == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("--device cuda was requested but no CUDA device is available")
+        return torch.device("cuda")
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def pick_dtype(device: torch.device) -> torch.dtype:
+    """Half precision on GPUs (bf16 only where the card supports it), fp32 on CPU."""
+    if device.type != "cuda":
+        return torch.float32
+    if torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float16
+
+
+def builtin_config(**overrides: Any) -> Any:
+    from transformers import LlamaConfig
+
+    settings: dict[str, Any] = dict(
+        vocab_size=ByteCodec.vocab_size,
+        hidden_size=256,
+        intermediate_size=688,
+        num_hidden_layers=4,
+        num_attention_heads=8,
+        num_key_value_heads=8,
+        max_position_embeddings=1024,
+        pad_token_id=ByteCodec.pad_id,
+        bos_token_id=ByteCodec.bos_id,
+        eos_token_id=None,
+        tie_word_embeddings=True,
+        initializer_range=0.3,
+    )
+    settings.update(overrides)
+    return LlamaConfig(**settings)
+
+
+def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
+    from transformers import LlamaForCausalLM
+
+    config = builtin_config(**config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(_BUILTIN_SEED)
+        model = LlamaForCausalLM(config)
+    dtype = pick_dtype(device)
+    model = model.to(device=device, dtype=dtype).eval()
+    allowed = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
+    allowed[list(_PRINTABLE)] = True
+    return LoadedModel(
+        name=BUILTIN_NAME,
+        model=model,
+        codec=ByteCodec(),
+        device=device,
+        dtype=dtype,
+        context_len=int(config.max_position_embeddings),
+        allowed_tokens=allowed,
+    )
+
+
+def load_pretrained(path: str, device: torch.device) -> LoadedModel:
+    """Load a local Hugging Face causal-LM directory; never reaches out to a hub."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    directory = Path(path)
+    if not directory.is_dir():
+        raise FileNotFoundError(f"--model {path}: not a directory")
+    if not (directory / "config.json").exists():
+        raise FileNotFoundError(f"--model {path}: no config.json (expected a Hugging Face model directory)")
+    dtype = pick_dtype(device)
+    tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
+    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    model = model.to(device).eval()
+    ctx = getattr(model.config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
+    return LoadedModel(
+        name=directory.name,
+        model=model,
+        codec=HFCodec(tokenizer),
+        device=device,
+        dtype=dtype,
+        context_len=int(min(int(ctx), 1 << 20)),
+        allowed_tokens=None,
+    )
+
+
+def load(path: str | None, device: torch.device) -> LoadedModel:
+    return load_builtin(device) if path is None else load_pretrained(path, device)

@@ -1,0 +1,111 @@
+"""Test helpers: free ports, real processes on loopback, waiting for readiness."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Proc:
+    proc: subprocess.Popen[bytes]
+    log_path: Path
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def log(self) -> str:
+        return self.log_path.read_text(encoding="utf-8", errors="replace") if self.log_path.exists() else ""
+
+    def stop(self, timeout: float = 10.0) -> int | None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        return self.proc.returncode
+
+
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+    full_env = {**os.environ, **(env or {})}
+    fh = open(log_path, "wb")  # noqa: SIM115 - the process owns it until it exits
+    proc = subprocess.Popen([sys.executable, "-m", "watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
+                            env=full_env, cwd=str(cwd or ROOT))
+    return Proc(proc, log_path)
+
+
+def wait_http(url: str, proc: Proc, timeout: float = 90.0, status: int = 200) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.proc.poll() is not None:
+            raise AssertionError(f"process exited with {proc.proc.returncode} before {url} was up:\n{proc.log()[-4000:]}")
+        try:
+            if requests.get(url, timeout=2).status_code == status:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"{url} not {status} within {timeout}s:\n{proc.log()[-4000:]}")
+
+
+@dataclass
+class Server:
+    proc: Proc
+    port: int
+    control_port: int
+    token: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    def auth(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self.token}"}
+
+    def ctl(self, method: str, path: str, body: Any = None, timeout: float = 30.0) -> requests.Response:
+        return requests.request(method, self.control + path, json=body, headers=self.auth(), timeout=timeout)
+
+    def memory(self) -> dict[str, Any]:
+        r = self.ctl("GET", "/control/memory")
+        assert r.status_code == 200, r.text
+        data: dict[str, Any] = r.json()
+        return data
+
+    def fault(self, kind: str, **params: Any) -> None:
+        r = self.ctl("POST", "/control/fault", {"kind": kind, **params})
+        assert r.status_code == 200, r.text
+
+
+def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None, name: str = "serve") -> Server:
+    port, control_port = free_port(), free_port()
+    token = f"test-token-{port}"
+    proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
+                  "--control-port", str(control_port), *flags], tmp_path / f"{name}-{port}.log",
+                 env={"GPU_WATCHDOG_TOKEN": token, **(env or {})})
+    server = Server(proc, port, control_port, token)
+    try:
+        wait_http(server.url + "/readyz", proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return server

@@ -1,0 +1,5 @@
+import sys
+
+from watchdog.cli import main
+
+sys.exit(main())

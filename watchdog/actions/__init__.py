@@ -1,0 +1,1 @@
+"""Actions: what the watchdog does about a decision (flush the cache, restart the pod)."""

@@ -1,0 +1,91 @@
+"""The Kubernetes side: evict or delete *our own* pod, and record Events on it.
+
+The client is synchronous; callers run it through `asyncio.to_thread`.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import os
+from typing import Any
+
+from kubernetes import client, config
+
+from watchdog import logs
+
+log = logs.get("watchdog.kube")
+
+CONTROLLER = "gpu-watchdog.io/watchdog"
+
+
+class RefusedError(RuntimeError):
+    """An action aimed at a pod that is not the watchdog's own."""
+
+
+def load_api_client(kubeconfig: str | None, request_timeout: float) -> client.ApiClient:
+    if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
+        config.load_incluster_config()
+        return client.ApiClient()
+    configuration = client.Configuration()
+    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
+    configuration.retries = 0
+    return client.ApiClient(configuration)
+
+
+def event_reason(rule: str) -> str:
+    return "".join(part.capitalize() for part in rule.split("_"))
+
+
+class PodActions:
+    """Every call names the pod it acts on and is refused unless that pod is ours."""
+
+    def __init__(self, api_client: client.ApiClient, pod_name: str, namespace: str, request_timeout: float) -> None:
+        if not pod_name or not namespace:
+            raise RefusedError("the watchdog's own pod name and namespace are unknown; refusing to act")
+        downward = os.environ.get("POD_NAME")
+        if downward and downward != pod_name:
+            raise RefusedError(f"configured pod {pod_name!r} is not this pod ({downward!r}); refusing to act")
+        self.pod_name = pod_name
+        self.namespace = namespace
+        self.core = client.CoreV1Api(api_client)
+        self.events = client.EventsV1Api(api_client)
+        self.timeout = request_timeout
+
+    def _guard(self, name: str, namespace: str) -> None:
+        if (name, namespace) != (self.pod_name, self.namespace):
+            log.error("refused_foreign_pod", pod=name, namespace=namespace, own_pod=self.pod_name,
+                      own_namespace=self.namespace)
+            raise RefusedError(f"refusing to act on pod {namespace}/{name}: the watchdog only acts on its own pod"
+                               f" {self.namespace}/{self.pod_name}")
+
+    def evict(self, name: str, namespace: str, grace_period: int | None) -> None:
+        self._guard(name, namespace)
+        body = client.V1Eviction(
+            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
+            delete_options=client.V1DeleteOptions(grace_period_seconds=grace_period) if grace_period is not None
+            else None,
+        )
+        self.core.create_namespaced_pod_eviction(name, namespace, body, _request_timeout=self.timeout)
+
+    def delete(self, name: str, namespace: str, grace_period: int | None) -> None:
+        self._guard(name, namespace)
+        kwargs: dict[str, Any] = {"_request_timeout": self.timeout}
+        if grace_period is not None:
+            kwargs["grace_period_seconds"] = grace_period
+        self.core.delete_namespaced_pod(name, namespace, **kwargs)
+
+    def record_event(self, name: str, namespace: str, reason: str, note: str, action: str,
+                     event_type: str = "Warning") -> None:
+        self._guard(name, namespace)
+        body = client.EventsV1Event(
+            metadata=client.V1ObjectMeta(generate_name=f"{name}.gpu-watchdog.", namespace=namespace),
+            event_time=dt.datetime.now(dt.UTC),
+            reporting_controller=CONTROLLER,
+            reporting_instance=name,
+            action=action,
+            reason=reason,
+            note=note[:1024],
+            type=event_type,
+            regarding=client.V1ObjectReference(kind="Pod", api_version="v1", name=name, namespace=namespace),
+        )
+        self.events.create_namespaced_event(namespace, body, _request_timeout=self.timeout)

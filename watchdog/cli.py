@@ -1,0 +1,191 @@
+"""The `gpu-watchdog` command line."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+from watchdog import __version__
+from watchdog.units import format_bytes, parse_ratio, parse_size
+
+
+def _concurrency(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'")
+    return n
+
+
+def _size(value: str) -> int:
+    try:
+        return parse_size(value)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+def _ratio_or_size(value: str) -> tuple[str, float]:
+    if value.strip().endswith("%"):
+        try:
+            return "ratio", parse_ratio(value)
+        except ValueError as exc:
+            raise argparse.ArgumentTypeError(str(exc)) from None
+    return "bytes", float(_size(value))
+
+
+def _positive_int(value: str) -> int:
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a positive integer") from None
+    if n < 1:
+        raise argparse.ArgumentTypeError("must be a positive integer")
+    return n
+
+
+def _add_serve_flags(p: argparse.ArgumentParser, for_up: bool = False) -> None:
+    p.add_argument("--model", metavar="DIR", help="local Hugging Face causal-LM directory (default: built-in model)")
+    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
+    p.add_argument("--host", default="0.0.0.0")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--control-port", type=int, default=8001)
+    p.add_argument("--max-concurrency", type=_concurrency, default=None, metavar="N|auto",
+                   help="admission limit; auto = measured memory budget on CUDA (default: auto)")
+    p.add_argument("--batch-window-ms", type=float, default=50.0)
+    p.add_argument("--max-batch-size", type=_positive_int, default=8)
+    p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S")
+    p.add_argument("--max-queue", type=_positive_int, default=256)
+    p.add_argument("--max-tokens-limit", type=_positive_int, default=512)
+    p.add_argument("--fault-injection", action="store_true", help="enable POST /control/fault (tests only)")
+    if not for_up:
+        p.add_argument("--token-file", metavar="FILE", help="control token file (GPU_WATCHDOG_TOKEN wins)")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="gpu-watchdog", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"gpu-watchdog {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    serve = sub.add_parser("serve", help="run the inference server")
+    _add_serve_flags(serve)
+
+    run = sub.add_parser("run", help="run the watchdog sidecar")
+    run.add_argument("--config", required=True, metavar="FILE")
+
+    up = sub.add_parser("up", help="inference server + watchdog on this machine (local restarts)")
+    _add_serve_flags(up, for_up=True)
+    up.add_argument("--config", metavar="FILE", help="watchdog config (restart strategy is forced to local)")
+    up.add_argument("--watchdog-port", type=int, default=9402)
+
+    check = sub.add_parser("check-config", help="validate a watchdog config file")
+    check.add_argument("file")
+
+    plan = sub.add_parser("plan", help="compute (or measure) the admission limit")
+    plan.add_argument("--total", type=_size, help="GPU memory, e.g. 24GiB")
+    plan.add_argument("--base", type=_size, help="steady memory after warm-up: weights + context + cache")
+    plan.add_argument("--peak", type=_size, help="peak memory of one request at the longest prompt + output")
+    plan.add_argument("--reserve", type=_ratio_or_size, default=None, help="safety reserve, e.g. 12%% or 3GiB")
+    plan.add_argument("--workers", type=_positive_int, default=1, help="worker processes sharing the GPU")
+    plan.add_argument("--model", metavar="DIR", help="measure this model (needs a CUDA device)")
+    plan.add_argument("--max-input", type=_positive_int, default=None)
+    plan.add_argument("--max-output", type=_positive_int, default=None)
+    return parser
+
+
+def _serve_settings(args: argparse.Namespace, **extra: object) -> object:
+    from inference.settings import ServeSettings
+
+    return ServeSettings(
+        model=args.model, device=args.device, host=args.host, port=args.port, control_port=args.control_port,
+        max_concurrency=args.max_concurrency, batch_window_ms=args.batch_window_ms,
+        max_batch_size=args.max_batch_size, queue_timeout=args.queue_timeout, max_queue=args.max_queue,
+        max_tokens_limit=args.max_tokens_limit, fault_injection=args.fault_injection,
+        token_file=getattr(args, "token_file", None), **extra,  # type: ignore[arg-type]
+    )
+
+
+def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    try:
+        from inference import main as serve_main
+        from inference.settings import ServeSettings, SettingsError
+    except ImportError as exc:
+        parser.error(f"serve needs the inference extra (pip install 'gpu-watchdog[inference]'): {exc}")
+    try:
+        settings = _serve_settings(args)
+    except SettingsError as exc:
+        parser.error(str(exc))
+    assert isinstance(settings, ServeSettings)
+    return serve_main.run(settings)
+
+
+def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from inference.planner import PlanError, plan
+
+    given = [args.total, args.base, args.peak]
+    if any(v is not None for v in given):
+        if any(v is None for v in given):
+            parser.error("plan: --total, --base and --peak go together (or none of them, to measure on a GPU)")
+        reserve_bytes = reserve_ratio = None
+        if args.reserve is not None:
+            kind, value = args.reserve
+            if kind == "ratio":
+                reserve_ratio = value
+            else:
+                reserve_bytes = int(value)
+        try:
+            result = plan(args.total, args.base, args.peak, reserve_bytes=reserve_bytes,
+                          reserve_ratio=reserve_ratio, workers=args.workers)
+        except PlanError as exc:
+            print(f"gpu-watchdog plan: {exc}", file=sys.stderr)
+            return 2
+    else:
+        from inference.measure import MeasureError, measure_plan
+
+        try:
+            result = measure_plan(args.model, args.max_input, args.max_output, args.workers, args.reserve)
+        except MeasureError as exc:
+            print(f"gpu-watchdog plan: {exc}", file=sys.stderr)
+            return 2
+    print(f"total   {format_bytes(result.total_bytes):>12}")
+    print(f"base    {format_bytes(result.base_bytes):>12}  (per worker: weights + CUDA context + warm cache)")
+    print(f"reserve {format_bytes(result.reserve_bytes):>12}")
+    print(f"peak    {format_bytes(result.peak_bytes):>12}  (one request at the longest prompt + output)")
+    print(f"budget  {format_bytes(result.budget_bytes):>12}  per worker x {result.workers}")
+    print(f"N_max = floor(budget / peak) = {result.max_concurrency}")
+    for note in result.notes:
+        print(f"note: {note}")
+    print("\n# Helm values")
+    print(result.helm_values(), end="")
+    return 0 if result.max_concurrency >= 1 else 1
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.command == "serve":
+        return _cmd_serve(args, parser)
+    if args.command == "plan":
+        return _cmd_plan(args, parser)
+    if args.command == "check-config":
+        from watchdog.config import check_config_main
+
+        return check_config_main(args.file)
+    if args.command == "run":
+        from watchdog.app import run_main
+
+        return run_main(args.config)
+    if args.command == "up":
+        from watchdog.up import up_main
+
+        return up_main(args, parser)
+    parser.error(f"unknown command {args.command}")
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

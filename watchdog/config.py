@@ -1,0 +1,286 @@
+"""The watchdog's YAML config, loaded into typed settings.
+
+Every error names its key path (`policy.fragmentation.ratio: ...`); all errors are reported
+at once. `${VAR}` in a string is replaced from the environment (the downward API sets
+POD_NAME and POD_NAMESPACE).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import sys
+import types
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import yaml
+
+from watchdog.units import parse_duration, parse_ratio
+
+STRATEGIES = ("evict", "delete", "local", "none")
+_ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
+
+
+class ConfigError(ValueError):
+    def __init__(self, errors: list[str]) -> None:
+        super().__init__("\n".join(errors))
+        self.errors = errors
+
+
+def _duration(positive: bool = True) -> dict[str, Any]:
+    return {"parse": parse_duration, "min": 0.0, "positive": positive, "kind": "duration"}
+
+
+def _ratio() -> dict[str, Any]:
+    return {"parse": parse_ratio, "kind": "ratio"}
+
+
+@dataclass(frozen=True)
+class TargetSettings:
+    control_url: str = "http://127.0.0.1:8001"
+    token_file: str | None = "/var/run/gpu-watchdog/token"
+    openai_url: str | None = None
+    openai_model: str | None = None
+
+
+@dataclass(frozen=True)
+class SamplingSettings:
+    nvml_interval: float = field(default=1.0, metadata=_duration())
+    torch_interval: float = field(default=5.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class CanarySettings:
+    interval: float = field(default=30.0, metadata=_duration())
+    timeout: float = field(default=10.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class MemoryPressureSettings:
+    reserved_ratio: float = field(default=0.85, metadata=_ratio())
+    cooldown: float = field(default=60.0, metadata=_duration(positive=False))
+
+
+@dataclass(frozen=True)
+class FragmentationSettings:
+    ratio: float = field(default=0.30, metadata=_ratio())
+    window: float = field(default=600.0, metadata=_duration())
+    empty_cache_attempts: int = 3
+    # Canary latency against its own baseline as a drift signal. Off by default: a busy server
+    # is slower too, and load is no reason to restart.
+    latency_factor: float = 0.0
+
+
+@dataclass(frozen=True)
+class HangSettings:
+    consecutive_timeouts: int = 3
+
+
+@dataclass(frozen=True)
+class RestartBudgetSettings:
+    max_restarts: int = 3
+    window: float = field(default=3600.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class PolicySettings:
+    memory_pressure: MemoryPressureSettings = MemoryPressureSettings()
+    fragmentation: FragmentationSettings = FragmentationSettings()
+    hang: HangSettings = HangSettings()
+    max_age: float = field(default=86400.0, metadata=_duration(positive=False))  # 0 = never
+    max_age_jitter: float = field(default=0.1, metadata=_ratio())
+    restart_budget: RestartBudgetSettings = RestartBudgetSettings()
+
+
+@dataclass(frozen=True)
+class RestartSettings:
+    strategy: str = field(default="evict", metadata={"choices": STRATEGIES})
+    drain_timeout: float = field(default=30.0, metadata=_duration(positive=False))
+    retry_initial: float = field(default=1.0, metadata=_duration())
+    retry_max: float = field(default=30.0, metadata=_duration())
+    max_attempts: int = 20
+    grace_period: float | None = field(default=None, metadata=_duration(positive=False))
+
+
+@dataclass(frozen=True)
+class KubernetesSettings:
+    pod_name: str = "${POD_NAME}"
+    namespace: str = "${POD_NAMESPACE}"
+    kubeconfig: str | None = None
+    request_timeout: float = field(default=10.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    host: str = "0.0.0.0"
+    port: int = 9402
+
+
+@dataclass(frozen=True)
+class Settings:
+    target: TargetSettings = TargetSettings()
+    sampling: SamplingSettings = SamplingSettings()
+    canary: CanarySettings = CanarySettings()
+    policy: PolicySettings = PolicySettings()
+    restart: RestartSettings = RestartSettings()
+    kubernetes: KubernetesSettings = KubernetesSettings()
+    server: ServerSettings = ServerSettings()
+
+
+def _substitute(value: str, path: str, errors: list[str]) -> str:
+    def repl(m: re.Match[str]) -> str:
+        return os.environ.get(m.group(1), "")
+
+    return _ENV_REF.sub(repl, value)
+
+
+def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, errors: list[str]) -> Any:
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if value is None:
+            return None
+        return _convert(value, args[0], meta, path, errors)
+    if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+        return _build(tp, value, path, errors)
+    if value is None:
+        errors.append(f"{path}: must not be empty")
+        return None
+    if "parse" in meta:
+        try:
+            parsed = meta["parse"](value)
+        except ValueError as exc:
+            errors.append(f"{path}: {exc}")
+            return None
+        if meta.get("kind") == "duration":
+            if parsed < 0:
+                errors.append(f"{path}: must not be negative")
+            elif meta.get("positive") and parsed == 0:
+                errors.append(f"{path}: must be greater than 0")
+        return parsed
+    if tp is bool:
+        if not isinstance(value, bool):
+            errors.append(f"{path}: expected true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            errors.append(f"{path}: expected an integer, got {value!r}")
+            return None
+        if value < 0:
+            errors.append(f"{path}: must not be negative")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            errors.append(f"{path}: expected a number, got {value!r}")
+            return None
+        if value < 0:
+            errors.append(f"{path}: must not be negative")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            errors.append(f"{path}: expected a string, got {value!r}")
+            return None
+        value = _substitute(value, path, errors)
+        choices = meta.get("choices")
+        if choices and value not in choices:
+            errors.append(f"{path}: must be one of {', '.join(choices)}, got {value!r}")
+        return value
+    errors.append(f"{path}: unsupported setting type")  # pragma: no cover - a programming error
+    return None
+
+
+def _build(cls: type[Any], data: Any, path: str, errors: list[str]) -> Any:
+    if data is None:
+        data = {}
+    if not isinstance(data, Mapping):
+        errors.append(f"{path or 'config'}: expected a mapping, got {type(data).__name__}")
+        return cls()
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    for key in data:
+        if key not in fields:
+            where = f"{path}.{key}" if path else str(key)
+            errors.append(f"{where}: unknown key (expected one of {', '.join(fields)})")
+    kwargs: dict[str, Any] = {}
+    for name, f in fields.items():
+        if name not in data:
+            continue
+        where = f"{path}.{name}" if path else name
+        converted = _convert(data[name], hints[name], f.metadata, where, errors)
+        if converted is not None or data[name] is None:
+            kwargs[name] = converted
+    try:
+        return cls(**kwargs)
+    except TypeError:  # pragma: no cover - only reached after an error was recorded
+        return cls()
+
+
+def _check(s: Settings, errors: list[str]) -> None:
+    if s.canary.timeout > s.canary.interval * 10:
+        errors.append("canary.timeout: must not exceed 10 x canary.interval")
+    if s.policy.hang.consecutive_timeouts < 1:
+        errors.append("policy.hang.consecutive_timeouts: must be at least 1")
+    if s.policy.fragmentation.empty_cache_attempts < 1:
+        errors.append("policy.fragmentation.empty_cache_attempts: must be at least 1")
+    if s.policy.restart_budget.max_restarts < 1:
+        errors.append("policy.restart_budget.max_restarts: must be at least 1 (use restart.strategy none to never restart)")
+    if s.restart.max_attempts < 1:
+        errors.append("restart.max_attempts: must be at least 1")
+    if s.restart.retry_max < s.restart.retry_initial:
+        errors.append("restart.retry_max: must not be below restart.retry_initial")
+    if not 1 <= s.server.port <= 65535 and s.server.port != 0:
+        errors.append("server.port: must be between 1 and 65535")
+    if s.restart.strategy in ("evict", "delete"):
+        if not s.kubernetes.pod_name:
+            errors.append(f"kubernetes.pod_name: required for restart strategy {s.restart.strategy}"
+                          " (set POD_NAME from the downward API)")
+        if not s.kubernetes.namespace:
+            errors.append(f"kubernetes.namespace: required for restart strategy {s.restart.strategy}"
+                          " (set POD_NAMESPACE from the downward API)")
+    for key, url in (("target.control_url", s.target.control_url), ("target.openai_url", s.target.openai_url)):
+        if url is not None and not re.match(r"^https?://[^/\s]+", url):
+            errors.append(f"{key}: expected an http(s) URL, got {url!r}")
+
+
+def from_mapping(data: Any) -> Settings:
+    errors: list[str] = []
+    settings = _build(Settings, data, "", errors)
+    if not errors:
+        _check(settings, errors)
+    if errors:
+        raise ConfigError(errors)
+    return typing.cast(Settings, settings)
+
+
+def load(path: str) -> Settings:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            data = yaml.safe_load(fh)
+    except OSError as exc:
+        raise ConfigError([f"{path}: cannot read: {exc.strerror}"]) from None
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
+        raise ConfigError([f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
+    return from_mapping(data)
+
+
+def replace(settings: Settings, section: str, **changes: Any) -> Settings:
+    return dataclasses.replace(settings, **{section: dataclasses.replace(getattr(settings, section), **changes)})
+
+
+def check_config_main(path: str, out: Callable[[str], None] = print) -> int:
+    try:
+        settings = load(path)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"{path}: {len(exc.errors)} error(s)", file=sys.stderr)
+        return 1
+    out(f"{path}: ok (restart strategy {settings.restart.strategy}, canary every {settings.canary.interval:g}s,"
+        f" timeout {settings.canary.timeout:g}s)")
+    return 0

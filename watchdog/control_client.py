@@ -1,0 +1,91 @@
+"""HTTP client of the inference process's control API (and of any OpenAI-compatible server)."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+
+class ControlError(Exception):
+    """The control API could not be reached or answered something unusable."""
+
+    def __init__(self, message: str, kind: str = "unreachable") -> None:
+        super().__init__(message)
+        self.kind = kind  # unreachable | timeout | bad_response | unauthorized
+
+
+class ControlClient:
+    def __init__(self, base_url: str, token: str | None, session: aiohttp.ClientSession) -> None:
+        self.base_url = base_url.rstrip("/")
+        self._token = token
+        self._session = session
+
+    def set_token(self, token: str | None) -> None:
+        self._token = token
+
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
+        try:
+            async with self._session.request(
+                method, self.base_url + path, json=body, headers=headers,
+                timeout=aiohttp.ClientTimeout(total=timeout),
+            ) as resp:
+                if resp.status == 401:
+                    raise ControlError("control API rejected the token (401)", "unauthorized")
+                text = await resp.text()
+                if resp.status >= 400:
+                    raise ControlError(f"{method} {path} answered {resp.status}: {text[:200]}", "bad_response")
+                try:
+                    data = await resp.json(content_type=None)
+                except ValueError:
+                    raise ControlError(f"{method} {path} answered non-JSON: {text[:200]!r}", "bad_response") from None
+        except TimeoutError:
+            raise ControlError(f"{method} {path} timed out after {timeout:g}s", "timeout") from None
+        except aiohttp.ClientError as exc:
+            raise ControlError(f"{method} {path}: {exc}", "unreachable") from None
+        if not isinstance(data, dict):
+            raise ControlError(f"{method} {path} answered {type(data).__name__}, expected an object", "bad_response")
+        return data
+
+    async def memory(self, timeout: float = 5.0) -> dict[str, Any]:
+        return await self._call("GET", "/control/memory", None, timeout)
+
+    async def empty_cache(self, timeout: float = 30.0) -> dict[str, Any]:
+        return await self._call("POST", "/control/empty_cache", {}, timeout)
+
+    async def canary(self, timeout: float) -> dict[str, Any]:
+        # The server bounds the generation by `timeout`; the HTTP call gets a margin on top.
+        return await self._call("POST", "/control/canary", {"timeout": timeout}, timeout + 2.0)
+
+    async def drain(self, timeout: float) -> dict[str, Any]:
+        return await self._call("POST", "/control/drain", {"timeout": timeout}, timeout + 5.0)
+
+
+async def openai_canary(
+    session: aiohttp.ClientSession, url: str, model: str | None, timeout: float
+) -> tuple[bool, str | None, str | None]:
+    """A `max_tokens: 1` completion against any OpenAI-compatible server (vLLM, TGI, Ollama)."""
+    body: dict[str, Any] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
+    if model:
+        body["model"] = model
+    try:
+        async with session.post(url.rstrip("/") + "/v1/completions", json=body,
+                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
+            text = await resp.text()
+            if resp.status == 200:
+                return True, None, None
+            lowered = text.lower()
+            if "out of memory" in lowered:
+                return False, "oom", text[:300]
+            if resp.status >= 500 and ("cuda error" in lowered or "illegal memory access" in lowered
+                                       or "fatal_cuda" in lowered):
+                return False, "fatal_cuda", text[:300]
+            return False, "other", f"{resp.status}: {text[:300]}"
+    except TimeoutError:
+        return False, "timeout", f"no answer within {timeout:g}s"
+    except aiohttp.ClientError as exc:
+        return False, "unreachable", str(exc)[:300]
+    except asyncio.CancelledError:
+        raise

@@ -1,0 +1,111 @@
+"""Prometheus metrics of the watchdog (prefix `gpu_watchdog_`).
+
+Event counters are incremented where things happen; everything sampled is exposed by a
+collector that only reads the latest snapshot, so a scrape never calls NVML or HTTP.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+from watchdog.samples import CanarySample, GpuSample, TorchSample
+
+P = "gpu_watchdog_"
+STATES = ("healthy", "canary_failing", "target_unreachable", "restarting", "budget_exhausted", "nvml_unavailable")
+
+
+@dataclass
+class Snapshot:
+    gpu: GpuSample | None = None
+    torch: TorchSample | None = None
+    canary: CanarySample | None = None
+    budget_remaining: int = 0
+    states: frozenset[str] = frozenset()
+
+
+class SnapshotCollector(Collector):
+    def __init__(self, snapshot: Callable[[], Snapshot]) -> None:
+        self._snapshot = snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        s = self._snapshot()
+        g = s.gpu
+        if g is not None and g.available and not g.lost:
+            labels = ["gpu", "uuid"]
+            values = [str(g.index if g.index is not None else ""), g.uuid or ""]
+            for name, doc, value in (
+                ("gpu_memory_used_bytes", "GPU memory used (NVML)", g.memory_used_bytes),
+                ("gpu_memory_total_bytes", "GPU memory total (NVML)", g.memory_total_bytes),
+                ("gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", g.utilization_ratio),
+                ("gpu_temperature_celsius", "GPU temperature (NVML)", g.temperature_celsius),
+                ("gpu_power_watts", "GPU power draw (NVML)", g.power_watts),
+            ):
+                fam = GaugeMetricFamily(P + name, doc, labels=labels)
+                fam.add_metric(values, float(value))
+                yield fam
+        t = s.torch
+        if t is not None and t.reachable:
+            labels = ["device"]
+            for name, doc, value in (
+                ("torch_allocated_bytes", "Bytes allocated by tensors (torch allocator)", t.allocated_bytes),
+                ("torch_reserved_bytes", "Bytes reserved by the torch caching allocator", t.reserved_bytes),
+                ("torch_active_bytes", "Bytes in active blocks", t.active_bytes),
+                ("torch_inactive_split_bytes", "Inactive, non-releasable bytes", t.inactive_split_bytes),
+                ("fragmentation_ratio", "(reserved - allocated) / reserved", t.fragmentation_ratio),
+            ):
+                fam = GaugeMetricFamily(P + name, doc, labels=labels)
+                fam.add_metric([t.device], float(value))
+                yield fam
+            for name, doc, value in (
+                ("torch_alloc_retries", "cudaMalloc retries after a cache flush (since process start)",
+                 t.alloc_retries),
+                ("torch_ooms", "Out-of-memory errors seen by the inference process (since process start)", t.ooms),
+            ):
+                cfam = CounterMetricFamily(P + name, doc, labels=labels)
+                cfam.add_metric([t.device], float(value))
+                yield cfam
+        c = s.canary
+        fam = GaugeMetricFamily(P + "canary_success", "1 when the last canary inference succeeded")
+        fam.add_metric([], 1.0 if c is not None and c.ok else 0.0)
+        yield fam
+        fam = GaugeMetricFamily(P + "restart_budget_remaining", "Restarts still allowed in the budget window")
+        fam.add_metric([], float(s.budget_remaining))
+        yield fam
+        fam = GaugeMetricFamily(P + "state", "Current watchdog states (1 = active)", labels=["state"])
+        for state in STATES:
+            fam.add_metric([state], 1.0 if state in s.states else 0.0)
+        yield fam
+
+
+class WatchdogMetrics:
+    def __init__(self, snapshot: Callable[[], Snapshot], registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        self.canary_duration = Histogram(P + "canary_duration_seconds", "Canary inference latency",
+                                         buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30),
+                                         registry=r)
+        self.canary_failures = Counter(P + "canary_failures", "Failed canaries by error class", ["error_class"],
+                                       registry=r)
+        self.empty_cache = Counter(P + "empty_cache", "Allocator cache flushes requested", ["reason"], registry=r)
+        self.empty_cache_freed = Counter(P + "empty_cache_freed_bytes", "Bytes returned to the driver by flushes",
+                                         registry=r)
+        self.restarts = Counter(P + "restarts", "Restarts performed, by reason", ["reason"], registry=r)
+        self.xid_errors = Counter(P + "gpu_xid_errors", "Xid events seen by NVML", ["gpu", "uuid", "xid"],
+                                  registry=r)
+        self.sample_duration = Histogram(P + "sample_duration_seconds", "Time spent taking one sample",
+                                         ["sampler"], buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1, 5, 15),
+                                         registry=r)
+        self.decisions = Counter(P + "decisions", "Policy decisions by action, reason and outcome",
+                                 ["action", "reason", "outcome"], registry=r)
+        for error_class in ("oom", "fatal_cuda", "timeout", "other", "unreachable"):
+            self.canary_failures.labels(error_class=error_class)
+        for reason in ("context_loss", "hang", "fragmentation_drift", "max_age"):
+            self.restarts.labels(reason=reason)
+        for reason in ("memory_pressure", "oom", "fragmentation_drift"):
+            self.empty_cache.labels(reason=reason)
+        r.register(SnapshotCollector(snapshot))

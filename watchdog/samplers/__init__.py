@@ -1,0 +1,1 @@
+"""Samplers: each turns one source (NVML, the allocator, the canary) into sample records."""

@@ -1,0 +1,58 @@
+"""The control-API bearer token: `GPU_WATCHDOG_TOKEN` wins, else a token file; generated when absent."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import tempfile
+from pathlib import Path
+
+ENV_VAR = "GPU_WATCHDOG_TOKEN"
+
+
+class TokenError(RuntimeError):
+    pass
+
+
+def default_token_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"gpu-watchdog-{os.getuid()}" / "token"
+
+
+def read_token(token_file: str | None) -> str | None:
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return env
+    if token_file is None:
+        return None
+    path = Path(token_file)
+    if not path.exists():
+        return None
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise TokenError(f"token file {path} is empty")
+    return token
+
+
+def ensure_token(token_file: str | None) -> tuple[str, str | None]:
+    """The token to require, and the file it lives in (None when it came from the environment).
+
+    Generates a fresh token into `token_file` (or a private default path) when none exists, with
+    mode 0600 so only this user can read it.
+    """
+    existing = read_token(token_file)
+    if existing is not None:
+        return existing, None if os.environ.get(ENV_VAR, "").strip() else token_file
+    path = Path(token_file) if token_file else default_token_path()
+    token = secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(token + "\n")
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
+    return token, str(path)

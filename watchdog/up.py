@@ -1,0 +1,198 @@
+"""`gpu-watchdog up`: the inference server as a child process, watched by the watchdog in local mode."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import signal
+import sys
+import uuid
+from typing import Any
+
+import aiohttp
+
+from watchdog import logs
+from watchdog.actions.restart import LocalRestarter
+from watchdog.app import Watchdog
+from watchdog.config import ConfigError, Settings, load, replace
+from watchdog.token import ENV_VAR, TokenError, ensure_token
+
+log = logs.get("watchdog.up")
+
+
+class ChildSupervisor:
+    """Keeps one inference child running, like a kubelet with restartPolicy Always."""
+
+    def __init__(self, argv: list[str], env: dict[str, str], ready_url: str, ready_timeout: float = 300.0,
+                 stop_timeout: float = 5.0) -> None:
+        self.argv = argv
+        self.env = env
+        self.ready_url = ready_url
+        self.ready_timeout = ready_timeout
+        self.stop_timeout = stop_timeout
+        self.proc: asyncio.subprocess.Process | None = None
+        self.instance_id: str | None = None
+        self.restarts = 0
+        self._stopping = False
+        self._lock = asyncio.Lock()
+        self._watch: asyncio.Task[None] | None = None
+        self._backoff = 1.0
+
+    async def start(self) -> bool:
+        async with self._lock:
+            await self._spawn()
+        return await self.wait_ready()
+
+    async def _spawn(self) -> None:
+        self.instance_id = uuid.uuid4().hex[:12]
+        env = {**self.env, "GPU_WATCHDOG_INSTANCE_ID": self.instance_id}
+        self.proc = await asyncio.create_subprocess_exec(*self.argv, env=env)
+        log.info("inference_started", pid=self.proc.pid, instance_id=self.instance_id)
+        self._watch = asyncio.get_running_loop().create_task(self._watch_exit(self.proc))
+
+    async def _watch_exit(self, proc: asyncio.subprocess.Process) -> None:
+        code = await proc.wait()
+        if self._stopping or proc is not self.proc:
+            return
+        log.warning("inference_exited", pid=proc.pid, code=code, instance_id=self.instance_id,
+                    respawn_in_s=self._backoff)
+        await asyncio.sleep(self._backoff)
+        self._backoff = min(self._backoff * 2, 30.0)
+        async with self._lock:
+            if proc is self.proc and not self._stopping:
+                await self._spawn()
+
+    async def _terminate(self) -> None:
+        proc = self.proc
+        if proc is None or proc.returncode is not None:
+            return
+        proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(proc.wait(), timeout=self.stop_timeout)
+        except TimeoutError:
+            # A hung kernel keeps the process from draining: kill it.
+            proc.kill()
+            await proc.wait()
+
+    async def restart_child(self, instance_id: str | None, reason: str) -> bool:
+        async with self._lock:
+            if instance_id is None or instance_id == self.instance_id or self.proc is None \
+                    or self.proc.returncode is not None:
+                old = self.proc
+                self.proc = None  # the exit watcher of the old process must not respawn it
+                if old is not None and old.returncode is None:
+                    self.proc = old
+                    await self._terminate()
+                await self._spawn()
+                self.restarts += 1
+                log.warning("inference_restarted", reason=reason, instance_id=self.instance_id)
+            else:
+                log.info("inference_already_replaced", reason=reason, instance_id=self.instance_id)
+        ok = await self.wait_ready()
+        if ok:
+            self._backoff = 1.0
+        return ok
+
+    async def wait_ready(self) -> bool:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ready_timeout
+        async with aiohttp.ClientSession() as session:
+            while loop.time() < deadline:
+                if self.proc is not None and self.proc.returncode is not None and not self._stopping:
+                    await asyncio.sleep(0.2)  # the exit watcher will respawn it
+                try:
+                    async with session.get(self.ready_url, timeout=aiohttp.ClientTimeout(total=2)) as resp:
+                        if resp.status == 200:
+                            return True
+                except (aiohttp.ClientError, TimeoutError):
+                    pass
+                await asyncio.sleep(0.1)
+        return False
+
+    async def stop(self) -> None:
+        self._stopping = True
+        await self._terminate()
+
+
+def serve_argv(args: argparse.Namespace) -> list[str]:
+    argv = [sys.executable, "-m", "watchdog", "serve", "--device", args.device, "--host", args.host,
+            "--port", str(args.port), "--control-port", str(args.control_port),
+            "--batch-window-ms", str(args.batch_window_ms), "--max-batch-size", str(args.max_batch_size),
+            "--queue-timeout", str(args.queue_timeout), "--max-queue", str(args.max_queue),
+            "--max-tokens-limit", str(args.max_tokens_limit)]
+    if args.max_concurrency is not None:
+        argv += ["--max-concurrency", str(args.max_concurrency)]
+    if args.model:
+        argv += ["--model", args.model]
+    if args.fault_injection:
+        argv.append("--fault-injection")
+    return argv
+
+
+def up_settings(args: argparse.Namespace) -> Settings:
+    settings = load(args.config) if args.config else Settings()
+    if settings.restart.strategy != "local":
+        log.info("strategy_overridden", configured=settings.restart.strategy, used="local",
+                 why="up restarts its own child process instead of calling Kubernetes")
+    settings = replace(settings, "restart", strategy="local")
+    settings = replace(settings, "target", control_url=f"http://127.0.0.1:{args.control_port}", openai_url=None,
+                       token_file=None)
+    return replace(settings, "server", port=args.watchdog_port)
+
+
+async def _up(args: argparse.Namespace, settings: Settings, token: str) -> int:
+    env = {**os.environ, ENV_VAR: token}
+    host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
+    supervisor = ChildSupervisor(serve_argv(args), env, f"http://{host}:{args.port}/readyz")
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    start = loop.create_task(supervisor.start())
+    done, _ = await asyncio.wait({start, loop.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    if stop.is_set():
+        await supervisor.stop()
+        return 130
+    if not start.result():
+        log.error("inference_not_ready", timeout_s=supervisor.ready_timeout)
+        await supervisor.stop()
+        return 1
+    watchdog = Watchdog(settings, LocalRestarter(supervisor), token=token)
+    await watchdog.start()
+    banner = [
+        "gpu-watchdog up: both processes are running",
+        f"  inference API  http://{host}:{args.port}   POST /v1/completions /predict /stream, GET /readyz /metrics",
+        f"  control API    http://127.0.0.1:{args.control_port}   bearer token (from {ENV_VAR} or the token file)",
+        f"  watchdog       http://{host}:{watchdog.port}   GET /status /readyz /healthz /metrics",
+        "  try: curl -s localhost:%d/v1/completions -d '{\"prompt\": \"hello\", \"max_tokens\": 16}'" % args.port,
+        "  Ctrl-C stops both.",
+    ]
+    print("\n".join(banner), file=sys.stderr, flush=True)
+    await stop.wait()
+    log.info("stopping")
+    await watchdog.stop()
+    await supervisor.stop()
+    return 0
+
+
+def up_main(args: argparse.Namespace, parser: Any) -> int:
+    logs.configure("up")
+    try:
+        settings = up_settings(args)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    try:
+        token, path = ensure_token(None)
+    except TokenError as exc:
+        print(f"gpu-watchdog up: {exc}", file=sys.stderr)
+        return 2
+    if path:
+        log.info("control_token", token_file=path)
+    try:
+        return asyncio.run(_up(args, settings, token))
+    except OSError as exc:
+        print(f"gpu-watchdog up: {exc}", file=sys.stderr)
+        return 2
