@@ -23,7 +23,7 @@ def _bad(exc: BadRequest) -> web.Response:
     return web.json_response(exc.body(), status=exc.status)
 
 
-def bearer_auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.StreamResponse]]:
+def bearer_auth(token: str) -> Any:
     expected = token.encode()
 
     @web.middleware
@@ -31,7 +31,8 @@ def bearer_auth(token: str) -> Callable[[web.Request, Handler], Awaitable[web.St
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")
         # Constant-time comparison; the presented token is never logged.
-        ok = scheme.lower() == "bearer" and bool(presented) and hmac.compare_digest(presented.strip().encode(), expected)
+        presented_bytes = presented.strip().encode()
+        ok = scheme.lower() == "bearer" and bool(presented_bytes) and hmac.compare_digest(presented_bytes, expected)
         if not ok:
             log.warning("control_unauthorized", path=request.path, remote=request.remote,
                         had_header=bool(header))

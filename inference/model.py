@@ -146,7 +146,7 @@ def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
     config = builtin_config(**config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(_BUILTIN_SEED)
-        model = LlamaForCausalLM(config)
+        model: Any = LlamaForCausalLM(config)
     dtype = pick_dtype(device)
     model = model.to(device=device, dtype=dtype).eval()
     allowed = torch.zeros(config.vocab_size, dtype=torch.bool, device=device)
@@ -173,9 +173,9 @@ def load_pretrained(path: str, device: torch.device) -> LoadedModel:
         raise FileNotFoundError(f"--model {path}: no config.json (expected a Hugging Face model directory)")
     dtype = pick_dtype(device)
     tokenizer = AutoTokenizer.from_pretrained(directory, local_files_only=True)
-    model = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(directory, local_files_only=True, dtype=dtype)
     model = model.to(device).eval()
-    ctx = getattr(model.config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
+    ctx: Any = getattr(model.config, "max_position_embeddings", None) or getattr(tokenizer, "model_max_length", 2048)
     return LoadedModel(
         name=directory.name,
         model=model,

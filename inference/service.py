@@ -106,7 +106,8 @@ class InferenceService:
         self._warm_up(8)
         if s.max_concurrency is not None:
             self._warm_up(worst)
-            return Admission("slots", float(s.max_concurrency), s.max_concurrency, None, worst, None, "--max-concurrency")
+            return Admission("slots", float(s.max_concurrency), s.max_concurrency, None, worst, None,
+                             "--max-concurrency")
         if not self.engine.is_cuda:
             self._warm_up(worst)
             n = s.cpu_default_concurrency

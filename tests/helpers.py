@@ -44,7 +44,7 @@ class Proc:
 
 def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
     full_env = {**os.environ, **(env or {})}
-    fh = open(log_path, "wb")  # noqa: SIM115 - the process owns it until it exits
+    fh = open(log_path, "wb")
     proc = subprocess.Popen([sys.executable, "-m", "watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
                             env=full_env, cwd=str(cwd or ROOT))
     return Proc(proc, log_path)
@@ -54,7 +54,8 @@ def wait_http(url: str, proc: Proc, timeout: float = 90.0, status: int = 200) ->
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if proc.proc.poll() is not None:
-            raise AssertionError(f"process exited with {proc.proc.returncode} before {url} was up:\n{proc.log()[-4000:]}")
+            code = proc.proc.returncode
+            raise AssertionError(f"process exited with {code} before {url} was up:\n{proc.log()[-4000:]}")
         try:
             if requests.get(url, timeout=2).status_code == status:
                 return
@@ -109,3 +110,38 @@ def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
         proc.stop()
         raise
     return server
+
+
+def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
+    """One sample's value from a /metrics page, or None when absent."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = requests.get(url, timeout=10).text
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
+                return float(s.value)
+    return None
+
+
+def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+def json_lines(text: str) -> list[dict[str, Any]]:
+    import json
+
+    out = []
+    for line in text.splitlines():
+        if line.startswith("{"):
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                continue
+    return out

@@ -32,6 +32,10 @@ log = logs.get("watchdog")
 TICK_S = 0.5
 
 
+def void(_: object) -> None:
+    """Drop a value (a Handle) so a lambda fits a callback typed to return None."""
+
+
 class Watchdog:
     def __init__(
         self,
@@ -52,6 +56,7 @@ class Watchdog:
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
+        self._actions: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
         self._runner: web.AppRunner | None = None
         self._eval_lock = asyncio.Lock()
@@ -78,7 +83,7 @@ class Watchdog:
                                     openai_url=s.target.openai_url, openai_model=s.target.openai_model)
         self.nvml = NvmlSampler(self._nvml_backend, self.clock)
         await asyncio.to_thread(self.nvml.open)
-        self.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
+        self.nvml.start_xid_watch(lambda ev: void(loop.call_soon_threadsafe(self._on_xid, ev)))
         if serve_http:
             app = build_app(self.metrics.registry, self.healthy, self.ready, self.status)
             self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
@@ -100,9 +105,9 @@ class Watchdog:
                  canary_interval_s=s.canary.interval, canary_timeout_s=s.canary.timeout)
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        for task in [*self._tasks, *self._actions]:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await asyncio.gather(*self._tasks, *self._actions, return_exceptions=True)
         if self._runner is not None:
             await self._runner.cleanup()
         if self._session is not None:
@@ -160,7 +165,7 @@ class Watchdog:
         log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, ours=ours is None or ev.uuid == ours,
                     critical=ev.xid in policy.XID_CRITICAL)
         self.history.xids.append(ev)
-        asyncio.get_running_loop().create_task(self._evaluate())
+        self._spawn(self._evaluate())
 
     async def _sample_torch(self) -> None:
         assert self.allocator is not None and self.control is not None
@@ -204,8 +209,13 @@ class Watchdog:
         self.decisions = [*self.decisions[-49:], entry]
         self.metrics.decisions.labels(action=decision.action, reason=decision.reason, outcome=outcome).inc()
 
+    def _spawn(self, coro: Any) -> None:
+        # Keep a reference: the loop holds tasks weakly, and an action must not vanish mid-way.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._actions.add(task)
+        task.add_done_callback(self._actions.discard)
+
     def _act(self, decision: Decision, now: float) -> None:
-        loop = asyncio.get_running_loop()
         if decision.action == "restart" and not decision.allowed:
             if self._blocked_reported != decision.reason:
                 self._blocked_reported = decision.reason
@@ -217,11 +227,11 @@ class Watchdog:
             self._blocked_reported = None
             self.history.restart_in_progress = True
             self._record(decision, "started", now)
-            loop.create_task(self._restart(decision))
+            self._spawn(self._restart(decision))
         elif decision.action == "empty_cache":
             self.history.actions.append(ActionRecord(now, "empty_cache", decision.reason))
             self._record(decision, "started", now)
-            loop.create_task(self._empty_cache(decision))
+            self._spawn(self._empty_cache(decision))
 
     async def _empty_cache(self, decision: Decision) -> None:
         assert self.control is not None

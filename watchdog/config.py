@@ -208,6 +208,11 @@ def _build(cls: type[Any], data: Any, path: str, errors: list[str]) -> Any:
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():
         if name not in data:
+            tp = hints[name]
+            if dataclasses.is_dataclass(tp) and isinstance(tp, type):
+                kwargs[name] = _build(tp, {}, f"{path}.{name}" if path else name, errors)
+            elif isinstance(f.default, str) and _ENV_REF.search(f.default):
+                kwargs[name] = _substitute(f.default, name, errors)
             continue
         where = f"{path}.{name}" if path else name
         converted = _convert(data[name], hints[name], f.metadata, where, errors)
@@ -227,7 +232,8 @@ def _check(s: Settings, errors: list[str]) -> None:
     if s.policy.fragmentation.empty_cache_attempts < 1:
         errors.append("policy.fragmentation.empty_cache_attempts: must be at least 1")
     if s.policy.restart_budget.max_restarts < 1:
-        errors.append("policy.restart_budget.max_restarts: must be at least 1 (use restart.strategy none to never restart)")
+        errors.append("policy.restart_budget.max_restarts: must be at least 1"
+                      " (use restart.strategy none to never restart)")
     if s.restart.max_attempts < 1:
         errors.append("restart.max_attempts: must be at least 1")
     if s.restart.retry_max < s.restart.retry_initial:
@@ -257,6 +263,10 @@ def from_mapping(data: Any) -> Settings:
 
 
 def load(path: str) -> Settings:
+    return from_mapping(read_yaml(path))
+
+
+def read_yaml(path: str) -> Any:
     try:
         with open(path, encoding="utf-8") as fh:
             data = yaml.safe_load(fh)
@@ -266,7 +276,7 @@ def load(path: str) -> Settings:
         mark = getattr(exc, "problem_mark", None)
         where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark is not None else ""
         raise ConfigError([f"{path}: not valid YAML{where}: {getattr(exc, 'problem', exc)}"]) from None
-    return from_mapping(data)
+    return data
 
 
 def replace(settings: Settings, section: str, **changes: Any) -> Settings:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import sys
+from collections.abc import MutableMapping
 from typing import Any
 
 import structlog
@@ -13,7 +14,7 @@ def configure(component: str, level: str = "info", force_json: bool | None = Non
     """Send every log line to stdout: JSON when piped (kubectl logs, CI), coloured on a TTY."""
     as_json = (not sys.stdout.isatty()) if force_json is None else force_json
     renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
-    def add_component(_: Any, __: str, event: dict[str, Any]) -> dict[str, Any]:
+    def add_component(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         # Not a contextvar: callbacks scheduled from worker threads run without this context.
         event.setdefault("component", component)
         return event

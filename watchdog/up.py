@@ -15,7 +15,7 @@ import aiohttp
 from watchdog import logs
 from watchdog.actions.restart import LocalRestarter
 from watchdog.app import Watchdog
-from watchdog.config import ConfigError, Settings, load, replace
+from watchdog.config import ConfigError, Settings, from_mapping, read_yaml, replace
 from watchdog.token import ENV_VAR, TokenError, ensure_token
 
 log = logs.get("watchdog.up")
@@ -131,11 +131,16 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
 
 
 def up_settings(args: argparse.Namespace) -> Settings:
-    settings = load(args.config) if args.config else Settings()
-    if settings.restart.strategy != "local":
-        log.info("strategy_overridden", configured=settings.restart.strategy, used="local",
-                 why="up restarts its own child process instead of calling Kubernetes")
-    settings = replace(settings, "restart", strategy="local")
+    data = read_yaml(args.config) if args.config else {}
+    if isinstance(data, dict) and isinstance(data.get("restart"), dict):
+        configured = data["restart"].get("strategy", "evict")
+        if configured != "local":
+            log.info("strategy_overridden", configured=configured, used="local",
+                     why="up restarts its own child process instead of calling Kubernetes")
+        data["restart"] = {**data["restart"], "strategy": "local"}
+    elif isinstance(data, dict):
+        data["restart"] = {"strategy": "local"}
+    settings = from_mapping(data)
     settings = replace(settings, "target", control_url=f"http://127.0.0.1:{args.control_port}", openai_url=None,
                        token_file=None)
     return replace(settings, "server", port=args.watchdog_port)
@@ -150,7 +155,7 @@ async def _up(args: argparse.Namespace, settings: Settings, token: str) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     start = loop.create_task(supervisor.start())
-    done, _ = await asyncio.wait({start, loop.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
+    await asyncio.wait({start, loop.create_task(stop.wait())}, return_when=asyncio.FIRST_COMPLETED)
     if stop.is_set():
         await supervisor.stop()
         return 130
@@ -165,7 +170,7 @@ async def _up(args: argparse.Namespace, settings: Settings, token: str) -> int:
         f"  inference API  http://{host}:{args.port}   POST /v1/completions /predict /stream, GET /readyz /metrics",
         f"  control API    http://127.0.0.1:{args.control_port}   bearer token (from {ENV_VAR} or the token file)",
         f"  watchdog       http://{host}:{watchdog.port}   GET /status /readyz /healthz /metrics",
-        "  try: curl -s localhost:%d/v1/completions -d '{\"prompt\": \"hello\", \"max_tokens\": 16}'" % args.port,
+        f"  try: curl -s localhost:{args.port}/v1/completions -d '{{\"prompt\": \"hello\", \"max_tokens\": 16}}'",
         "  Ctrl-C stops both.",
     ]
     print("\n".join(banner), file=sys.stderr, flush=True)

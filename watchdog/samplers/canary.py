@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import aiohttp
 
@@ -45,14 +46,14 @@ class CanarySampler:
             cls = "timeout" if exc.kind == "timeout" else "unreachable" if exc.kind == "unreachable" else "other"
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class=cls,
                                 error=str(exc)[:300])
-        ok = data.get("ok")
+        answered_ok: Any = data.get("ok")
         error_class = data.get("error_class")
         latency = data.get("latency_s")
-        if not isinstance(ok, bool) or (error_class is not None and error_class not in ERROR_CLASSES) \
+        if not isinstance(answered_ok, bool) or (error_class is not None and error_class not in ERROR_CLASSES) \
                 or isinstance(latency, bool) or not isinstance(latency, int | float):
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class="other",
                                 error=f"bad canary answer: {str(data)[:200]}")
         instance = data.get("instance_id")
-        return CanarySample(at=self.clock(), ok=ok, latency_s=float(latency), error_class=None if ok else error_class,
-                            error=None if ok else str(data.get("error"))[:300],
+        return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency), error_class=None if answered_ok else error_class,
+                            error=None if answered_ok else str(data.get("error"))[:300],
                             instance_id=instance if isinstance(instance, str) else None)

@@ -1,0 +1,121 @@
+"""The real `kubernetes` client against kmock's Kubernetes API emulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from watchdog.actions.kube import PodActions, RefusedError
+from watchdog.actions.restart import KubeRestarter
+from watchdog.config import RestartSettings
+from watchdog.policy import Decision
+
+NS, POD = "serving", "model-0"
+
+
+def pod(name: str = POD, ns: str = NS) -> dict[str, Any]:
+    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
+            "spec": {"containers": [{"name": "inference", "image": "gpu-watchdog-inference"}]}}
+
+
+@pytest.fixture
+def api(kmock: Any) -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = str(kmock.url).rstrip("/")
+    cfg.retries = 0
+    kmock.objects["v1/pods", NS, POD] = pod()
+    kmock.objects["v1/pods", NS, "neighbour"] = pod("neighbour")
+    return client.ApiClient(cfg)
+
+
+def events(kmock: Any) -> list[dict[str, Any]]:
+    out = []
+    for key in list(kmock.objects):
+        if getattr(key[0], "plural", None) == "events":
+            obj = kmock.objects[key]
+            out.append(dict(getattr(obj, "raw", None) or obj))
+    return out
+
+
+DECISION = Decision("restart", "context_loss", {"evidence": "canary", "error": "illegal memory access"}, drain=False)
+
+
+def restarter(api: client.ApiClient, **changes: Any) -> tuple[KubeRestarter, list[float]]:
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:  # records the backoff instead of waiting it out
+        slept.append(s)
+
+    settings = RestartSettings(**{"strategy": "evict", "retry_initial": 1.0, "retry_max": 8.0, "max_attempts": 6,
+                                  **changes})
+    return KubeRestarter(PodActions(api, POD, NS, 5.0), settings, sleep=fake_sleep), slept
+
+
+async def test_eviction_url_body_and_event(kmock: Any, api: client.ApiClient) -> None:
+    spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 201 << {"kind": "Status", "status": "Success"}
+    r, slept = restarter(api, grace_period=20.0)
+    outcome = await r.restart(DECISION)
+    assert outcome.done and outcome.attempts == 1 and slept == []
+    assert len(spy) == 1
+    assert str(spy[0].method).upper().endswith("POST")
+    assert spy[0].url.path == f"/api/v1/namespaces/{NS}/pods/{POD}/eviction"
+    assert spy[0].data["metadata"] == {"name": POD, "namespace": NS}
+    assert spy[0].data["deleteOptions"]["gracePeriodSeconds"] == 20
+    [ev] = events(kmock)
+    assert ev["reason"] == "ContextLoss" and ev["type"] == "Warning" and ev["action"] == "Evict"
+    assert ev["regarding"]["name"] == POD and ev["regarding"]["kind"] == "Pod"
+    assert "illegal memory access" in ev["note"]
+    assert ev["reportingController"] == "gpu-watchdog.io/watchdog"
+
+
+async def test_pdb_429_is_retried_with_backoff_then_succeeds(kmock: Any, api: client.ApiClient) -> None:
+    blocked = {"kind": "Status", "code": 429,
+               "message": "Cannot evict pod as it would violate the pod's disruption budget."}
+    url = f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"
+    refused = kmock[url][:3] << 429 << blocked
+    accepted = kmock[url] << 201 << {"kind": "Status", "status": "Success"}
+    r, slept = restarter(api)
+    outcome = await r.restart(DECISION)
+    assert outcome.done and outcome.attempts == 4
+    assert len(refused) == 3 and len(accepted) == 1
+    assert slept == [1.0, 2.0, 4.0]
+
+
+async def test_403_is_reported_not_raised(kmock: Any, api: client.ApiClient) -> None:
+    spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 403 << {"kind": "Status", "code": 403,
+                                                                             "message": "forbidden"}
+    r, slept = restarter(api, max_attempts=3)
+    outcome = await r.restart(DECISION)
+    assert outcome.done is False
+    assert "403" in outcome.detail and outcome.attempts == 3
+    assert len(spy) == 3 and slept == [1.0, 2.0]
+
+
+async def test_delete_strategy_deletes_our_pod(kmock: Any, api: client.ApiClient) -> None:
+    ours = kmock[f"delete /api/v1/namespaces/{NS}/pods/{POD}"] << 200 << pod()
+    theirs = kmock[f"delete /api/v1/namespaces/{NS}/pods/neighbour"] << 200 << pod("neighbour")
+    r, _ = restarter(api, strategy="delete", grace_period=5.0)
+    outcome = await r.restart(Decision("restart", "hang", {"consecutive_timeouts": 3}, drain=False))
+    assert outcome.done
+    assert len(ours) == 1 and len(theirs) == 0
+    assert ours[0].params.get("gracePeriodSeconds") == "5"
+    [ev] = events(kmock)
+    assert ev["reason"] == "Hang" and ev["action"] == "Delete"
+
+
+async def test_refuses_any_pod_but_its_own(kmock: Any, api: client.ApiClient,
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    spy = kmock[f"post /api/v1/namespaces/{NS}/pods/neighbour/eviction"] << 201
+    actions = PodActions(api, POD, NS, 5.0)
+    with pytest.raises(RefusedError):
+        actions.evict("neighbour", NS, None)
+    with pytest.raises(RefusedError):
+        actions.delete(POD, "other-namespace", None)
+    assert len(spy) == 0
+    monkeypatch.setenv("POD_NAME", "the-real-pod")
+    with pytest.raises(RefusedError, match="not this pod"):
+        PodActions(api, POD, NS, 5.0)
+    with pytest.raises(RefusedError):
+        PodActions(api, "", NS, 5.0)
