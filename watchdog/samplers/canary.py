@@ -54,6 +54,7 @@ class CanarySampler:
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class="other",
                                 error=f"bad canary answer: {str(data)[:200]}")
         instance = data.get("instance_id")
-        return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency), error_class=None if answered_ok else error_class,
+        return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency),
+                            error_class=None if answered_ok else error_class,
                             error=None if answered_ok else str(data.get("error"))[:300],
                             instance_id=instance if isinstance(instance, str) else None)
