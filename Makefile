@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: install up test lint unit tools clean
+.PHONY: install up test lint tools clean chart-files
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +17,14 @@ $(STAMP): pyproject.toml
 install: $(STAMP)
 
 # Prometheus and promtool check the alert rules and the dashboard queries for real.
+# amtool (Alertmanager) checks the routing example.
 tools:
-	@command -v promtool >/dev/null 2>&1 || { \
-	  echo "installing prometheus (promtool) from the distribution's packages"; \
-	  if [ "$$(id -u)" = 0 ]; then apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; \
-	  else sudo apt-get update -qq && sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; fi; }
+	@if ! command -v promtool >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1; then \
+	  echo "installing prometheus and prometheus-alertmanager from the distribution's packages"; \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; \
+	fi
 
 up: install
 	$(VENV)/bin/gpu-watchdog up $(ARGS)
@@ -36,3 +39,7 @@ test: install tools lint
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+
+# The chart packages the dashboard and the rules from dashboards/ (the tests check they match).
+chart-files:
+	cp dashboards/alerts.yaml dashboards/gpu-watchdog.json helm/gpu-watchdog/files/

@@ -1,0 +1,199 @@
+"""The Helm chart, linted and rendered by the Helm SDK and validated against Kubernetes schemas."""
+
+from __future__ import annotations
+
+import filecmp
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.helpers import ROOT
+from watchdog.config import from_mapping
+
+CHART = ROOT / "helm" / "gpu-watchdog"
+K8S_VERSION = "1.30.0"
+ALL_ON: dict[str, Any] = {
+    "serviceMonitor": {"enabled": True},
+    "prometheusRule": {"enabled": True},
+    "dashboard": {"enabled": True},
+}
+
+
+def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    chart = helm.Chart.load(str(CHART))
+    manifests = chart.render(values or {}, name="demo", namespace="serving", is_install=True)
+    docs: list[dict[str, Any]] = []
+    for path, text in sorted(manifests.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        docs.extend(d for d in yaml.safe_load_all(text) if d)
+    return docs
+
+
+def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
+    return [d for d in docs if d["kind"] == kind]
+
+
+def containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    [deploy] = by_kind(docs, "Deployment")
+    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON, {"watchdog": {"config": {"restart": {"strategy": "delete"}}}},
+                                    {"inference": {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}}])
+def test_lint_is_clean(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{K8S_VERSION}")
+    errors = [m for m in report["messages"] if m["severity"] >= 2]
+    assert report["errors"] == [] and errors == [], report
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON])
+def test_rendered_objects_validate_against_kubernetes_schemas(values: dict[str, Any]) -> None:
+    docs = render(values)
+    kinds = {d["kind"] for d in docs}
+    assert {"Deployment", "Service", "ServiceAccount", "Role", "RoleBinding", "PodDisruptionBudget",
+            "ConfigMap"} <= kinds
+    for doc in docs:
+        if doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            continue  # Prometheus Operator CRDs: checked structurally below
+        kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+    if values:
+        [rule] = by_kind(docs, "PrometheusRule")
+        assert rule["spec"] == yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())
+        [monitor] = by_kind(docs, "ServiceMonitor")
+        assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"}
+        dashboards = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")]
+        assert dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
+        import json
+
+        assert json.loads(dashboards[0]["data"]["gpu-watchdog.json"]) == json.loads(
+            (ROOT / "dashboards" / "gpu-watchdog.json").read_text())
+
+
+def test_probes_gpu_and_downward_api() -> None:
+    c = containers(render())
+    inf, wd = c["inference"], c["watchdog"]
+    assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert inf["startupProbe"]["httpGet"]["path"] == "/readyz"
+    assert inf["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert inf["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert wd["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
+    assert wd["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
+    env = {e["name"]: e for e in wd["env"]}
+    assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
+    assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert "--token-file=/var/run/gpu-watchdog/token" in inf["args"]
+    assert not any("token" in e["name"].lower() and "value" in e for e in inf.get("env", []) + wd["env"])
+
+
+def test_security_context_non_root_read_only() -> None:
+    docs = render()
+    [deploy] = by_kind(docs, "Deployment")
+    pod = deploy["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    for c in pod["containers"]:
+        sc = c["securityContext"]
+        assert sc["readOnlyRootFilesystem"] is True
+        assert sc["allowPrivilegeEscalation"] is False
+        assert sc["capabilities"]["drop"] == ["ALL"]
+        assert sc["runAsNonRoot"] is True
+    # Drain must fit in the grace period.
+    assert pod["terminationGracePeriodSeconds"] >= 30 + 15
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "emptyDir" in volumes["control-token"]
+
+
+ALLOWED = {
+    ("", "pods", "get"),
+    ("", "pods/eviction", "create"),
+    ("", "events", "create"),
+    ("", "events", "patch"),
+    ("events.k8s.io", "events", "create"),
+    ("events.k8s.io", "events", "patch"),
+}
+
+
+def grants(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
+    [role] = by_kind(docs, "Role")
+    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
+            for v in rule["verbs"]}
+
+
+def test_rbac_is_least_privilege() -> None:
+    docs = render()
+    assert grants(docs) == ALLOWED
+    assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
+    delete = grants(render({"watchdog": {"config": {"restart": {"strategy": "delete"}}}}))
+    assert ("", "pods", "delete") in delete and ("", "pods/eviction", "create") not in delete
+    none = grants(render({"watchdog": {"config": {"restart": {"strategy": "none"}}}}))
+    assert none == ALLOWED - {("", "pods/eviction", "create")}
+    [binding] = by_kind(docs, "RoleBinding")
+    assert binding["subjects"][0]["name"] == by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+
+
+def test_pdb_serialises_evictions() -> None:
+    [pdb] = by_kind(render(), "PodDisruptionBudget")
+    assert pdb["spec"]["maxUnavailable"] == 1
+    [deploy] = by_kind(render(), "Deployment")
+    assert pdb["spec"]["selector"]["matchLabels"] == deploy["spec"]["selector"]["matchLabels"]
+
+
+def test_watchdog_config_from_values_is_valid(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("POD_NAME", "demo-0")
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    cm = next(d for d in by_kind(render(), "ConfigMap") if d["metadata"]["name"].endswith("-watchdog"))
+    settings = from_mapping(yaml.safe_load(cm["data"]["config.yaml"]))
+    assert settings.restart.strategy == "evict"
+    assert settings.target.control_url == "http://127.0.0.1:8001"
+    assert settings.kubernetes.pod_name == "demo-0"
+
+
+@pytest.mark.parametrize(
+    ("values", "where"),
+    [
+        ({"replicaCount": "two"}, "replicaCount"),
+        ({"inference": {"admission": {"maxConcurrency": 0}}}, "maxConcurrency"),
+        ({"inference": {"admission": {"maxConcurrency": "lots"}}}, "maxConcurrency"),
+        ({"watchdog": {"config": {"restart": {"strategy": "reboot"}}}}, "strategy"),
+        ({"watchdog": {"config": {"canary": {"interval": 30}}}}, "interval"),
+        ({"service": {"port": "http"}}, "port"),
+        ({"inference": {"gpus": "one"}}, "gpus"),
+        ({"unknownTopLevel": True}, "unknownTopLevel"),
+    ],
+)
+def test_schema_rejects_wrong_values(values: dict[str, Any], where: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError) as err:
+        chart.render(values, name="demo", namespace="serving", is_install=True)
+    assert where in str(err.value)
+
+
+def test_pvc_model_requires_a_claim() -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match="claimName is required"):
+        chart.render({"inference": {"model": {"source": "pvc"}}}, name="demo", namespace="serving")
+
+
+def test_chart_ships_the_same_dashboard_and_rules() -> None:
+    for name in ("alerts.yaml", "gpu-watchdog.json"):
+        assert filecmp.cmp(ROOT / "dashboards" / name, CHART / "files" / name, shallow=False), (
+            f"helm/gpu-watchdog/files/{name} differs from dashboards/{name}: run `make chart-files`")
+
+
+def test_notes_tell_how_to_reach_everything() -> None:
+    chart = helm.Chart.load(str(CHART))
+    notes = chart.render(ALL_ON, name="demo", namespace="serving")["gpu-watchdog/templates/NOTES.txt"]
+    assert "port-forward svc/demo-gpu-watchdog 8000:8000" in notes
+    assert "/status" in notes and "/metrics" in notes and "dashboard" in notes.lower()
+
+
+def test_dockerfiles_run_non_root_and_the_sidecar_has_no_torch() -> None:
+    inference = (ROOT / "docker" / "inference.Dockerfile").read_text()
+    watchdog = (ROOT / "docker" / "watchdog.Dockerfile").read_text()
+    assert "USER 10001" in inference and "USER 10001" in watchdog
+    assert "torch" not in watchdog.lower().replace("(no torch)", "")
+    assert "'.[inference]'" in inference
+
