@@ -84,6 +84,7 @@ class Scheduler:
         self._lock = threading.Lock()
         self._queued = 0
         self._inflight = 0
+        self._batches_running = 0
         # Threads wait at the gate, so the pool must be larger than the gate's capacity.
         self._executor = ThreadPoolExecutor(max_workers=max(32, max_batch_size * 4), thread_name_prefix="gpu")
         self._canary_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="canary")
@@ -124,7 +125,10 @@ class Scheduler:
         self.metrics.queued.set(self._queued)
         loop = asyncio.get_running_loop()
         job = Job(request, self.clock() + timeout, loop.create_future(), batchable)
-        if batchable and self.batch_window_s > 0 and self.max_batch_size > 1:
+        # An idle engine gains nothing from waiting for company: the window would only add latency.
+        # Under load a batch is running, so later arrivals still gather.
+        idle = self._batches_running == 0 and not self._pending
+        if batchable and self.batch_window_s > 0 and self.max_batch_size > 1 and not idle:
             self._pending.append(job)
             self._wakeup.set()
         else:
@@ -174,9 +178,11 @@ class Scheduler:
 
     def _dispatch(self, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
+        self._batches_running += 1
         fut = loop.run_in_executor(self._executor, self._run_batch, jobs)
 
         def deliver(done: asyncio.Future[list[Outcome]]) -> None:
+            self._batches_running -= 1
             if done.cancelled():
                 outcomes: list[Outcome] = [asyncio.CancelledError() for _ in jobs]
             elif done.exception() is not None:

@@ -94,7 +94,29 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--model", metavar="DIR", help="measure this model (needs a CUDA device)")
     plan.add_argument("--max-input", type=_positive_int, default=None)
     plan.add_argument("--max-output", type=_positive_int, default=None)
+    bench = sub.add_parser("bench", help="load-test a /v1/completions server across concurrency levels")
+    bench.add_argument("--url", default="http://127.0.0.1:8000")
+    bench.add_argument("--concurrency", type=_int_list, default=(1, 2, 4, 8, 16, 32), metavar="1,2,4,...")
+    bench.add_argument("--requests", type=_positive_int, default=64, help="requests per concurrency step")
+    bench.add_argument("--duration", type=float, default=None, metavar="S", help="seconds per step instead")
+    bench.add_argument("--prompt-len", type=_positive_int, default=32, help="prompt length in characters")
+    bench.add_argument("--max-tokens", type=_positive_int, default=32)
+    bench.add_argument("--max-tries", type=_positive_int, default=5)
+    bench.add_argument("--control-url", default=None, help="control API for memory and admission figures")
+    bench.add_argument("--token-file", default=None, help="control token (GPU_WATCHDOG_TOKEN wins)")
+    bench.add_argument("--label", default="server", help="mode name in the table")
+    bench.add_argument("--out", default=None, metavar="DIR", help="write CSV, JSON and PNG here")
     return parser
+
+
+def _int_list(value: str) -> tuple[int, ...]:
+    try:
+        items = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError("expected comma-separated positive integers, e.g. 1,2,4,8") from None
+    if not items or any(i < 1 for i in items):
+        raise argparse.ArgumentTypeError("expected comma-separated positive integers, e.g. 1,2,4,8")
+    return items
 
 
 def _serve_settings(args: argparse.Namespace, **extra: object) -> object:
@@ -179,6 +201,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         from watchdog.app import run_main
 
         return run_main(args.config)
+    if args.command == "bench":
+        from watchdog.bench import BenchSettings, bench_main
+        from watchdog.token import read_token
+
+        token = read_token(args.token_file) if args.control_url else None
+        return bench_main(BenchSettings(
+            url=args.url, concurrency=args.concurrency, requests_per_step=args.requests, duration_s=args.duration,
+            prompt_len=args.prompt_len, max_tokens=args.max_tokens, max_tries=args.max_tries,
+            control_url=args.control_url, token=token, label=args.label), args.out)
     if args.command == "up":
         from watchdog.up import up_main
 

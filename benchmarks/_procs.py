@@ -1,0 +1,106 @@
+"""Start and stop the project's own processes on loopback for the benchmark scenarios."""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import requests
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Running:
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Running:
+    log.parent.mkdir(parents=True, exist_ok=True)
+    fh = open(log, "wb")  # noqa: SIM115 - owned by the child until it exits
+    proc = subprocess.Popen([sys.executable, "-m", "watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
+                            env={**os.environ, **(env or {})}, cwd=str(ROOT))
+    return Running(proc, log)
+
+
+def wait_ok(url: str, running: Running, timeout: float = 180.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if running.proc.poll() is not None:
+            raise RuntimeError(f"process exited ({running.proc.returncode}); see {running.log}")
+        try:
+            if requests.get(url, timeout=2).status_code == 200:
+                return
+        except requests.RequestException:
+            pass
+        time.sleep(0.1)
+    raise RuntimeError(f"{url} not ready after {timeout}s; see {running.log}")
+
+
+@dataclass
+class Server:
+    running: Running
+    port: int
+    control_port: int
+    token: str
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def control(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+
+def serve(flags: list[str], log: Path) -> Server:
+    port, control = free_port(), free_port()
+    token = f"bench-{port}"
+    running = start(["serve", "--host", "127.0.0.1", "--port", str(port), "--control-port", str(control), *flags],
+                    log, env={"GPU_WATCHDOG_TOKEN": token})
+    wait_ok(f"http://127.0.0.1:{port}/readyz", running)
+    return Server(running, port, control, token)
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    mem = ""
+    try:
+        kb = int(Path("/proc/meminfo").read_text().split()[1])
+        mem = f", {kb / 2**20:.0f} GiB RAM"
+    except (OSError, ValueError, IndexError):
+        pass
+    import torch
+
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU (CPU run)"
+    return (f"{os.cpu_count()} CPU cores ({cpu}){mem}; {gpu}; Python {platform.python_version()},"
+            f" torch {torch.__version__}")
