@@ -39,6 +39,7 @@ def main() -> None:
     p.add_argument("--max-batch", type=int, default=8)
     p.add_argument("--device", default="auto")
     p.add_argument("--model", default=None)
+    p.add_argument("--memory-fraction", default=None, help="cap each server's share of the GPU")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     p.add_argument("--stem", default="concurrency")
     args = p.parse_args()
@@ -47,6 +48,8 @@ def main() -> None:
     results: list[StepResult] = []
     for mode, flags in modes(args.slots, args.max_batch).items():
         extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
+        if args.memory_fraction:
+            extra += ["--memory-fraction", args.memory_fraction, "--max-tokens-limit", str(args.max_tokens)]
         server = serve([*flags, *extra], out / "logs" / f"{args.stem}-{mode}.log")
         try:
             s = BenchSettings(url=server.url, concurrency=conc, requests_per_step=args.requests,

@@ -69,6 +69,8 @@ class InferenceService:
         self._started = self._loop.time()
         s = self.settings
         device = model_mod.pick_device(s.device)
+        if s.memory_fraction is not None and device.type == "cuda":
+            torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
         t0 = self._loop.time()
         lm = await asyncio.to_thread(model_mod.load, s.model, device)
         self.engine = Engine(lm, self.faults)
@@ -118,6 +120,9 @@ class InferenceService:
         base_reserved = torch.cuda.memory_reserved(dev)
         free, total = torch.cuda.mem_get_info(dev)
         context_bytes = max(0, (total - free) - base_reserved)  # CUDA context and other non-torch use
+        if s.memory_fraction is not None:
+            # Several workers share the card (or a smaller card is emulated): budget only our share.
+            total = int(total * s.memory_fraction)
         short = 16
         peaks: list[tuple[int, float]] = []
         for tokens in (short, worst):

@@ -32,6 +32,7 @@ class ServeSettings:
     shutdown_grace_s: float = 25.0
     max_body_bytes: int = 1 << 20
     cpu_default_concurrency: int = 8
+    memory_fraction: float | None = None  # this process's share of the GPU
 
     def __post_init__(self) -> None:
         checks = [
@@ -46,6 +47,7 @@ class ServeSettings:
             (1 <= self.max_tokens_limit <= 1 << 20, "--max-tokens-limit must be >= 1"),
             (0 < self.memory_watermark <= 1, "--memory-watermark must be in (0, 1]"),
             (0 <= self.reserve_ratio < 1, "--reserve must be in [0, 1)"),
+            (self.memory_fraction is None or 0 < self.memory_fraction <= 1, "--memory-fraction must be in (0, 1]"),
         ]
         for ok, message in checks:
             if not ok:

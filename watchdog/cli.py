@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -61,6 +62,8 @@ def _add_serve_flags(p: argparse.ArgumentParser, for_up: bool = False) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--max-queue", type=_positive_int, default=256)
     p.add_argument("--max-tokens-limit", type=_positive_int, default=512)
+    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
+                   help="cap this process's share of the GPU (workers sharing a card; emulating a smaller one)")
     p.add_argument("--fault-injection", action="store_true", help="enable POST /control/fault (tests only)")
     if not for_up:
         p.add_argument("--token-file", metavar="FILE", help="control token file (GPU_WATCHDOG_TOKEN wins)")
@@ -127,7 +130,7 @@ def _serve_settings(args: argparse.Namespace, **extra: object) -> object:
         max_concurrency=args.max_concurrency, batch_window_ms=args.batch_window_ms,
         max_batch_size=args.max_batch_size, queue_timeout=args.queue_timeout, max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit, fault_injection=args.fault_injection,
-        token_file=getattr(args, "token_file", None), **extra,  # type: ignore[arg-type]
+        token_file=getattr(args, "token_file", None), memory_fraction=args.memory_fraction, **extra,  # type: ignore[arg-type]
     )
 
 
@@ -137,6 +140,8 @@ def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         from inference.settings import ServeSettings, SettingsError
     except ImportError as exc:
         parser.error(f"serve needs the inference extra (pip install 'gpu-watchdog[inference]'): {exc}")
+    if args.model is not None and not os.path.isdir(args.model):
+        parser.error(f"--model {args.model}: not a directory (expected a local Hugging Face model directory)")
     try:
         settings = _serve_settings(args)
     except SettingsError as exc:

@@ -121,6 +121,8 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
             "--batch-window-ms", str(args.batch_window_ms), "--max-batch-size", str(args.max_batch_size),
             "--queue-timeout", str(args.queue_timeout), "--max-queue", str(args.max_queue),
             "--max-tokens-limit", str(args.max_tokens_limit)]
+    if args.memory_fraction is not None:
+        argv += ["--memory-fraction", str(args.memory_fraction)]
     if args.max_concurrency is not None:
         argv += ["--max-concurrency", str(args.max_concurrency)]
     if args.model:

@@ -1,0 +1,115 @@
+#!/usr/bin/env bash
+# The GPU check: what CPU-only CI cannot verify, in one run (< 8 minutes on one large NVIDIA GPU).
+#
+#   bash benchmarks/gpu_check.sh [RESULTS_DIR]
+#
+# From a fresh checkout with only python3 + pip: makes its own venv (torch from PyPI, which is a
+# CUDA build on Linux x86_64), then checks
+#   1. NVML through the watchdog's sampler (memory, utilization, temperature, power, UUID),
+#   2. real torch.cuda.memory_stats figures through the control API of a CUDA server,
+#   3. the planner measuring M_base / M_peak on the built-in model and on a generated model of a
+#      few GB (random init, no download),
+#   4. the concurrency sweep in all three modes at high concurrency with long outputs, on a GPU
+#      share small enough (--memory-fraction) that `unbounded` meets real OOMs, and whether `full`
+#      stays at zero errors.
+# Everything lands in RESULTS_DIR (default gpu-check-<timestamp>): logs, JSON, Markdown, PNG.
+# GPU_CHECK_ALLOW_CPU=1 runs the same steps on a machine without a GPU (CUDA-only steps report
+# themselves as skipped) to check the script itself.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+OUT=$(realpath -m "${1:-gpu-check-$(date +%Y%m%d-%H%M%S)}")
+mkdir -p "$OUT"
+exec > >(tee "$OUT/gpu_check.log") 2>&1
+export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
+SECONDS=0
+step() { echo; echo "=== [$SECONDS s] $*"; }
+
+step "environment"
+nvidia-smi -L 2>/dev/null || echo "nvidia-smi not available"
+VENV=${GPU_CHECK_VENV:-.venv-gpu}
+if [ ! -x "$VENV/bin/python" ]; then
+  python3 -m venv "$VENV"
+  "$VENV/bin/python" -m pip install -q --upgrade pip
+  "$VENV/bin/python" -m pip install -q torch==2.13.0
+  "$VENV/bin/python" -m pip install -q -e '.[inference,dev]'
+fi
+PY="$VENV/bin/python"
+GW="$VENV/bin/gpu-watchdog"
+CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
+"$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$OUT/torch.txt"
+if [ "$CUDA" != 1 ] && [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
+  echo "no CUDA device: this check needs a GPU (GPU_CHECK_ALLOW_CPU=1 to dry-run on a CPU)"; exit 2
+fi
+DEVICE=$([ "$CUDA" = 1 ] && echo cuda || echo cpu)
+
+step "1. NVML through the watchdog's sampler"
+"$PY" - "$OUT/nvml.json" <<'PYEOF'
+import asyncio, dataclasses, json, sys, time
+from watchdog.samplers.nvml import NvmlSampler, PynvmlBackend
+s = NvmlSampler(PynvmlBackend(), time.monotonic)
+s.open()
+samples = [dataclasses.asdict(asyncio.run(s.sample(None))) for _ in range(3)]
+s.close()
+json.dump(samples, open(sys.argv[1], "w"), indent=2)
+print(json.dumps(samples[-1], indent=2))
+ok = samples[-1]["available"] and samples[-1]["memory_total_bytes"] > 0
+print("NVML sampler:", "OK" if ok else "UNAVAILABLE")
+PYEOF
+
+step "2. allocator figures through the control API ($DEVICE)"
+export GPU_WATCHDOG_TOKEN=gpu-check-token
+"$GW" serve --device "$DEVICE" --host 127.0.0.1 --port 18400 --control-port 18401 > "$OUT/serve-builtin.log" 2>&1 &
+SERVE=$!
+trap 'kill $SERVE 2>/dev/null || true' EXIT
+for _ in $(seq 1 300); do curl -sf localhost:18400/readyz >/dev/null && break; sleep 0.5; done
+for i in $(seq 1 8); do curl -s localhost:18400/v1/completions -d "{\"prompt\": \"warm $i\", \"max_tokens\": 64}" >/dev/null; done
+curl -s -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" localhost:18401/control/memory | tee "$OUT/memory.json"; echo
+"$PY" - "$OUT/memory.json" "$OUT/nvml.json" <<'PYEOF'
+import json, sys
+m = json.load(open(sys.argv[1])); n = json.load(open(sys.argv[2]))[-1]
+print("device", m["device"], "reserved", m["reserved_bytes"], "allocated", m["allocated_bytes"],
+      "fragmentation", round(m["fragmentation_ratio"], 4), "admission", m["admission"])
+if m["device"] == "cuda":
+    assert m["reserved_bytes"] > 0 and m["total_bytes"] > 0, "CUDA allocator figures missing"
+    assert n.get("uuid") in (None, m["uuid"]) or not n["available"], f"UUID mismatch: {m['uuid']} vs NVML {n['uuid']}"
+    print("control API figures: OK; UUID matches NVML:", m["uuid"] == n.get("uuid"))
+else:
+    print("cpu: allocator figures are zeros by design (skipped)")
+PYEOF
+kill $SERVE; wait $SERVE 2>/dev/null || true; trap - EXIT
+
+step "3a. planner measuring the built-in model"
+"$GW" plan --max-input 512 --max-output 512 | tee "$OUT/plan-builtin.txt" || echo "(plan needs CUDA: skipped)"
+
+step "3b. planner measuring a generated model of a few GB"
+BIG="$OUT/model-big"
+if [ "$CUDA" = 1 ]; then
+  "$PY" -m benchmarks.make_model "$BIG" --hidden 2048 --layers 24 --heads 16 --vocab 32000 --context 4096
+else
+  "$PY" -m benchmarks.make_model "$BIG" --hidden 128 --layers 2 --heads 4 --vocab 512 --context 1024
+fi
+"$GW" plan --model "$BIG" --max-input 2048 --max-output 1024 | tee "$OUT/plan-big.txt" || echo "(plan needs CUDA: skipped)"
+
+step "4. concurrency sweep: unbounded vs semaphore vs full, long outputs, a small GPU share"
+if [ "$CUDA" = 1 ]; then
+  FRACTION=${GPU_CHECK_FRACTION:-0.12}
+  "$PY" -m benchmarks.concurrency --device cuda --model "$BIG" --concurrency 8,32,96 --requests 96 \
+    --prompt-len 2048 --max-tokens 256 --slots 8 --max-batch 16 --memory-fraction "$FRACTION" \
+    --out "$OUT" --stem sweep-gpu
+else
+  "$PY" -m benchmarks.concurrency --device cpu --concurrency 2,8 --requests 8 --max-tokens 8 \
+    --out "$OUT" --stem sweep-cpu-dry-run
+fi
+"$PY" - "$OUT" <<'PYEOF'
+import json, pathlib, sys
+out = pathlib.Path(sys.argv[1])
+for f in sorted(out.glob("sweep-*.json")):
+    rows = json.load(open(f))
+    full_errors = sum(r["errors"] for r in rows if r["mode"] == "full")
+    unbounded = [r for r in rows if r["mode"] == "unbounded"]
+    ooms = sum(r["error_kinds"].get("http_503", 0) for r in unbounded)
+    print(f"{f.name}: full errors after retries = {full_errors}; unbounded 503s after retries = {ooms}")
+PYEOF
+rm -rf "$BIG"
+step "done in $SECONDS s; results in $OUT"
+ls -la "$OUT"
