@@ -10,6 +10,7 @@ from typing import Any
 from aiohttp import web
 
 from inference.faults import FaultError
+from inference.openapi import control_spec
 from inference.service import InferenceService
 from inference.validation import BadRequest, parse_json_object
 from watchdog import logs
@@ -69,7 +70,11 @@ class ControlAPI:
         r.add_post("/control/drain", self.drain)
         r.add_post("/control/admission", self.admission)
         r.add_post("/control/fault", self.fault)
+        r.add_get("/control/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(control_spec())
 
     def _require_started(self) -> None:
         if self.service.scheduler is None:

@@ -14,6 +14,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from inference.engine import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from inference.openapi import public_spec
 from inference.service import InferenceService
 from inference.validation import BadRequest, CompletionParams, check_context, completion_params, parse_json_object
 from watchdog import logs
@@ -99,7 +100,12 @@ class PublicAPI:
         app.router.add_get("/healthz", self.healthz)
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", make_aiohttp_handler(self.service.metrics.registry))
+        app.router.add_get("/openapi.json", self.openapi)
         return app
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        ctx = self.service.engine.lm.context_len if self.service.engine is not None else 0
+        return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx))
 
     # -- probes ------------------------------------------------------------------------------
 
@@ -121,7 +127,10 @@ class PublicAPI:
         if not s.ready or s.engine is None:
             raise Draining("the model is still loading")
         try:
-            raw = await request.read()
+            # A client that trickles its body must not hold a connection (and memory) forever.
+            raw = await asyncio.wait_for(request.read(), timeout=s.settings.body_timeout_s)
+        except TimeoutError:
+            raise BadRequest(408, "body", f"request body not received within {s.settings.body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(413, "body", f"request body larger than {s.settings.max_body_bytes} bytes") from None
         data = parse_json_object(raw)

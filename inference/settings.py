@@ -31,6 +31,7 @@ class ServeSettings:
     retry_after_s: int = 1
     shutdown_grace_s: float = 25.0
     max_body_bytes: int = 1 << 20
+    body_timeout_s: float = 10.0
     cpu_default_concurrency: int = 8
     memory_fraction: float | None = None  # this process's share of the GPU
 
@@ -44,6 +45,7 @@ class ServeSettings:
             (1 <= self.max_batch_size <= 1024, "--max-batch-size must be between 1 and 1024"),
             (self.queue_timeout > 0, "--queue-timeout must be positive"),
             (self.max_queue >= 1, "--max-queue must be >= 1"),
+            (self.body_timeout_s > 0, "--body-timeout must be positive"),
             (1 <= self.max_tokens_limit <= 1 << 20, "--max-tokens-limit must be >= 1"),
             (0 < self.memory_watermark <= 1, "--memory-watermark must be in (0, 1]"),
             (0 <= self.reserve_ratio < 1, "--reserve must be in [0, 1)"),

@@ -62,6 +62,8 @@ def _add_serve_flags(p: argparse.ArgumentParser, for_up: bool = False) -> None:
     p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S")
     p.add_argument("--max-queue", type=_positive_int, default=256)
     p.add_argument("--max-tokens-limit", type=_positive_int, default=512)
+    p.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
+                   help="answer 408 to a client that has not sent its whole body within S seconds")
     p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
                    help="cap this process's share of the GPU (workers sharing a card; emulating a smaller one)")
     p.add_argument("--fault-injection", action="store_true", help="enable POST /control/fault (tests only)")
@@ -130,7 +132,8 @@ def _serve_settings(args: argparse.Namespace, **extra: object) -> object:
         max_concurrency=args.max_concurrency, batch_window_ms=args.batch_window_ms,
         max_batch_size=args.max_batch_size, queue_timeout=args.queue_timeout, max_queue=args.max_queue,
         max_tokens_limit=args.max_tokens_limit, fault_injection=args.fault_injection,
-        token_file=getattr(args, "token_file", None), memory_fraction=args.memory_fraction, **extra,  # type: ignore[arg-type]
+        token_file=getattr(args, "token_file", None), memory_fraction=args.memory_fraction,
+        body_timeout_s=args.body_timeout, **extra,  # type: ignore[arg-type]
     )
 
 

@@ -193,6 +193,16 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, errors: li
     return None
 
 
+_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+
+
+def _join(path: str, key: object) -> str:
+    """A readable key path even for odd keys: `canary.interval`, `canary['a b']`, `[1]`."""
+    if isinstance(key, str) and _PLAIN_KEY.match(key):
+        return f"{path}.{key}" if path else key
+    return f"{path}[{key!r}]"
+
+
 def _build(cls: type[Any], data: Any, path: str, errors: list[str]) -> Any:
     if data is None:
         data = {}
@@ -203,7 +213,7 @@ def _build(cls: type[Any], data: Any, path: str, errors: list[str]) -> Any:
     fields = {f.name: f for f in dataclasses.fields(cls)}
     for key in data:
         if key not in fields:
-            where = f"{path}.{key}" if path else str(key)
+            where = _join(path, key)
             errors.append(f"{where}: unknown key (expected one of {', '.join(fields)})")
     kwargs: dict[str, Any] = {}
     for name, f in fields.items():

@@ -120,7 +120,7 @@ def serve_argv(args: argparse.Namespace) -> list[str]:
             "--port", str(args.port), "--control-port", str(args.control_port),
             "--batch-window-ms", str(args.batch_window_ms), "--max-batch-size", str(args.max_batch_size),
             "--queue-timeout", str(args.queue_timeout), "--max-queue", str(args.max_queue),
-            "--max-tokens-limit", str(args.max_tokens_limit)]
+            "--max-tokens-limit", str(args.max_tokens_limit), "--body-timeout", str(args.body_timeout)]
     if args.memory_fraction is not None:
         argv += ["--memory-fraction", str(args.memory_fraction)]
     if args.max_concurrency is not None:

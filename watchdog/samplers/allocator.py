@@ -18,6 +18,9 @@ def _num(data: dict[str, Any], key: str, kind: type = int) -> Any:
 
 def parse_memory(data: dict[str, Any], at: float) -> TorchSample:
     """Validate the control API's answer field by field; garbage raises ValueError, never crashes later."""
+    missing = [k for k in ("device", "total_bytes", "allocated_bytes", "reserved_bytes") if k not in data]
+    if missing:
+        raise ValueError(f"missing {', '.join(missing)}")
     admission = data.get("admission") or {}
     if not isinstance(admission, dict):
         raise ValueError("admission: expected an object")

@@ -1,0 +1,140 @@
+"""OpenAPI 3.0 descriptions of the public and control APIs, built from the running settings.
+
+Served at `GET /openapi.json` (public) and `GET /control/openapi.json` (control, with the token),
+and used by the property-based API fuzzer in the tests.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from watchdog import __version__
+
+ERROR = {
+    "type": "object",
+    "required": ["error"],
+    "properties": {"error": {"type": "object", "required": ["message"], "properties": {
+        "message": {"type": "string"}, "type": {"type": "string"}, "param": {"type": "string", "nullable": True}}}},
+}
+
+
+def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+def _errors(*codes: int) -> dict[str, Any]:
+    words = {400: "invalid input (the error names the field)", 401: "missing or wrong bearer token",
+             404: "not available", 408: "body not received in time", 413: "body or prompt too large",
+             500: "GPU context lost; the process exits", 503: "overloaded, draining or out of memory; retry later"}
+    out: dict[str, Any] = {}
+    for code in codes:
+        out[str(code)] = _json(ERROR, words[code])
+        if code == 503:
+            out[str(code)]["headers"] = {"Retry-After": {"schema": {"type": "string"}}}
+    return out
+
+
+def public_spec(max_tokens_limit: int, context_len: int) -> dict[str, Any]:
+    request = {
+        "type": "object",
+        "required": ["prompt"],
+        "properties": {
+            "prompt": {"type": "string", "minLength": 1},
+            "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
+            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+            "stream": {"type": "boolean"},
+        },
+    }
+    plain_request = {**request, "properties": {k: v for k, v in request["properties"].items() if k != "stream"}}
+    completion = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "text": {"type": "string"}, "index": {"type": "integer"},
+            "finish_reason": {"type": "string", "nullable": True}}}},
+        "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                                   "completion_tokens": {"type": "integer"},
+                                                   "total_tokens": {"type": "integer"}}}}}
+    probe = {"type": "object"}
+    fails = (400, 408, 413, 500, 503)
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "gpu-watchdog inference API", "version": __version__,
+                 "description": f"The model's context is {context_len} tokens (prompt + max_tokens)."},
+        "paths": {
+            "/v1/completions": {"post": {
+                "operationId": "completions",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+                "responses": {"200": {"description": "a completion, or an SSE stream when stream is true",
+                                      "content": {"application/json": {"schema": completion},
+                                                  # Each event: a JSON chunk, an error object, or [DONE].
+                                                  "text/event-stream": {"schema": {}}}},
+                              **_errors(*fails)}}},
+            "/predict": {"post": {
+                "operationId": "predict",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+                "responses": {"200": _json({"type": "object", "required": ["result"], "properties": {
+                    "result": {"type": "string"}, "completion_tokens": {"type": "integer"}}}, "the generated text"),
+                    **_errors(*fails)}}},
+            "/stream": {"post": {
+                "operationId": "stream",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+                "responses": {"200": {"description": "the generated text, streamed",
+                                      "content": {"text/plain": {"schema": {"type": "string"}}}},
+                              **_errors(*fails)}}},
+            "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json(probe, "the loop answers")}}},
+            "/readyz": {"get": {"operationId": "readyz", "responses": {
+                "200": _json(probe, "warmed up and admitting"), "503": _json(probe, "loading, draining or poisoned")}}},
+            "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
+                "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+        },
+    }
+
+
+def control_spec() -> dict[str, Any]:
+    timeout_body = {"type": "object", "properties": {"timeout": {"type": "number", "minimum": 0.01,
+                                                                  "maximum": 600}}}
+    obj = {"type": "object"}
+    return {
+        "openapi": "3.0.3",
+        "info": {"title": "gpu-watchdog control API (pod-local)", "version": __version__},
+        "components": {"securitySchemes": {"bearer": {"type": "http", "scheme": "bearer"}}},
+        "security": [{"bearer": []}],
+        "paths": {
+            "/control/memory": {"get": {"operationId": "memory", "responses": {
+                "200": _json(obj, "allocator figures and process state"), **_errors(401, 503)}}},
+            "/control/empty_cache": {"post": {"operationId": "empty_cache", "responses": {
+                "200": _json({"type": "object", "required": ["freed_bytes"],
+                              "properties": {"freed_bytes": {"type": "integer", "minimum": 0}}}, "bytes freed"),
+                **_errors(401, 503)}}},
+            "/control/canary": {"post": {
+                "operationId": "canary",
+                "requestBody": {"required": False, "content": {"application/json": {"schema": timeout_body}}},
+                "responses": {"200": _json({"type": "object", "required": ["ok", "latency_s", "error_class"],
+                                            "properties": {"ok": {"type": "boolean"},
+                                                           "latency_s": {"type": "number"},
+                                                           "error_class": {"type": "string", "nullable": True,
+                                                                           "enum": ["oom", "fatal_cuda", "timeout",
+                                                                                    "other", None]}}},
+                                           "one real one-token generation"), **_errors(400, 401, 503)}}},
+            "/control/drain": {"post": {
+                "operationId": "drain",
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {"timeout": {"type": "number", "minimum": 0,
+                                                                 "maximum": 3600}}}}}},
+                "responses": {"200": _json(obj, "admission stopped; in-flight work finished or timed out"),
+                              **_errors(400, 401, 503)}}},
+            "/control/admission": {"post": {
+                "operationId": "admission",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["limit"],
+                    "properties": {"limit": {"type": "integer", "minimum": 1, "maximum": 100000}}}}}},
+                "responses": {"200": _json(obj, "new admission limit"), **_errors(400, 401, 503)}}},
+            "/control/fault": {"post": {
+                "operationId": "fault",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "enum": [
+                        "context_loss", "oom", "hang", "fragmentation", "slow", "clear"]}}}}}},
+                "responses": {"200": _json(obj, "fault injected"), **_errors(400, 401, 404)}}},
+        },
+    }

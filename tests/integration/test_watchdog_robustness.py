@@ -1,0 +1,179 @@
+"""Malformed data from outside never crashes the watchdog and never causes a restart by itself."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import random
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+from aiohttp import web
+from kubernetes import client
+
+from watchdog.actions.kube import PodActions
+from watchdog.actions.restart import KubeRestarter, RestartOutcome
+from watchdog.app import Watchdog
+from watchdog.config import RestartSettings, from_mapping
+from watchdog.policy import Decision
+from watchdog.samplers.nvml import GpuReading
+
+GARBAGE: list[tuple[int, str, str]] = [
+    (200, "text/html", "<html>oops</html>"),
+    (200, "application/json", "[1, 2, 3]"),
+    (200, "application/json", '{"ok": "yes", "latency_s": "fast"}'),
+    (200, "application/json", '{"device": "cuda", "reserved_bytes": -5, "fragmentation_ratio": 7}'),
+    (200, "application/json", '{"poisoned": "maybe"}'),
+    (200, "application/json", '{"truncated": '),
+    (500, "text/plain", "internal error"),
+    (404, "text/plain", "not here"),
+    (200, "application/json", '{"ok": false, "error_class": "meteor", "latency_s": 1}'),
+]
+
+
+class RecordingRestarter:
+    strategy = "none"
+
+    def __init__(self) -> None:
+        self.calls: list[Decision] = []
+
+    async def restart(self, decision: Decision) -> RestartOutcome:
+        self.calls.append(decision)
+        return RestartOutcome(False, "recorded")
+
+
+class ExplodingNvml:
+    """Stands in for NVML at the hardware edge and fails in every way it can."""
+
+    def __init__(self) -> None:
+        self.rng = random.Random(7)
+
+    def open(self) -> None:
+        return None
+
+    def uuids(self) -> list[str]:
+        if self.rng.random() < 0.3:
+            raise RuntimeError("NVML: Unknown Error")
+        return ["GPU-x"]
+
+    def read(self, uuid: str) -> GpuReading:
+        raise self.rng.choice([RuntimeError("NVML_ERROR_UNKNOWN"), ValueError("bad struct"), OSError(5, "EIO")])
+
+    def wait_xid(self, timeout_ms: int) -> list[tuple[str | None, int]]:
+        raise RuntimeError("event set broken")
+
+    def close(self) -> None:
+        raise RuntimeError("cannot shut down")
+
+
+@pytest.fixture
+async def garbage_server() -> AsyncIterator[tuple[str, dict[str, int]]]:
+    hits = {"empty_cache": 0, "drain": 0, "memory": 0}
+    cycle = itertools.cycle(GARBAGE)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path.endswith("/empty_cache"):
+            hits["empty_cache"] += 1
+        if request.path.endswith("/drain"):
+            hits["drain"] += 1
+        if request.path.endswith("/memory"):
+            hits["memory"] += 1
+            if hits["memory"] % 7 == 0:
+                await asyncio.sleep(1.5)  # now and then the memory endpoint hangs past the client timeout
+        status, ctype, body = next(cycle)
+        return web.Response(status=status, content_type=ctype.split(";")[0], text=body)
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}", hits
+    await runner.cleanup()
+
+
+def settings(control_url: str) -> Any:
+    return from_mapping({
+        "target": {"control_url": control_url, "token_file": None},
+        "sampling": {"nvml_interval": "50ms", "torch_interval": "50ms"},
+        "canary": {"interval": "100ms", "timeout": "1s"},
+        "restart": {"strategy": "none"},
+        "server": {"host": "127.0.0.1", "port": 0},
+    })
+
+
+async def test_garbage_from_control_api_and_nvml_never_restarts(garbage_server: tuple[str, dict[str, int]]) -> None:
+    url, hits = garbage_server
+    restarter = RecordingRestarter()
+    wd = Watchdog(settings(url), restarter, nvml_backend=ExplodingNvml(), token="t")
+    await wd.start(serve_http=False)
+    try:
+        await asyncio.sleep(3.0)
+        assert restarter.calls == []
+        assert hits["empty_cache"] == 0 and hits["drain"] == 0
+        ok, _ = wd.healthy()
+        assert ok, "the loop must keep ticking"
+        status = wd.status()
+        assert status["ready"] is False
+        assert {"canary_failing", "target_unreachable"} <= set(status["states"])
+        assert not any(t.reachable for t in wd.history.torch)
+        assert len(wd.history.canaries) > 10 and len(wd.history.torch) > 5
+        assert wd.history.gpu is not None and wd.history.gpu.available is False
+        assert all(c.error_class in ("other", "unreachable") for c in wd.history.canaries)
+    finally:
+        await wd.stop()
+
+
+@pytest.fixture
+async def hanging_api() -> AsyncIterator[str]:
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if "hang" in request.path or request.method == "POST" and "eviction" in request.path:
+            await asyncio.sleep(3)
+        return web.Response(status=201, content_type="application/json", text='{"kind": "Status", "broken": ')
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    yield f"http://127.0.0.1:{port}"
+    await runner.cleanup()
+
+
+def api_client(url: str) -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = url
+    cfg.retries = 0
+    return client.ApiClient(cfg)
+
+
+async def test_hanging_kubernetes_api_is_bounded_and_reported(hanging_api: str) -> None:
+    slept: list[float] = []
+
+    async def fake_sleep(s: float) -> None:
+        slept.append(s)
+
+    pod = PodActions(api_client(hanging_api), "p", "ns", request_timeout=0.3)
+    r = KubeRestarter(pod, RestartSettings(max_attempts=3, retry_initial=0.1), sleep=fake_sleep)
+    loop = asyncio.get_running_loop()
+    start = loop.time()
+    outcome = await r.restart(Decision("restart", "hang", {}))
+    assert outcome.done is False and outcome.attempts == 3
+    assert loop.time() - start < 10
+    assert "Timeout" in outcome.detail or "timed out" in outcome.detail.lower()
+
+
+async def test_malformed_kubernetes_json_does_not_crash(hanging_api: str) -> None:
+    pod = PodActions(api_client(hanging_api), "p", "ns", request_timeout=2)
+
+    async def no_sleep(s: float) -> None:
+        return None
+
+    r = KubeRestarter(pod, RestartSettings(strategy="delete", max_attempts=2, retry_initial=0.1), sleep=no_sleep)
+    outcome = await r.restart(Decision("restart", "context_loss", {}))
+    assert isinstance(outcome, RestartOutcome)  # either accepted (201) or reported; never an exception
