@@ -35,7 +35,7 @@ def _errors(*codes: int) -> dict[str, Any]:
 
 
 def public_spec(max_tokens_limit: int, context_len: int) -> dict[str, Any]:
-    request = {
+    request: dict[str, Any] = {
         "type": "object",
         "required": ["prompt"],
         "properties": {

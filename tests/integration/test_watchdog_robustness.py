@@ -130,7 +130,7 @@ async def test_garbage_from_control_api_and_nvml_never_restarts(garbage_server: 
 @pytest.fixture
 async def hanging_api() -> AsyncIterator[str]:
     async def handler(request: web.Request) -> web.StreamResponse:
-        if "hang" in request.path or request.method == "POST" and "eviction" in request.path:
+        if "hang" in request.path or (request.method == "POST" and "eviction" in request.path):
             await asyncio.sleep(3)
         return web.Response(status=201, content_type="application/json", text='{"kind": "Status", "broken": ')
 
