@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
+from typing import Any
 
 
 def build_tokenizer(vocab_size: int) -> object:
@@ -39,7 +40,8 @@ def make(directory: Path, hidden: int, layers: int, heads: int, vocab: int, cont
                          max_position_embeddings=context, pad_token_id=ids[0], bos_token_id=ids[1],
                          eos_token_id=ids[2], tie_word_embeddings=False, initializer_range=0.02)
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(config).to(torch.bfloat16)
+    model: Any = LlamaForCausalLM(config)
+    model = model.to(torch.bfloat16)
     directory.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(directory)
     tokenizer.save_pretrained(directory)  # type: ignore[attr-defined]

@@ -108,7 +108,13 @@ class Engine:
         done = [False] * n
         cache: Any = None
         steps = max(r.max_tokens for r in requests)
-        for _ in range(steps):
+        for step in range(steps):
+            if step:
+                # A sticky error fails every later kernel, including those of generations under way.
+                if self.poisoned is not None:
+                    raise FatalCudaError(self.poisoned)
+                if self.faults is not None:
+                    self.faults.during_forward()
             out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
             cache = getattr(out, "cache", None)
             if cache is None:

@@ -97,6 +97,13 @@ class FaultInjector:
         if slow > 0:
             time.sleep(slow)
 
+    def during_forward(self) -> None:
+        """Called between decoding steps: a lost context fails the very next kernel, a hang stops it."""
+        if self._context_loss:
+            raise RuntimeError(INJECTED_FATAL_MESSAGE)
+        if self._hang.is_set():
+            self._unhang.wait()
+
     @property
     def fragmentation(self) -> Fragmentation | None:
         return self._fragmentation

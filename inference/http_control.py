@@ -84,6 +84,8 @@ class ControlAPI:
     async def memory(self, request: web.Request) -> web.Response:
         self._require_started()
         report = await asyncio.to_thread(self.service.memory_report)
+        if report["poisoned"]:
+            self.service.poison_reported.set()
         return web.json_response(report)
 
     async def empty_cache(self, request: web.Request) -> web.Response:
@@ -103,6 +105,8 @@ class ControlAPI:
             return _bad(exc)
         result = await self.service.scheduler.canary(timeout)
         log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
+        if self.service.poisoned:
+            self.service.poison_reported.set()
         return web.json_response({"ok": result.ok, "latency_s": result.latency_s, "error_class": result.error_class,
                                   "error": result.error, "instance_id": self.service.instance_id})
 

@@ -228,7 +228,6 @@ class PublicAPI:
             while piece is not None:
                 await response.write(text_chunk(piece, None))
                 piece = await pieces.get()
-            await task if task.done() else None
         except (ConnectionResetError, asyncio.CancelledError):
             gen.cancelled.set()
             raise

@@ -53,7 +53,15 @@ async def _serve(settings: ServeSettings) -> int:
         await asyncio.wait({stop_task, fatal_task}, return_when=asyncio.FIRST_COMPLETED)
 
     if service.fatal_reason is not None:
-        # In-flight requests were answered with 500; give those responses a moment to leave.
+        # In-flight requests were answered with 500 and new ones get 500 at once. Linger until the
+        # watchdog has seen the poisoned state (so its restart and Event carry the real reason),
+        # but never longer than the linger bound: without a watchdog the process exits anyway.
+        reported = asyncio.create_task(service.poison_reported.wait())
+        done, _ = await asyncio.wait({reported, stop_task}, timeout=settings.poison_linger_s,
+                                     return_when=asyncio.FIRST_COMPLETED)
+        reported.cancel()
+        if not done:
+            log.warning("poison_not_reported", linger_s=settings.poison_linger_s)
         await asyncio.sleep(0.3)
         log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
         return EXIT_POISONED

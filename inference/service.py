@@ -55,6 +55,8 @@ class InferenceService:
         self.ready = False
         self.fatal_reason: str | None = None
         self.fatal_event = asyncio.Event()
+        # Set once the poisoned state was reported through the control API (to the watchdog).
+        self.poison_reported = asyncio.Event()
         self.engine: Engine | None = None
         self.scheduler: Scheduler | None = None
         self.gate: AdmissionGate | None = None

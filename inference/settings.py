@@ -32,6 +32,7 @@ class ServeSettings:
     shutdown_grace_s: float = 25.0
     max_body_bytes: int = 1 << 20
     body_timeout_s: float = 10.0
+    poison_linger_s: float = 10.0
     cpu_default_concurrency: int = 8
     memory_fraction: float | None = None  # this process's share of the GPU
 

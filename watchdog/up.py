@@ -63,9 +63,13 @@ class ChildSupervisor:
             if proc is self.proc and not self._stopping:
                 await self._spawn()
 
-    async def _terminate(self) -> None:
+    async def _terminate(self, graceful: bool = True) -> None:
         proc = self.proc
         if proc is None or proc.returncode is not None:
+            return
+        if not graceful:
+            proc.kill()
+            await proc.wait()
             return
         proc.send_signal(signal.SIGTERM)
         try:
@@ -75,7 +79,7 @@ class ChildSupervisor:
             proc.kill()
             await proc.wait()
 
-    async def restart_child(self, instance_id: str | None, reason: str) -> bool:
+    async def restart_child(self, instance_id: str | None, reason: str, graceful: bool = True) -> bool:
         async with self._lock:
             if instance_id is None or instance_id == self.instance_id or self.proc is None \
                     or self.proc.returncode is not None:
@@ -83,7 +87,7 @@ class ChildSupervisor:
                 self.proc = None  # the exit watcher of the old process must not respawn it
                 if old is not None and old.returncode is None:
                     self.proc = old
-                    await self._terminate()
+                    await self._terminate(graceful)
                 await self._spawn()
                 self.restarts += 1
                 log.warning("inference_restarted", reason=reason, instance_id=self.instance_id)

@@ -285,3 +285,41 @@ def test_context_loss_poisons_and_exits_non_zero(tmp_path: Path) -> None:
         assert any(e["event"] == "fatal_cuda_error" for e in lines)
     finally:
         srv.proc.stop()
+
+
+def test_a_stream_cut_by_context_loss_ends_with_an_error_event(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "2")
+    try:
+        with requests.post(srv.url + "/v1/completions", json={"prompt": "long", "max_tokens": 400, "stream": True},
+                           stream=True, timeout=60) as r:
+            assert r.status_code == 200
+            lines = r.iter_lines(decode_unicode=True)
+            events = []
+            for line in lines:
+                if line.startswith("data: "):
+                    events.append(line[6:])
+                    if len(events) == 3:
+                        srv.fault("context_loss")
+        assert events[-1] != "[DONE]"
+        last = json.loads(events[-1])
+        assert last["error"]["type"] == "FatalCudaError"
+        assert "illegal memory access" in last["error"]["message"]
+        assert len(events) < 400
+    finally:
+        srv.proc.stop()
+
+
+def test_a_plain_stream_cut_by_context_loss_fails_loudly(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "2")
+    try:
+        with requests.post(srv.url + "/stream", json={"prompt": "long", "max_tokens": 400}, stream=True,
+                           timeout=60) as r:
+            assert r.status_code == 200
+            chunks = r.iter_content(chunk_size=None)
+            next(chunks)
+            srv.fault("context_loss")
+            with pytest.raises(requests.exceptions.ChunkedEncodingError):
+                for _ in chunks:
+                    pass
+    finally:
+        srv.proc.stop()

@@ -92,7 +92,7 @@ class KubeRestarter:
 
 
 class Supervisor(Protocol):
-    async def restart_child(self, instance_id: str | None, reason: str) -> bool: ...
+    async def restart_child(self, instance_id: str | None, reason: str, graceful: bool) -> bool: ...
 
 
 class LocalRestarter:
@@ -104,7 +104,8 @@ class LocalRestarter:
         self.supervisor = supervisor
 
     async def restart(self, decision: Decision) -> RestartOutcome:
-        ok = await self.supervisor.restart_child(decision.instance_id, decision.reason)
+        # No drain means nothing useful is left to finish (a hung kernel, a dead context): kill at once.
+        ok = await self.supervisor.restart_child(decision.instance_id, decision.reason, graceful=decision.drain)
         return RestartOutcome(ok, "child restarted and ready" if ok else "child did not become ready")
 
 
