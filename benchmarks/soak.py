@@ -255,6 +255,25 @@ def _config(budget: int) -> dict[str, Any]:
     }
 
 
+def _start_up(log_path: Path, cfg: Path, port: int, control_port: int, wport: int,
+              token: str) -> tuple[subprocess.Popen[bytes], Any]:
+    log = open(log_path, "wb")  # closed by run_soak
+    up = subprocess.Popen([sys.executable, "-m", "watchdog", "up", "--fault-injection", "--device", "cpu", "--host",
+                           "127.0.0.1", "--port", str(port), "--control-port", str(control_port), "--watchdog-port",
+                           str(wport), "--config", str(cfg), "--queue-timeout", "5"], stdout=log,
+                          stderr=subprocess.STDOUT, env={**os.environ, "GPU_WATCHDOG_TOKEN": token}, cwd=str(ROOT))
+    return up, log
+
+
+def _stop_up(up: subprocess.Popen[bytes]) -> int:
+    up.send_signal(signal.SIGTERM)
+    try:
+        return up.wait(timeout=60)
+    except subprocess.TimeoutExpired:
+        up.kill()
+        return up.wait()
+
+
 async def run_soak(s: SoakSettings) -> SoakReport:
     rng = random.Random(s.seed)
     s.workdir.mkdir(parents=True, exist_ok=True)
@@ -263,11 +282,7 @@ async def run_soak(s: SoakSettings) -> SoakReport:
     cfg.write_text(yaml.safe_dump(_config(report.budget)))
     port, control_port, wport = free_port(), free_port(), free_port()
     token = f"soak-{port}"
-    log = open(s.workdir / f"soak-{os.getpid()}.log", "wb")
-    up = subprocess.Popen([sys.executable, "-m", "watchdog", "up", "--fault-injection", "--device", "cpu", "--host",
-                           "127.0.0.1", "--port", str(port), "--control-port", str(control_port), "--watchdog-port",
-                           str(wport), "--config", str(cfg), "--queue-timeout", "5"], stdout=log,
-                          stderr=subprocess.STDOUT, env={**os.environ, "GPU_WATCHDOG_TOKEN": token}, cwd=str(ROOT))
+    up, log = _start_up(s.workdir / f"soak-{os.getpid()}.log", cfg, port, control_port, wport, token)
     api, wd, control = f"http://127.0.0.1:{port}", f"http://127.0.0.1:{wport}", f"http://127.0.0.1:{control_port}"
     loop = asyncio.get_running_loop()
     try:
@@ -293,12 +308,7 @@ async def run_soak(s: SoakSettings) -> SoakReport:
             report.restarts = status["restarts"]
             report.budget_remaining_end = status["restart_budget_remaining"]
     finally:
-        up.send_signal(signal.SIGTERM)
-        try:
-            report.exit_code = up.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            up.kill()
-            report.exit_code = up.wait()
+        report.exit_code = await asyncio.to_thread(_stop_up, up)
         log.close()
     return report
 
