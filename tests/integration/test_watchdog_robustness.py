@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import random
 from collections.abc import AsyncIterator
@@ -67,6 +68,22 @@ class ExplodingNvml:
         raise RuntimeError("cannot shut down")
 
 
+@contextlib.asynccontextmanager
+async def serve_everything(handler: Any) -> AsyncIterator[str]:
+    """A loopback HTTP server that sends every method and path to `handler`."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
 @pytest.fixture
 async def garbage_server() -> AsyncIterator[tuple[str, dict[str, int]]]:
     hits = {"empty_cache": 0, "drain": 0, "memory": 0}
@@ -84,15 +101,8 @@ async def garbage_server() -> AsyncIterator[tuple[str, dict[str, int]]]:
         status, ctype, body = next(cycle)
         return web.Response(status=status, content_type=ctype.split(";")[0], text=body)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}", hits
-    await runner.cleanup()
+    async with serve_everything(handler) as url:
+        yield url, hits
 
 
 def settings(control_url: str) -> Any:
@@ -134,15 +144,8 @@ async def hanging_api() -> AsyncIterator[str]:
             await asyncio.sleep(3)
         return web.Response(status=201, content_type="application/json", text='{"kind": "Status", "broken": ')
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    yield f"http://127.0.0.1:{port}"
-    await runner.cleanup()
+    async with serve_everything(handler) as url:
+        yield url
 
 
 def api_client(url: str) -> client.ApiClient:
