@@ -180,7 +180,9 @@ class Watchdog:
         if self.history.restart_in_progress:
             return
         sample = await self.canary.sample()
-        if sample.error_class == "unreachable" and self.control is not None:
+        if not sample.ok and self.control is not None and (
+                sample.error_class == "unreachable" or "(401)" in (sample.error or "")):
+            # The inference container may have (re)written the token file since we last read it.
             self.control.set_token(self._read_token() or self._token)
         self.history.canaries.append(sample)
         if sample.ok:
@@ -280,6 +282,10 @@ class Watchdog:
         finally:
             self.history.epoch = self.clock()
             self.history.restart_in_progress = keep_unready
+            if not keep_unready:
+                # Readiness needs a canary newer than the restart: take one now rather than at the
+                # next interval (30 s by default), so a served-again model is routed to at once.
+                self._spawn(self._sample_canary())
 
     # -- views -------------------------------------------------------------------------------
 
