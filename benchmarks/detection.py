@@ -41,7 +41,7 @@ def serving(api: str) -> bool:
 
 
 def run_profile(name: str, out: Path) -> list[dict[str, Any]]:
-    cfg = out / f"detection-{name}.yaml"
+    cfg = out / "logs" / f"detection-{name}.yaml"
     cfg.write_text(yaml.safe_dump(PROFILES[name] or {"canary": {"interval": "30s"}}))
     port, control, wport = free_port(), free_port(), free_port()
     token = f"detect-{port}"

@@ -46,7 +46,7 @@ def rss_bytes(pid: int) -> int:
 
 def start_watchdog(server_control: str, token: str, rate: str, out: Path) -> tuple[Running, str]:
     port = free_port()
-    cfg = out / f"watchdog-{rate}.yaml"
+    cfg = out / "logs" / f"watchdog-{rate}.yaml"
     cfg.write_text(yaml.safe_dump({**RATES[rate], "target": {"control_url": server_control, "token_file": None},
                                    "restart": {"strategy": "none"}, "server": {"host": "127.0.0.1", "port": port}}))
     running = start(["run", "--config", str(cfg)], out / "logs" / f"overhead-watchdog-{rate}.log",
