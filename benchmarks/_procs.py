@@ -66,8 +66,9 @@ def wait_ok(url: str, running: Running, timeout: float = 180.0) -> None:
 
 
 @dataclass
-class Server:
-    running: Running
+class Endpoints:
+    """Where one inference server listens, and its control token."""
+
     port: int
     control_port: int
     token: str
@@ -81,13 +82,18 @@ class Server:
         return f"http://127.0.0.1:{self.control_port}"
 
 
+@dataclass
+class Server(Endpoints):
+    running: Running
+
+
 def serve(flags: list[str], log: Path) -> Server:
     port, control = free_port(), free_port()
     token = f"bench-{port}"
     running = start(["serve", "--host", "127.0.0.1", "--port", str(port), "--control-port", str(control), *flags],
                     log, env={"GPU_WATCHDOG_TOKEN": token})
     wait_ok(f"http://127.0.0.1:{port}/readyz", running)
-    return Server(running, port, control, token)
+    return Server(port, control, token, running)
 
 
 def machine() -> str:

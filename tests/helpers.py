@@ -12,7 +12,7 @@ from typing import Any
 
 import requests
 
-from benchmarks._procs import free_port, stop_process
+from benchmarks._procs import Endpoints, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -54,19 +54,8 @@ def wait_http(url: str, proc: Proc, timeout: float = 90.0, status: int = 200) ->
 
 
 @dataclass
-class Server:
+class Server(Endpoints):
     proc: Proc
-    port: int
-    control_port: int
-    token: str
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    @property
-    def control(self) -> str:
-        return f"http://127.0.0.1:{self.control_port}"
 
     def auth(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.token}"}
@@ -91,7 +80,7 @@ def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
     proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
                   "--control-port", str(control_port), *flags], tmp_path / f"{name}-{port}.log",
                  env={"GPU_WATCHDOG_TOKEN": token, **(env or {})})
-    server = Server(proc, port, control_port, token)
+    server = Server(port, control_port, token, proc)
     try:
         wait_http(server.url + "/readyz", proc)
     except BaseException:

@@ -143,10 +143,32 @@ def _drift_signals(settings: PolicySettings, h: History) -> dict[str, Any]:
     return signals
 
 
+def _sample_drifting(settings: PolicySettings, prev: TorchSample | None, cur: TorchSample) -> bool:
+    f = settings.fragmentation
+    if cur.reserved_bytes > 0 and cur.fragmentation_ratio >= f.ratio:
+        return True
+    return prev is not None and cur.reserved_bytes > 0 and cur.alloc_retries > prev.alloc_retries
+
+
+def _episode_start(settings: PolicySettings, h: History) -> float:
+    """When the current drift began: just after the last allocator sample that showed none.
+
+    A flush that cured an earlier episode must not count against this one, or a pod whose
+    fragmentation empty_cache keeps fixing would eventually be restarted for it.
+    """
+    samples = h.torch_since_epoch()
+    for i in range(len(samples) - 1, -1, -1):
+        prev = samples[i - 1] if i > 0 else None
+        if not _sample_drifting(settings, prev, samples[i]):
+            return samples[i].at
+    return h.epoch
+
+
 def _fragmentation_attempts(settings: PolicySettings, h: History, now: float) -> list[float]:
     window = settings.fragmentation.window
+    start = max(h.epoch, _episode_start(settings, h))
     return [a.at for a in h.actions
-            if a.action == "empty_cache" and a.reason == "fragmentation_drift" and a.at >= h.epoch
+            if a.action == "empty_cache" and a.reason == "fragmentation_drift" and a.at >= start
             and now - a.at < window]
 
 

@@ -153,6 +153,22 @@ def test_fragmentation_that_persists_restarts_after_the_attempts() -> None:
     assert restarted_at is not None and restarted_at == flushes + 1
 
 
+def test_repeated_drift_that_each_flush_cures_never_restarts() -> None:
+    s = settings()
+    h = history()
+    t = 0.0
+    for _episode in range(6):  # more episodes than empty_cache_attempts, all inside one window
+        t += 1
+        _drift(h, t, fixed=False)
+        [d] = decide(s, h, t + 0.1)
+        assert (d.action, d.reason) == ("empty_cache", "fragmentation_drift")
+        h.actions.append(ActionRecord(t + 0.1, "empty_cache", d.reason))
+        for _ in range(3):
+            t += 1
+            _drift(h, t, fixed=True)
+            assert decide(s, h, t + 0.1) == []
+
+
 def test_alloc_retries_count_as_drift() -> None:
     h = history()
     h.torch.extend([torch(1, retries=0), torch(2, retries=4)])
