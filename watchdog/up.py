@@ -152,7 +152,7 @@ def up_settings(args: argparse.Namespace) -> Settings:
     return replace(settings, "server", port=args.watchdog_port)
 
 
-async def _up(args: argparse.Namespace, settings: Settings, token: str) -> int:
+async def _up(args: argparse.Namespace, settings: Settings, token: str, token_path: str | None) -> int:
     env = {**os.environ, ENV_VAR: token}
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
     supervisor = ChildSupervisor(serve_argv(args), env, f"http://{host}:{args.port}/readyz")
@@ -174,7 +174,8 @@ async def _up(args: argparse.Namespace, settings: Settings, token: str) -> int:
     banner = [
         "gpu-watchdog up: both processes are running",
         f"  inference API  http://{host}:{args.port}   POST /v1/completions /predict /stream, GET /readyz /metrics",
-        f"  control API    http://127.0.0.1:{args.control_port}   bearer token (from {ENV_VAR} or the token file)",
+        f"  control API    http://127.0.0.1:{args.control_port}   bearer token in "
+        + (token_path or f"${ENV_VAR}"),
         f"  watchdog       http://{host}:{watchdog.port}   GET /status /readyz /healthz /metrics",
         f"  try: curl -s localhost:{args.port}/v1/completions -d '{{\"prompt\": \"hello\", \"max_tokens\": 16}}'",
         "  Ctrl-C stops both.",
@@ -203,7 +204,7 @@ def up_main(args: argparse.Namespace, parser: Any) -> int:
     if path:
         log.info("control_token", token_file=path)
     try:
-        return asyncio.run(_up(args, settings, token))
+        return asyncio.run(_up(args, settings, token, path))
     except OSError as exc:
         print(f"gpu-watchdog up: {exc}", file=sys.stderr)
         return 2
