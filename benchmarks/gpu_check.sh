@@ -26,15 +26,23 @@ step() { echo; echo "=== [$SECONDS s] $*"; }
 
 step "environment"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi not available"
-VENV=${GPU_CHECK_VENV:-.venv-gpu}
-if [ ! -x "$VENV/bin/python" ]; then
-  python3 -m venv "$VENV"
-  "$VENV/bin/python" -m pip install -q --upgrade pip
-  "$VENV/bin/python" -m pip install -q torch==2.13.0
-  "$VENV/bin/python" -m pip install -q -e '.[inference,dev]'
+NEEDED='import torch, transformers, aiohttp, prometheus_client, structlog, kubernetes, yaml, pynvml, requests, tokenizers'
+if [ -z "${GPU_CHECK_VENV:-}" ] && python3 -c "$NEEDED" 2>/dev/null; then
+  # A GPU image with the packages already there (possibly offline): run from the checkout as is.
+  PY=python3
+  export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+  echo "using the system python3 and its packages (no install)"
+else
+  VENV=${GPU_CHECK_VENV:-.venv-gpu}
+  if [ ! -x "$VENV/bin/python" ]; then
+    python3 -m venv "$VENV"
+    "$VENV/bin/python" -m pip install -q --upgrade pip
+    "$VENV/bin/python" -m pip install -q torch==2.13.0
+    "$VENV/bin/python" -m pip install -q -e '.[inference,dev]'
+  fi
+  PY="$VENV/bin/python"
 fi
-PY="$VENV/bin/python"
-GW="$VENV/bin/gpu-watchdog"
+gw() { "$PY" -m watchdog "$@"; }
 CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$OUT/torch.txt"
 if [ "$CUDA" != 1 ] && [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
@@ -58,7 +66,7 @@ PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"
 export GPU_WATCHDOG_TOKEN=gpu-check-token
-"$GW" serve --device "$DEVICE" --host 127.0.0.1 --port 18400 --control-port 18401 > "$OUT/serve-builtin.log" 2>&1 &
+"$PY" -m watchdog serve --device "$DEVICE" --host 127.0.0.1 --port 18400 --control-port 18401 > "$OUT/serve-builtin.log" 2>&1 &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do curl -sf localhost:18400/readyz >/dev/null && break; sleep 0.5; done
@@ -79,7 +87,7 @@ PYEOF
 kill $SERVE; wait $SERVE 2>/dev/null || true; trap - EXIT
 
 step "3a. planner measuring the built-in model"
-"$GW" plan --max-input 512 --max-output 512 | tee "$OUT/plan-builtin.txt" || echo "(plan needs CUDA: skipped)"
+gw plan --max-input 512 --max-output 512 | tee "$OUT/plan-builtin.txt" || echo "(plan needs CUDA: skipped)"
 
 step "3b. planner measuring a generated model of a few GB"
 BIG="$OUT/model-big"
@@ -88,7 +96,7 @@ if [ "$CUDA" = 1 ]; then
 else
   "$PY" -m benchmarks.make_model "$BIG" --hidden 128 --layers 2 --heads 4 --vocab 512 --context 1024
 fi
-"$GW" plan --model "$BIG" --max-input 2048 --max-output 1024 | tee "$OUT/plan-big.txt" || echo "(plan needs CUDA: skipped)"
+gw plan --model "$BIG" --max-input 2048 --max-output 1024 | tee "$OUT/plan-big.txt" || echo "(plan needs CUDA: skipped)"
 
 step "4. concurrency sweep: unbounded vs semaphore vs full, long outputs, a small GPU share"
 if [ "$CUDA" = 1 ]; then
