@@ -19,7 +19,7 @@ class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
     temperature: float = 0.0
-    on_text: Callable[[str], None] | None = None
+    on_text: Callable[[str], object] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
 
 

@@ -21,10 +21,6 @@ from watchdog import logs
 
 log = logs.get("inference.http")
 
-def void(_: object) -> None:
-    """Drop a value (a Handle) so a lambda fits a callback typed to return None."""
-
-
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SERVICE_KEY = web.AppKey("service", InferenceService)
 
@@ -196,7 +192,7 @@ class PublicAPI:
         loop = asyncio.get_running_loop()
         pieces: asyncio.Queue[str | None] = asyncio.Queue()
         gen = GenRequest(ids, params.max_tokens, params.temperature,
-                         on_text=lambda piece: void(loop.call_soon_threadsafe(pieces.put_nowait, piece)))
+                         on_text=lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece))
         task = asyncio.ensure_future(
             self.service.scheduler.submit(gen, timeout=self.service.settings.queue_timeout, batchable=False))
         task.add_done_callback(lambda _: pieces.put_nowait(None))

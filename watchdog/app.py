@@ -32,10 +32,6 @@ log = logs.get("watchdog")
 TICK_S = 0.5
 
 
-def void(_: object) -> None:
-    """Drop a value (a Handle) so a lambda fits a callback typed to return None."""
-
-
 class Watchdog:
     def __init__(
         self,
@@ -83,7 +79,7 @@ class Watchdog:
                                     openai_url=s.target.openai_url, openai_model=s.target.openai_model)
         self.nvml = NvmlSampler(self._nvml_backend, self.clock)
         await asyncio.to_thread(self.nvml.open)
-        self.nvml.start_xid_watch(lambda ev: void(loop.call_soon_threadsafe(self._on_xid, ev)))
+        self.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
         if serve_http:
             app = build_app(self.metrics.registry, self.healthy, self.ready, self.status)
             self._runner = web.AppRunner(app, handle_signals=False, access_log=None)

@@ -131,7 +131,7 @@ class Settings:
     server: ServerSettings = ServerSettings()
 
 
-def _substitute(value: str, path: str, errors: list[str]) -> str:
+def _substitute(value: str) -> str:
     def repl(m: re.Match[str]) -> str:
         return os.environ.get(m.group(1), "")
 
@@ -184,7 +184,7 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, errors: li
         if not isinstance(value, str):
             errors.append(f"{path}: expected a string, got {value!r}")
             return None
-        value = _substitute(value, path, errors)
+        value = _substitute(value)
         choices = meta.get("choices")
         if choices and value not in choices:
             errors.append(f"{path}: must be one of {', '.join(choices)}, got {value!r}")
@@ -220,11 +220,11 @@ def _build(cls: type[Any], data: Any, path: str, errors: list[str]) -> Any:
         if name not in data:
             tp = hints[name]
             if dataclasses.is_dataclass(tp) and isinstance(tp, type):
-                kwargs[name] = _build(tp, {}, f"{path}.{name}" if path else name, errors)
+                kwargs[name] = _build(tp, {}, _join(path, name), errors)
             elif isinstance(f.default, str) and _ENV_REF.search(f.default):
-                kwargs[name] = _substitute(f.default, name, errors)
+                kwargs[name] = _substitute(f.default)
             continue
-        where = f"{path}.{name}" if path else name
+        where = _join(path, name)
         converted = _convert(data[name], hints[name], f.metadata, where, errors)
         if converted is not None or data[name] is None:
             kwargs[name] = converted

@@ -117,21 +117,29 @@ def _hang(settings: PolicySettings, h: History) -> Decision | None:
                     drain=False, instance_id=recent[-1].instance_id or _latest_instance(h))
 
 
+def _sample_signals(settings: PolicySettings, prev: TorchSample | None, cur: TorchSample) -> dict[str, Any]:
+    """Fragmentation evidence in one allocator sample (against the one before it); empty when none."""
+    signals: dict[str, Any] = {}
+    if cur.reserved_bytes <= 0:
+        return signals
+    if cur.fragmentation_ratio >= settings.fragmentation.ratio:
+        signals["fragmentation_ratio"] = round(cur.fragmentation_ratio, 4)
+        signals["reserved_bytes"] = cur.reserved_bytes
+        signals["allocated_bytes"] = cur.allocated_bytes
+    if prev is not None and cur.alloc_retries > prev.alloc_retries:
+        signals["alloc_retries_delta"] = cur.alloc_retries - prev.alloc_retries
+    if cur.injected and signals:
+        signals["injected"] = True
+    return signals
+
+
 def _drift_signals(settings: PolicySettings, h: History) -> dict[str, Any]:
     """Evidence of fragmentation in the latest figures; empty when there is none."""
     f = settings.fragmentation
     signals: dict[str, Any] = {}
     torch = h.torch_since_epoch()
     if torch:
-        last = torch[-1]
-        if last.reserved_bytes > 0 and last.fragmentation_ratio >= f.ratio:
-            signals["fragmentation_ratio"] = round(last.fragmentation_ratio, 4)
-            signals["reserved_bytes"] = last.reserved_bytes
-            signals["allocated_bytes"] = last.allocated_bytes
-        if len(torch) >= 2 and last.alloc_retries > torch[-2].alloc_retries and last.reserved_bytes > 0:
-            signals["alloc_retries_delta"] = last.alloc_retries - torch[-2].alloc_retries
-        if last.injected and signals:
-            signals["injected"] = True
+        signals = _sample_signals(settings, torch[-2] if len(torch) >= 2 else None, torch[-1])
     if f.latency_factor > 0:
         oks = [c.latency_s for c in h.canaries_since_epoch() if c.ok]
         if len(oks) >= 8:
@@ -143,13 +151,6 @@ def _drift_signals(settings: PolicySettings, h: History) -> dict[str, Any]:
     return signals
 
 
-def _sample_drifting(settings: PolicySettings, prev: TorchSample | None, cur: TorchSample) -> bool:
-    f = settings.fragmentation
-    if cur.reserved_bytes > 0 and cur.fragmentation_ratio >= f.ratio:
-        return True
-    return prev is not None and cur.reserved_bytes > 0 and cur.alloc_retries > prev.alloc_retries
-
-
 def _episode_start(settings: PolicySettings, h: History) -> float:
     """When the current drift began: just after the last allocator sample that showed none.
 
@@ -159,7 +160,7 @@ def _episode_start(settings: PolicySettings, h: History) -> float:
     samples = h.torch_since_epoch()
     for i in range(len(samples) - 1, -1, -1):
         prev = samples[i - 1] if i > 0 else None
-        if not _sample_drifting(settings, prev, samples[i]):
+        if not _sample_signals(settings, prev, samples[i]):
             return samples[i].at
     return h.epoch
 

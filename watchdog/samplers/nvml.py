@@ -184,7 +184,7 @@ class NvmlSampler:
             return self._read(uuid)
         return await asyncio.to_thread(self._read, uuid)
 
-    def start_xid_watch(self, deliver: Callable[[XidEvent], None]) -> None:
+    def start_xid_watch(self, deliver: Callable[[XidEvent], object]) -> None:
         """Wait on the NVML event set in a thread: the wait blocks."""
         if not self._opened or self._xid_thread is not None:
             return
