@@ -46,6 +46,7 @@ def main() -> None:
     conc = tuple(int(c) for c in args.concurrency.split(","))
     out = Path(args.out)
     results: list[StepResult] = []
+    report = ""
     for mode, flags in modes(args.slots, args.max_batch).items():
         extra = ["--device", args.device] + (["--model", args.model] if args.model else [])
         if args.memory_fraction:
@@ -60,24 +61,30 @@ def main() -> None:
             print(f"{mode}: {time.monotonic() - started:.1f}s", flush=True)
         finally:
             server.running.stop()
+        # After every mode, so a run cut short (a time limit on a borrowed GPU) still leaves its figures.
+        report = write_report(args, results, out)
+    print(report)
+
+
+def write_report(args: argparse.Namespace, results: list[StepResult], out: Path) -> str:
     report = "\n\n".join([
         f"# Concurrency sweep ({args.stem})",
         f"Machine: {machine()}",
         f"Model: {args.model or 'built-in'}; {args.requests} requests per step; prompt {args.prompt_len} chars;"
         f" max_tokens {args.max_tokens}; clients retry 503s with backoff (200 ms x 2^n, Retry-After honoured,"
         f" at most 5 tries). Semaphore and CPU `auto` both use {args.slots} slots; full batches up to"
-        f" {args.max_batch} within a 50 ms window.",
+        f" {args.max_batch} within a 50 ms window."
+        + (f" Each server capped at {args.memory_fraction} of the GPU's memory." if args.memory_fraction else ""),
         markdown_table(results),
         "## full / semaphore (same run)",
         ratio_table(results, "full", "semaphore"),
         "## full / unbounded (same run)",
         ratio_table(results, "full", "unbounded"),
     ])
-    print(report)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{args.stem}.md").write_text(report + "\n", encoding="utf-8")
     write_files(results, out, args.stem)
-
+    return report
 
 if __name__ == "__main__":
     main()

@@ -9,9 +9,9 @@
 #   2. real torch.cuda.memory_stats figures through the control API of a CUDA server,
 #   3. the planner measuring M_base / M_peak on the built-in model and on a generated model of a
 #      few GB (random init, no download),
-#   4. the concurrency sweep in all three modes at high concurrency with long outputs, on a GPU
-#      share small enough (--memory-fraction) that `unbounded` meets real OOMs, and whether `full`
-#      stays at zero errors.
+#   4. the concurrency sweep in all three modes at high concurrency with long prompts, on a GPU
+#      share small enough (--memory-fraction; GPU_CHECK_SHARE_GIB, default 9) that `unbounded`
+#      meets real OOMs, and whether `full` stays at zero errors.
 # Everything lands in RESULTS_DIR (default gpu-check-<timestamp>): logs, JSON, Markdown, PNG.
 # GPU_CHECK_ALLOW_CPU=1 runs the same steps on a machine without a GPU (CUDA-only steps report
 # themselves as skipped) to check the script itself.
@@ -66,12 +66,13 @@ PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"
 export GPU_WATCHDOG_TOKEN=gpu-check-token
-"$PY" -m watchdog serve --device "$DEVICE" --host 127.0.0.1 --port 18400 --control-port 18401 > "$OUT/serve-builtin.log" 2>&1 &
+read -r PORT CONTROL_PORT < <("$PY" -c 'from benchmarks._procs import free_port; print(free_port(), free_port())')
+"$PY" -m watchdog serve --device "$DEVICE" --host 127.0.0.1 --port "$PORT" --control-port "$CONTROL_PORT" > "$OUT/serve-builtin.log" 2>&1 &
 SERVE=$!
 trap 'kill $SERVE 2>/dev/null || true' EXIT
-for _ in $(seq 1 300); do curl -sf localhost:18400/readyz >/dev/null && break; sleep 0.5; done
-for i in $(seq 1 8); do curl -s localhost:18400/v1/completions -d "{\"prompt\": \"warm $i\", \"max_tokens\": 64}" >/dev/null; done
-curl -s -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" localhost:18401/control/memory | tee "$OUT/memory.json"; echo
+for _ in $(seq 1 300); do curl -sf "localhost:$PORT/readyz" >/dev/null && break; sleep 0.5; done
+for i in $(seq 1 8); do curl -s "localhost:$PORT/v1/completions" -d "{\"prompt\": \"warm $i\", \"max_tokens\": 64}" >/dev/null; done
+curl -s -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" "localhost:$CONTROL_PORT/control/memory" | tee "$OUT/memory.json"; echo
 "$PY" - "$OUT/memory.json" "$OUT/nvml.json" <<'PYEOF'
 import json, sys
 m = json.load(open(sys.argv[1])); n = json.load(open(sys.argv[2]))[-1]
@@ -90,19 +91,26 @@ step "3a. planner measuring the built-in model"
 gw plan --max-input 512 --max-output 512 | tee "$OUT/plan-builtin.txt" || echo "(plan needs CUDA: skipped)"
 
 step "3b. planner measuring a generated model of a few GB"
-BIG="$OUT/model-big"
+# Outside the results folder: a few GB of weights must not travel with the results.
+BIG="$(mktemp -d)/model-big"
+trap 'rm -rf "$(dirname "$BIG")"' EXIT
 if [ "$CUDA" = 1 ]; then
-  "$PY" -m benchmarks.make_model "$BIG" --hidden 2048 --layers 24 --heads 16 --vocab 32000 --context 4096
+  # Wide and shallow (1.5 B parameters, 2.7 GiB in bf16): big enough for real memory figures, few
+  # enough layers that Python's per-token overhead keeps the sweep below within the time budget.
+  "$PY" -m benchmarks.make_model "$BIG" --hidden 4096 --layers 6 --heads 32 --vocab 32000 --context 4096
 else
   "$PY" -m benchmarks.make_model "$BIG" --hidden 128 --layers 2 --heads 4 --vocab 512 --context 1024
 fi
 gw plan --model "$BIG" --max-input 2048 --max-output 1024 | tee "$OUT/plan-big.txt" || echo "(plan needs CUDA: skipped)"
 
-step "4. concurrency sweep: unbounded vs semaphore vs full, long outputs, a small GPU share"
+step "4. concurrency sweep: unbounded vs semaphore vs full, long prompts, a small GPU share"
 if [ "$CUDA" = 1 ]; then
-  FRACTION=${GPU_CHECK_FRACTION:-0.12}
-  "$PY" -m benchmarks.concurrency --device cuda --model "$BIG" --concurrency 8,32,96 --requests 96 \
-    --prompt-len 2048 --max-tokens 256 --slots 8 --max-batch 16 --memory-fraction "$FRACTION" \
+  # A share of the card (default 9 GiB: the model plus ~6 GiB) small enough that 64 unbounded
+  # sequences of 2048+128 tokens (~210 MiB of KV cache each) cannot all fit, while 8 can.
+  FRACTION=${GPU_CHECK_FRACTION:-$("$PY" -c "import torch, os; share = float(os.environ.get('GPU_CHECK_SHARE_GIB', '9')) * 2**30; print(round(min(0.95, share / torch.cuda.get_device_properties(0).total_memory), 4))")}
+  echo "each server capped at $FRACTION of the GPU's memory"
+  "$PY" -m benchmarks.concurrency --device cuda --model "$BIG" --concurrency 16,64 --requests 64 \
+    --prompt-len 2048 --max-tokens 128 --slots 8 --max-batch 16 --memory-fraction "$FRACTION" \
     --out "$OUT" --stem sweep-gpu
 else
   "$PY" -m benchmarks.concurrency --device cpu --concurrency 2,8 --requests 8 --max-tokens 8 \
@@ -113,11 +121,12 @@ import json, pathlib, sys
 out = pathlib.Path(sys.argv[1])
 for f in sorted(out.glob("sweep-*.json")):
     rows = json.load(open(f))
-    full_errors = sum(r["errors"] for r in rows if r["mode"] == "full")
-    unbounded = [r for r in rows if r["mode"] == "unbounded"]
-    ooms = sum(r["error_kinds"].get("http_503", 0) for r in unbounded)
-    print(f"{f.name}: full errors after retries = {full_errors}; unbounded 503s after retries = {ooms}")
+    for mode in ("unbounded", "semaphore", "full"):
+        log = out / "logs" / f"{f.stem}-{mode}.log"
+        ooms = sum('"event": "oom"' in line for line in log.read_text(errors="replace").splitlines()) if log.exists() else 0
+        errors = sum(r["errors"] for r in rows if r["mode"] == mode)
+        retries = sum(r["retries"] for r in rows if r["mode"] == mode)
+        print(f"{f.name} {mode}: OOMs inside the server {ooms}, retries {retries}, errors after retries {errors}")
 PYEOF
-rm -rf "$BIG"
 step "done in $SECONDS s; results in $OUT"
 ls -la "$OUT"

@@ -6,6 +6,10 @@ One `full`-mode server; the load runs at concurrency 16 alternately with no side
 sidecar at default rates and at 10x default rates (A/B/C interleaved, repeated), so drift hits all
 variants alike. Then the sidecar watches an idle server for a while: CPU seconds (from /proc,
 scaled to an hour), RSS, and CPU time per sampling tick.
+
+Throughput differences under 1 % drown in run-to-run noise on a small machine, so the cost is
+also accounted directly: the sidecar's CPU plus the extra server CPU its canaries and allocator
+reads cause (server idle with vs without the sidecar), as a share of the machine's cores.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ RATES = {
                                                                                           "timeout": "10s"}},
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
+CORES = os.cpu_count() or 1
 
 
 def cpu_seconds(pid: int) -> float:
@@ -74,7 +79,11 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     server = serve(["--max-concurrency", "auto", "--batch-window-ms", "50"], out / "logs" / "overhead-server.log")
     runs: dict[str, list[tuple[float, float]]] = {"none": [], "default": [], "10x": []}
+    # Sidecar CPU seconds and machine CPU-seconds (wall x cores) summed over the loaded runs: a
+    # single run lasts seconds, below what /proc's 10 ms ticks resolve at default rates.
+    load_cpu: dict[str, list[float]] = {"default": [0.0, 0.0], "10x": [0.0, 0.0]}
     idle: dict[str, dict[str, float]] = {}
+    server_pid = server.running.proc.pid
     try:
         for _ in range(args.reps):
             for variant in ("none", "default", "10x"):
@@ -82,28 +91,35 @@ def main() -> None:
                 if variant != "none":
                     wd, _url = start_watchdog(server.control, server.token, variant, out)
                 try:
+                    c0 = cpu_seconds(wd.proc.pid) if wd is not None else 0.0
                     s = BenchSettings(url=server.url, concurrency=(args.concurrency,),
                                       requests_per_step=args.requests, label=variant)
                     [r] = asyncio.run(run_sweep(s, show_progress=False))
                     runs[variant].append((r.throughput_rps, r.p99_s))
+                    if wd is not None:
+                        load_cpu[variant][0] += cpu_seconds(wd.proc.pid) - c0
+                        load_cpu[variant][1] += r.wall_s * CORES
                     print(f"{variant}: {r.throughput_rps:.2f} req/s p99 {r.p99_s:.3f}s errors {r.errors}", flush=True)
                 finally:
                     if wd is not None:
                         wd.stop()
-        for variant in ("default", "10x"):
-            wd, url = start_watchdog(server.control, server.token, variant, out)
+        for variant in ("none", "default", "10x"):
+            wd, url = start_watchdog(server.control, server.token, variant, out) if variant != "none" else (None, "")
             try:
                 time.sleep(2.0)
-                pid = wd.proc.pid
-                c0, t0, k0 = cpu_seconds(pid), time.monotonic(), ticks(url)
+                s0, t0 = cpu_seconds(server_pid), time.monotonic()
+                c0, k0 = (cpu_seconds(wd.proc.pid), ticks(url)) if wd is not None else (0.0, 0.0)
                 time.sleep(args.idle_seconds)
-                c1, t1, k1 = cpu_seconds(pid), time.monotonic(), ticks(url)
-                idle[variant] = {"cpu_s_per_hour": (c1 - c0) * 3600.0 / (t1 - t0), "rss_mib": rss_bytes(pid) / 2**20,
-                                 "cpu_ms_per_tick": 1000.0 * (c1 - c0) / max(1.0, k1 - k0),
-                                 "ticks": k1 - k0}
+                s1, t1 = cpu_seconds(server_pid), time.monotonic()
+                c1, k1 = (cpu_seconds(wd.proc.pid), ticks(url)) if wd is not None else (0.0, 0.0)
+                idle[variant] = {"cpu_s_per_hour": (c1 - c0) * 3600.0 / (t1 - t0),
+                                 "server_cpu_s_per_hour": (s1 - s0) * 3600.0 / (t1 - t0),
+                                 "rss_mib": rss_bytes(wd.proc.pid) / 2**20 if wd is not None else 0.0,
+                                 "cpu_ms_per_tick": 1000.0 * (c1 - c0) / max(1.0, k1 - k0), "ticks": k1 - k0}
                 print(f"idle {variant}: {idle[variant]}", flush=True)
             finally:
-                wd.stop()
+                if wd is not None:
+                    wd.stop()
     finally:
         server.running.stop()
 
@@ -121,10 +137,26 @@ def main() -> None:
     for variant in ("none", "default", "10x"):
         tp, p99 = med(variant, 0), med(variant, 1)
         lines.append(f"| {variant} | {tp:.2f} | {tp / med('none', 0):.3f}x | {p99:.3f} | {p99 / med('none', 1):.3f}x |")
-    lines += ["", f"Idle watching ({args.idle_seconds:.0f} s measured, scaled to one hour; CPU from /proc):", "",
-              "| rates | CPU s per hour | CPU ms per sampling tick | RSS MiB |", "|---|---:|---:|---:|"]
-    for variant, v in idle.items():
-        lines.append(f"| {variant} | {v['cpu_s_per_hour']:.1f} | {v['cpu_ms_per_tick']:.2f} | {v['rss_mib']:.1f} |")
+    lines += ["", f"Idle watching ({args.idle_seconds:.0f} s per variant, scaled to one hour; CPU from /proc):",
+              "", "| rates | sidecar CPU s/h | CPU ms per sampling tick | RSS MiB | server CPU s/h | vs no sidecar |",
+              "|---|---:|---:|---:|---:|---:|"]
+    base = idle["none"]["server_cpu_s_per_hour"]
+    for variant in ("default", "10x"):
+        v = idle[variant]
+        lines.append(f"| {variant} | {v['cpu_s_per_hour']:.1f} | {v['cpu_ms_per_tick']:.2f} | {v['rss_mib']:.1f} |"
+                     f" {v['server_cpu_s_per_hour']:.1f} | {v['server_cpu_s_per_hour'] - base:+.1f} |")
+    lines += ["", f"Server idle without a sidecar: {base:.1f} CPU s/h.", "",
+              f"Accounted cost (what the sidecar consumes, resolvable where throughput noise is not): its own CPU"
+              f" plus the server CPU its canaries and allocator reads add, as a share of this machine's"
+              f" {CORES} cores; and the sidecar's own CPU during all loaded runs together (ticks of 10 ms).", "",
+              "| rates | idle: sidecar + server extra, CPU s/h | share of the machine | under load: sidecar CPU s"
+              " | share of the machine |", "|---|---:|---:|---:|---:|"]
+    for variant in ("default", "10x"):
+        v = idle[variant]
+        cost = v["cpu_s_per_hour"] + max(0.0, v["server_cpu_s_per_hour"] - base)
+        used, capacity = load_cpu[variant]
+        lines.append(f"| {variant} | {cost:.1f} | {100 * cost / (3600 * CORES):.3f} % | {used:.2f} |"
+                     f" {100 * used / capacity:.3f} % |")
     lines += ["", "Raw runs (req/s, p99 s): " + "; ".join(f"{k}: {v}" for k, v in runs.items())]
     report = "\n".join(lines)
     print(report)

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import codecs
-from dataclasses import dataclass
+import inspect
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -98,6 +99,22 @@ class LoadedModel:
     # Token ids the built-in model may emit (printable ASCII): random weights would otherwise
     # produce control bytes. None for real models.
     allowed_tokens: torch.Tensor | None
+    # Extra forward() arguments; see `last_logits_only`.
+    forward_extra: dict[str, Any] = field(default_factory=dict)
+
+
+def last_logits_only(model: Any) -> dict[str, Any]:
+    """Ask for the last position's logits only, where the model supports it.
+
+    Generation reads nothing else, and the full [batch, prompt, vocab] tensor is the largest
+    activation of a long prefill (2048 tokens x 32000 vocab in bf16 = 125 MiB per sequence):
+    memory that would otherwise count against the admission budget for nothing.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return {}
+    return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
 
 
 def pick_device(requested: str) -> torch.device:
@@ -159,6 +176,7 @@ def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
         dtype=dtype,
         context_len=int(config.max_position_embeddings),
         allowed_tokens=allowed,
+        forward_extra=last_logits_only(model),
     )
 
 
@@ -184,6 +202,7 @@ def load_pretrained(path: str, device: torch.device) -> LoadedModel:
         dtype=dtype,
         context_len=int(min(int(ctx), 1 << 20)),
         allowed_tokens=None,
+        forward_extra=last_logits_only(model),
     )
 
 

@@ -53,6 +53,9 @@ class CanaryResult:
     error: str | None = None
 
 
+_UNLIMITED_WORKERS = 1_000_000
+
+
 class Scheduler:
     def __init__(
         self,
@@ -85,8 +88,10 @@ class Scheduler:
         self._queued = 0
         self._inflight = 0
         self._batches_running = 0
-        # Threads wait at the gate, so the pool must be larger than the gate's capacity.
-        self._executor = ThreadPoolExecutor(max_workers=max(32, max_batch_size * 4), thread_name_prefix="gpu")
+        # The gate and the queue bound are the limits. A pool with a size of its own would be a third,
+        # hidden one: a configured limit above it would silently not apply (and `unbounded` would not
+        # be). Workers start lazily, so the pool only grows to queued + admitted batches.
+        self._executor = ThreadPoolExecutor(max_workers=_UNLIMITED_WORKERS, thread_name_prefix="gpu")
         self._canary_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="canary")
         self._batcher: asyncio.Task[None] | None = None
         self.oom_count = 0

@@ -234,6 +234,22 @@ def test_admission_never_lets_more_than_the_limit_into_the_gpu_section(tmp_path:
         srv.proc.stop()
 
 
+def test_a_limit_above_the_thread_pool_default_still_applies_exactly(tmp_path: Path) -> None:
+    # 40 slots: more than a typical fixed worker pool (32). The engine must see all 40 at once,
+    # or a configured limit (and the benchmarks' `unbounded` mode) would be silently capped.
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "40", "--batch-window-ms", "0")
+    try:
+        srv.fault("slow", delay_s=0.4)
+        with ThreadPoolExecutor(48) as pool:
+            results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(48)))
+        assert [r.status_code for r in results] == [200] * 48
+        m = srv.memory()
+        assert m["engine"]["peak_active_sequences"] == 40
+        assert m["admission"]["peak_holders"] == 40
+    finally:
+        srv.proc.stop()
+
+
 def test_queue_timeout_gives_503_with_retry_after(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "1", "--batch-window-ms", "0",
                        "--queue-timeout", "0.5")

@@ -1,0 +1,43 @@
+"""Generation asks the model for the last position's logits only, and answers exactly as before."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from inference.engine import Engine, GenRequest
+from inference.model import last_logits_only, load_builtin
+
+
+def _texts(engine: Engine, prompts: list[str]) -> list[str]:
+    codec = engine.lm.codec
+    results = engine.generate([GenRequest(prompt_ids=codec.encode(p), max_tokens=12) for p in prompts])
+    return [r.text for r in results]
+
+
+def test_last_logits_only_gives_the_same_answers_as_full_logits() -> None:
+    lm = load_builtin(torch.device("cpu"))
+    assert lm.forward_extra == {"logits_to_keep": 1}
+    ids = torch.tensor([lm.codec.encode("twelve bytes")])
+    with torch.no_grad():
+        assert lm.model(input_ids=ids, **lm.forward_extra).logits.shape[1] == 1
+    # Different lengths: the batch is left-padded, so "last position" must be each row's own last token.
+    prompts = ["a", "a much longer prompt than the first one", "mid-sized prompt"]
+    trimmed = _texts(Engine(lm), prompts)
+    full = _texts(Engine(dataclasses.replace(lm, forward_extra={})), prompts)
+    assert trimmed == full
+    assert len(set(trimmed)) == 3
+
+
+def test_models_without_the_argument_get_no_extra_arguments() -> None:
+    class Plain(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+            return input_ids
+
+    class Trimming(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, logits_to_keep: int = 0) -> torch.Tensor:
+            return input_ids
+
+    assert last_logits_only(Plain()) == {}
+    assert last_logits_only(Trimming()) == {"logits_to_keep": 1}
