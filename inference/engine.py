@@ -39,6 +39,8 @@ class EngineProbe:
     peak_active_sequences: int
     forward_batches: int
     largest_batch: int
+    # Distinct threads that ran a forward pass: on CUDA each keeps a cuBLAS workspace.
+    threads: int
 
 
 class Engine:
@@ -50,6 +52,7 @@ class Engine:
         self._peak_active = 0
         self._batches = 0
         self._largest_batch = 0
+        self._threads: set[int] = set()
         self.poisoned: str | None = None
 
     @property
@@ -58,7 +61,8 @@ class Engine:
 
     def probe(self) -> EngineProbe:
         with self._lock:
-            return EngineProbe(self._active, self._peak_active, self._batches, self._largest_batch)
+            return EngineProbe(self._active, self._peak_active, self._batches, self._largest_batch,
+                               len(self._threads))
 
     def reset_peak(self) -> None:
         with self._lock:
@@ -77,6 +81,7 @@ class Engine:
             self._peak_active = max(self._peak_active, self._active)
             self._batches += 1
             self._largest_batch = max(self._largest_batch, n)
+            self._threads.add(threading.get_ident())
         try:
             if self.faults is not None:
                 self.faults.before_forward()

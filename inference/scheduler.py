@@ -67,6 +67,7 @@ class Scheduler:
         batch_window_s: float,
         max_batch_size: int,
         max_queue: int,
+        gpu_threads: int,
         memory_watermark: float,
         on_fatal: Callable[[str], None],
         clock: Callable[[], float] = time.monotonic,
@@ -88,10 +89,16 @@ class Scheduler:
         self._queued = 0
         self._inflight = 0
         self._batches_running = 0
-        # The gate and the queue bound are the limits. A pool with a size of its own would be a third,
-        # hidden one: a configured limit above it would silently not apply (and `unbounded` would not
-        # be). Workers start lazily, so the pool only grows to queued + admitted batches.
-        self._executor = ThreadPoolExecutor(max_workers=_UNLIMITED_WORKERS, thread_name_prefix="gpu")
+        # Two pools. Batches wait for admission on `_waiters`: the gate and the queue bound are the
+        # limits, so that pool has none of its own (a third, hidden limit would silently override a
+        # configured one); its threads start lazily and never touch CUDA. Admitted batches run on
+        # `_runners`, sized to the admission limit: every thread that runs a forward pass keeps a
+        # cuBLAS handle and workspace (up to 32 MiB each on recent GPUs) for as long as it lives,
+        # memory the planner does not see, so their number must follow the admission limit, not the
+        # number of requests that ever queued.
+        self._waiters = ThreadPoolExecutor(max_workers=_UNLIMITED_WORKERS, thread_name_prefix="admission")
+        self._runners = ThreadPoolExecutor(max_workers=max(1, gpu_threads), thread_name_prefix="gpu")
+        self._gpu_threads = max(1, gpu_threads)
         self._canary_executor = ThreadPoolExecutor(max_workers=4, thread_name_prefix="canary")
         self._batcher: asyncio.Task[None] | None = None
         self.oom_count = 0
@@ -105,8 +112,20 @@ class Scheduler:
     async def stop(self) -> None:
         if self._batcher is not None:
             self._batcher.cancel()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+        self._waiters.shutdown(wait=False, cancel_futures=True)
+        with self._lock:
+            self._runners.shutdown(wait=False, cancel_futures=True)
         self._canary_executor.shutdown(wait=False, cancel_futures=True)
+
+    def set_gpu_threads(self, n: int) -> None:
+        """Follow a changed admission limit; the old runners finish their batches, then exit."""
+        n = max(1, n)
+        with self._lock:
+            if n == self._gpu_threads:
+                return
+            old, self._runners = self._runners, ThreadPoolExecutor(max_workers=n, thread_name_prefix="gpu")
+            self._gpu_threads = n
+        old.shutdown(wait=False)
 
     @property
     def queued(self) -> int:
@@ -184,7 +203,7 @@ class Scheduler:
     def _dispatch(self, jobs: list[Job]) -> None:
         loop = asyncio.get_running_loop()
         self._batches_running += 1
-        fut = loop.run_in_executor(self._executor, self._run_batch, jobs)
+        fut = loop.run_in_executor(self._waiters, self._run_batch, jobs)
 
         def deliver(done: asyncio.Future[list[Outcome]]) -> None:
             self._batches_running -= 1
@@ -224,7 +243,9 @@ class Scheduler:
             if self.engine.poisoned is not None:
                 return [FatalCudaError(self.engine.poisoned) for _ in jobs]
             self.metrics.batch_size.observe(len(jobs))
-            return self._generate_recovering(jobs)
+            with self._lock:
+                run = self._runners.submit(self._generate_recovering, jobs)
+            return run.result()
         finally:
             self.gate.release(weight)
             with self._lock:

@@ -84,7 +84,8 @@ class InferenceService:
         self.scheduler = Scheduler(
             self.engine, self.gate, self.metrics, self.admission.cost,
             batch_window_s=s.batch_window_ms / 1000.0, max_batch_size=s.max_batch_size,
-            max_queue=s.max_queue, memory_watermark=s.memory_watermark, on_fatal=self._on_fatal_threadsafe,
+            max_queue=s.max_queue, gpu_threads=self.admission.limit, memory_watermark=s.memory_watermark,
+            on_fatal=self._on_fatal_threadsafe,
         )
         self.scheduler.start()
         log.info("admission", mode=self.admission.mode, limit=self.admission.limit,
@@ -160,6 +161,8 @@ class InferenceService:
     def set_admission_limit(self, limit: int) -> None:
         assert self.gate is not None and self.admission is not None
         self.gate.set_capacity(self.admission.capacity_for(limit))
+        assert self.scheduler is not None
+        self.scheduler.set_gpu_threads(limit)
         self.admission = Admission(self.admission.mode, self.gate.capacity, limit, self.admission.cost_model,
                                    self.admission.worst_case_tokens, self.admission.plan, "control api")
         self.metrics.admission_limit.set(limit)
@@ -235,6 +238,7 @@ class InferenceService:
                 "peak_active_sequences": probe.peak_active_sequences,
                 "forward_batches": probe.forward_batches,
                 "largest_batch": probe.largest_batch,
+                "threads": probe.threads,
             },
             faults=None if self.faults is None else self.faults.describe(),
         )

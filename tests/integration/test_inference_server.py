@@ -230,6 +230,9 @@ def test_admission_never_lets_more_than_the_limit_into_the_gpu_section(tmp_path:
         # Observed by the engine itself (sequences inside generate), not the gate's bookkeeping.
         assert m["engine"]["peak_active_sequences"] == 2
         assert m["admission"]["peak_holders"] == 2
+        # 16 requests queued, but forward passes ran on the 2 admitted threads (+1 that warmed the
+        # model up): on CUDA each such thread keeps a cuBLAS workspace for life.
+        assert m["engine"]["threads"] <= 3
     finally:
         srv.proc.stop()
 
@@ -246,6 +249,23 @@ def test_a_limit_above_the_thread_pool_default_still_applies_exactly(tmp_path: P
         m = srv.memory()
         assert m["engine"]["peak_active_sequences"] == 40
         assert m["admission"]["peak_holders"] == 40
+    finally:
+        srv.proc.stop()
+
+
+def test_a_raised_limit_applies_at_once(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "2", "--batch-window-ms", "0")
+    try:
+        r = srv.ctl("POST", "/control/admission", {"limit": 6})
+        assert r.status_code == 200, r.text
+        srv.fault("slow", delay_s=0.3)
+        with ThreadPoolExecutor(12) as pool:
+            results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(12)))
+        assert [r.status_code for r in results] == [200] * 12
+        m = srv.memory()
+        assert m["admission"]["limit"] == 6
+        assert m["engine"]["peak_active_sequences"] == 6
+        assert m["engine"]["threads"] <= 6 + 1
     finally:
         srv.proc.stop()
 
