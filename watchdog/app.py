@@ -14,7 +14,7 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from watchdog import logs, policy
+from watchdog import idle_memory, logs, policy
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.config import ConfigError, Settings, load
 from watchdog.control_client import ControlClient, ControlError
@@ -49,6 +49,7 @@ class Watchdog:
         self.metrics = WatchdogMetrics(self.snapshot)
         self.decisions: list[dict[str, Any]] = []
         self.restart_failed: str | None = None
+        self.idle_memory: idle_memory.IdleMemory | None = None
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
         self._tasks: list[asyncio.Task[Any]] = []
@@ -169,7 +170,26 @@ class Watchdog:
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
             self.control.set_token(self._read_token())
         self.history.torch.append(sample)
+        self._follow_idle_memory(sample)
         await self._evaluate()
+
+    def _follow_idle_memory(self, sample: TorchSample) -> None:
+        before = self.idle_memory
+        self.idle_memory = after = idle_memory.observe(before, sample)
+        if after is None:
+            return
+        # A new process starts from its own baseline: only a change within one process is news.
+        was = before is not None and before.instance_id == after.instance_id and before.growing
+        if after.growing == was:
+            return
+        figures = {"baseline_bytes": after.baseline_bytes, "idle_active_bytes": after.current_bytes,
+                   "growth_bytes": after.growth_bytes, "growth_ratio": round(after.growth_ratio, 4),
+                   "since_s": round(after.at - after.first_at, 1), "instance_id": after.instance_id}
+        if after.growing:
+            # Report only: a leak is not a failure until it OOMs (handled), and max_age bounds it.
+            log.warning("idle_memory_growth", action="none", warn_ratio=idle_memory.WARN_RATIO, **figures)
+        else:
+            log.info("idle_memory_back_to_baseline", **figures)
 
     async def _sample_canary(self) -> None:
         assert self.canary is not None
@@ -313,6 +333,7 @@ class Watchdog:
             canary=h.canaries[-1] if h.canaries else None,
             budget_remaining=policy.budget_remaining(self.settings.policy, h, self.clock()),
             states=self.states(),
+            idle_memory=self.idle_memory,
         )
 
     def healthy(self) -> tuple[bool, dict[str, Any]]:
@@ -348,6 +369,9 @@ class Watchdog:
             "restart_failed": self.restart_failed,
             "last_samples": {"gpu": asdict(h.gpu), "torch": asdict(last_torch),
                              "canary": asdict(h.canaries[-1] if h.canaries else None)},
+            "idle_memory": None if self.idle_memory is None else {
+                **dataclasses.asdict(self.idle_memory), "growth_bytes": self.idle_memory.growth_bytes,
+                "growth_ratio": round(self.idle_memory.growth_ratio, 6), "growing": self.idle_memory.growing},
             "last_decisions": self.decisions[-20:],
             "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
         }

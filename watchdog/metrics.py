@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from watchdog.idle_memory import IdleMemory
 from watchdog.samples import CanarySample, GpuSample, TorchSample
 
 P = "gpu_watchdog_"
@@ -26,6 +27,7 @@ class Snapshot:
     canary: CanarySample | None = None
     budget_remaining: int = 0
     states: frozenset[str] = frozenset()
+    idle_memory: IdleMemory | None = None
 
 
 class SnapshotCollector(Collector):
@@ -69,6 +71,16 @@ class SnapshotCollector(Collector):
                 cfam = CounterMetricFamily(P + name, doc, labels=labels)
                 cfam.add_metric([t.device], float(value))
                 yield cfam
+        m = s.idle_memory
+        if m is not None:  # CUDA only: without an allocator there is nothing to follow
+            for name, doc, value in (
+                ("idle_memory_growth_bytes", "Active bytes at idle above this process's first idle figure",
+                 float(m.growth_bytes)),
+                ("idle_memory_growth_ratio", "idle_memory_growth_bytes as a share of the GPU's memory", m.growth_ratio),
+            ):
+                fam = GaugeMetricFamily(P + name, doc, labels=["device"])
+                fam.add_metric(["cuda"], value)
+                yield fam
         c = s.canary
         fam = GaugeMetricFamily(P + "canary_success", "1 when the last canary inference succeeded")
         fam.add_metric([], 1.0 if c is not None and c.ok else 0.0)
