@@ -6,7 +6,8 @@
 # From a fresh checkout with only python3 + pip: makes its own venv (torch from PyPI, which is a
 # CUDA build on Linux x86_64), then checks
 #   1. NVML through the watchdog's sampler (memory, utilization, temperature, power, UUID),
-#   2. real torch.cuda.memory_stats figures through the control API of a CUDA server,
+#   2. real torch.cuda.memory_stats figures through the control API of a CUDA server, then the
+#      watchdog itself watching that server (NVML, allocator, canary, idle-memory baseline),
 #   3. the planner measuring M_base / M_peak on the built-in model and on a generated model of a
 #      few GB (random init, no download),
 #   4. the concurrency sweep in all three modes at high concurrency with long prompts, on a GPU
@@ -22,6 +23,7 @@ mkdir -p "$OUT"
 exec > >(tee "$OUT/gpu_check.log") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1
 SECONDS=0
+FAILED=  # steps whose checks failed; the run goes on so one failure does not hide the rest
 step() { echo; echo "=== [$SECONDS s] $*"; }
 
 step "environment"
@@ -66,18 +68,26 @@ PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"
 export GPU_WATCHDOG_TOKEN=gpu-check-token
-read -r PORT CONTROL_PORT < <("$PY" -c 'from benchmarks._procs import free_port; print(free_port(), free_port())')
+read -r PORT CONTROL_PORT WPORT < <("$PY" -c 'from benchmarks._procs import free_port; print(free_port(), free_port(), free_port())')
 "$PY" -m watchdog serve --device "$DEVICE" --host 127.0.0.1 --port "$PORT" --control-port "$CONTROL_PORT" > "$OUT/serve-builtin.log" 2>&1 &
 SERVE=$!
-trap 'kill $SERVE 2>/dev/null || true' EXIT
+WD=
+trap 'kill $SERVE $WD 2>/dev/null || true' EXIT
 for _ in $(seq 1 300); do curl -sf "localhost:$PORT/readyz" >/dev/null && break; sleep 0.5; done
-for i in $(seq 1 8); do curl -s "localhost:$PORT/v1/completions" -d "{\"prompt\": \"warm $i\", \"max_tokens\": 64}" >/dev/null; done
+CLIENTS=()
+for i in $(seq 1 16); do
+  curl -s "localhost:$PORT/v1/completions" -d "{\"prompt\": \"warm $i\", \"max_tokens\": 64}" >/dev/null & CLIENTS+=($!)
+done
+wait "${CLIENTS[@]}"
 curl -s -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" "localhost:$CONTROL_PORT/control/memory" | tee "$OUT/memory.json"; echo
-"$PY" - "$OUT/memory.json" "$OUT/nvml.json" <<'PYEOF'
+"$PY" - "$OUT/memory.json" "$OUT/nvml.json" <<'PYEOF' || FAILED="$FAILED 2"
 import json, sys
 m = json.load(open(sys.argv[1])); n = json.load(open(sys.argv[2]))[-1]
 print("device", m["device"], "reserved", m["reserved_bytes"], "allocated", m["allocated_bytes"],
-      "fragmentation", round(m["fragmentation_ratio"], 4), "admission", m["admission"])
+      "active", m["active_bytes"], "fragmentation", round(m["fragmentation_ratio"], 4))
+print("admission", m["admission"], "engine", m["engine"])
+# Forward passes run on at most `limit` threads (+1 that warmed up), however many requests queued.
+assert m["engine"]["threads"] <= m["admission"]["limit"] + 1, "more GPU threads than the admission limit"
 if m["device"] == "cuda":
     assert m["reserved_bytes"] > 0 and m["total_bytes"] > 0, "CUDA allocator figures missing"
     assert n.get("uuid") in (None, m["uuid"]) or not n["available"], f"UUID mismatch: {m['uuid']} vs NVML {n['uuid']}"
@@ -85,7 +95,38 @@ if m["device"] == "cuda":
 else:
     print("cpu: allocator figures are zeros by design (skipped)")
 PYEOF
-kill $SERVE; wait $SERVE 2>/dev/null || true; trap - EXIT
+
+step "2b. the watchdog watching that server: NVML, allocator, canary, idle memory"
+cat > "$OUT/watchdog.yaml" <<YAML
+target: {control_url: "http://127.0.0.1:$CONTROL_PORT", token_file: null}
+sampling: {nvml_interval: 500ms, torch_interval: 1s}
+canary: {interval: 2s, timeout: 10s}
+restart: {strategy: none}
+server: {host: 127.0.0.1, port: $WPORT}
+YAML
+"$PY" -m watchdog run --config "$OUT/watchdog.yaml" > "$OUT/watchdog.log" 2>&1 &
+WD=$!
+for _ in $(seq 1 120); do curl -sf "localhost:$WPORT/readyz" >/dev/null && break; sleep 0.5; done
+sleep 3  # a few allocator samples at idle: the baseline for idle memory growth
+curl -s "localhost:$WPORT/status" > "$OUT/watchdog-status.json"
+curl -s "localhost:$WPORT/metrics" > "$OUT/watchdog-metrics.txt"
+"$PY" - "$OUT/watchdog-status.json" "$OUT/memory.json" <<'PYEOF' || FAILED="$FAILED 2b"
+import json, sys
+st = json.load(open(sys.argv[1])); m = json.load(open(sys.argv[2]))
+gpu, torch = st["last_samples"]["gpu"], st["last_samples"]["torch"]
+print("states", st["states"], "ready", st["ready"], "nvml", st["nvml"])
+print("idle memory", st["idle_memory"])
+assert st["ready"], "the watchdog never saw a successful canary"
+assert torch and torch["reachable"], "no allocator sample through the control API"
+if m["device"] == "cuda":
+    assert gpu and gpu["available"] and gpu["uuid"] == m["uuid"], f"NVML did not follow the server's GPU: {gpu}"
+    assert st["idle_memory"] and st["idle_memory"]["baseline_bytes"] > 0, "no idle-memory baseline on CUDA"
+    print("watchdog on a real GPU: OK")
+else:
+    assert st["idle_memory"] is None, "idle memory must not be followed without a CUDA allocator"
+    print("cpu: NVML and idle memory skipped")
+PYEOF
+kill $WD $SERVE; wait $WD $SERVE 2>/dev/null || true; trap - EXIT
 
 step "3a. planner measuring the built-in model"
 gw plan --max-input 512 --max-output 512 | tee "$OUT/plan-builtin.txt" || echo "(plan needs CUDA: skipped)"
@@ -130,3 +171,5 @@ for f in sorted(out.glob("sweep-*.json")):
 PYEOF
 step "done in $SECONDS s; results in $OUT"
 ls -la "$OUT"
+if [ -n "$FAILED" ]; then echo "CHECKS FAILED in step(s):$FAILED"; exit 1; fi
+echo "all checks passed"

@@ -32,6 +32,9 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert len(nvml) == 3 and all("available" in s for s in nvml)
     memory = json.loads((out / "memory.json").read_text())
     assert memory["device"] in ("cpu", "cuda") and memory["admission"]["limit"] >= 1
+    status = json.loads((out / "watchdog-status.json").read_text())
+    assert status["ready"] is True and status["last_samples"]["torch"]["reachable"] is True
+    assert "gpu_watchdog_canary_success 1.0" in (out / "watchdog-metrics.txt").read_text()
     stem = "sweep-gpu" if memory["device"] == "cuda" else "sweep-cpu-dry-run"
     for suffix in (".md", ".csv", ".json", ".png"):
         assert (out / f"{stem}{suffix}").stat().st_size > 0, suffix
@@ -39,6 +42,6 @@ def test_gpu_check_dry_run_writes_every_result(tmp_path: Path) -> None:
     assert {r["mode"] for r in rows} == {"unbounded", "semaphore", "full"}
     assert sum(r["errors"] for r in rows if r["mode"] == "full") == 0
     assert f"{stem}.json full: OOMs inside the server" in log
-    assert "done in" in log
+    assert "done in" in log and "all checks passed" in log
     # The generated model (a few GB on a GPU) goes to the temp folder, not the results, and is removed again.
     assert list(scratch.rglob("model-big")) == [] and list(scratch.rglob("*.safetensors")) == []
