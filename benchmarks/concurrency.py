@@ -86,5 +86,6 @@ def write_report(args: argparse.Namespace, results: list[StepResult], out: Path)
     write_files(results, out, args.stem)
     return report
 
+
 if __name__ == "__main__":
     main()

@@ -67,6 +67,10 @@ def ticks(url: str) -> float:
                if line.startswith("gpu_watchdog_sample_duration_seconds_count"))
 
 
+def sidecar_cpu_and_ticks(wd: Running | None, url: str) -> tuple[float, float]:
+    return (cpu_seconds(wd.proc.pid), ticks(url)) if wd is not None else (0.0, 0.0)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--requests", type=int, default=160)
@@ -108,10 +112,10 @@ def main() -> None:
             try:
                 time.sleep(2.0)
                 s0, t0 = cpu_seconds(server_pid), time.monotonic()
-                c0, k0 = (cpu_seconds(wd.proc.pid), ticks(url)) if wd is not None else (0.0, 0.0)
+                c0, k0 = sidecar_cpu_and_ticks(wd, url)
                 time.sleep(args.idle_seconds)
                 s1, t1 = cpu_seconds(server_pid), time.monotonic()
-                c1, k1 = (cpu_seconds(wd.proc.pid), ticks(url)) if wd is not None else (0.0, 0.0)
+                c1, k1 = sidecar_cpu_and_ticks(wd, url)
                 idle[variant] = {"cpu_s_per_hour": (c1 - c0) * 3600.0 / (t1 - t0),
                                  "server_cpu_s_per_hour": (s1 - s0) * 3600.0 / (t1 - t0),
                                  "rss_mib": rss_bytes(wd.proc.pid) / 2**20 if wd is not None else 0.0,

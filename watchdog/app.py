@@ -141,15 +141,9 @@ class Watchdog:
 
     # -- samplers ----------------------------------------------------------------------------
 
-    def _our_uuid(self) -> str | None:
-        for t in reversed(self.history.torch):
-            if t.uuid:
-                return t.uuid
-        return None
-
     async def _sample_nvml(self) -> None:
         assert self.nvml is not None
-        self.history.gpu = await self.nvml.sample(self._our_uuid())
+        self.history.gpu = await self.nvml.sample(self.history.torch_uuid())
         if self.history.gpu.lost:
             log.error("gpu_lost", uuid=self.history.gpu.uuid, reason=self.history.gpu.reason)
         await self._evaluate()
@@ -158,7 +152,7 @@ class Watchdog:
         gpu = self.history.gpu
         index = "" if gpu is None or gpu.index is None or gpu.uuid != ev.uuid else str(gpu.index)
         self.metrics.xid_errors.labels(gpu=index, uuid=ev.uuid or "", xid=str(ev.xid)).inc()
-        ours = self._our_uuid()
+        ours = self.history.torch_uuid()
         log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, ours=ours is None or ev.uuid == ours,
                     critical=ev.xid in policy.XID_CRITICAL)
         self.history.xids.append(ev)

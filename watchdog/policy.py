@@ -100,10 +100,7 @@ def _context_loss(h: History) -> Decision | None:
 
 
 def _our_uuid(h: History) -> str | None:
-    for t in reversed(h.torch):
-        if t.uuid:
-            return t.uuid
-    return h.gpu.uuid if h.gpu is not None else None
+    return h.torch_uuid() or (h.gpu.uuid if h.gpu is not None else None)
 
 
 def _hang(settings: PolicySettings, h: History) -> Decision | None:

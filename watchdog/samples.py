@@ -89,6 +89,13 @@ class History:
     def canaries_since_epoch(self) -> list[CanarySample]:
         return [c for c in self.canaries if c.at >= self.epoch]
 
+    def torch_uuid(self) -> str | None:
+        """The GPU the inference process last said it runs on."""
+        for t in reversed(self.torch):
+            if t.uuid:
+                return t.uuid
+        return None
+
     def torch_since_epoch(self) -> list[TorchSample]:
         return [t for t in self.torch if t.at >= self.epoch and t.reachable]
 

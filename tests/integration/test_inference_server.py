@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -25,6 +26,15 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
 def complete(srv: Server, prompt: str, max_tokens: int, **extra: object) -> requests.Response:
     return requests.post(srv.url + "/v1/completions", json={"prompt": prompt, "max_tokens": max_tokens, **extra},
                          timeout=60)
+
+
+def flood(srv: Server, requests_n: int, delay_s: float) -> dict[str, Any]:
+    """Slow every forward pass, send `requests_n` requests at once, all must succeed; the memory report after."""
+    srv.fault("slow", delay_s=delay_s)
+    with ThreadPoolExecutor(requests_n) as pool:
+        results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(requests_n)))
+    assert [r.status_code for r in results] == [200] * requests_n
+    return srv.memory()
 
 
 def test_completion_has_exactly_max_tokens_and_usage(server: Server) -> None:
@@ -222,11 +232,7 @@ def test_fault_injection_is_off_by_default(tmp_path: Path) -> None:
 def test_admission_never_lets_more_than_the_limit_into_the_gpu_section(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "2", "--batch-window-ms", "0")
     try:
-        srv.fault("slow", delay_s=0.15)
-        with ThreadPoolExecutor(16) as pool:
-            results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(16)))
-        assert [r.status_code for r in results] == [200] * 16
-        m = srv.memory()
+        m = flood(srv, 16, delay_s=0.15)
         # Observed by the engine itself (sequences inside generate), not the gate's bookkeeping.
         assert m["engine"]["peak_active_sequences"] == 2
         assert m["admission"]["peak_holders"] == 2
@@ -242,11 +248,7 @@ def test_a_limit_above_the_thread_pool_default_still_applies_exactly(tmp_path: P
     # or a configured limit (and the benchmarks' `unbounded` mode) would be silently capped.
     srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "40", "--batch-window-ms", "0")
     try:
-        srv.fault("slow", delay_s=0.4)
-        with ThreadPoolExecutor(48) as pool:
-            results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(48)))
-        assert [r.status_code for r in results] == [200] * 48
-        m = srv.memory()
+        m = flood(srv, 48, delay_s=0.4)
         assert m["engine"]["peak_active_sequences"] == 40
         assert m["admission"]["peak_holders"] == 40
     finally:
@@ -258,11 +260,7 @@ def test_a_raised_limit_applies_at_once(tmp_path: Path) -> None:
     try:
         r = srv.ctl("POST", "/control/admission", {"limit": 6})
         assert r.status_code == 200, r.text
-        srv.fault("slow", delay_s=0.3)
-        with ThreadPoolExecutor(12) as pool:
-            results = list(pool.map(lambda i: complete(srv, f"request {i}", 3), range(12)))
-        assert [r.status_code for r in results] == [200] * 12
-        m = srv.memory()
+        m = flood(srv, 12, delay_s=0.3)
         assert m["admission"]["limit"] == 6
         assert m["engine"]["peak_active_sequences"] == 6
         assert m["engine"]["threads"] <= 6 + 1
