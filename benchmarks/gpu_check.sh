@@ -58,7 +58,8 @@ import asyncio, dataclasses, json, sys, time
 from watchdog.samplers.nvml import NvmlSampler, PynvmlBackend
 s = NvmlSampler(PynvmlBackend(), time.monotonic)
 s.open()
-samples = [dataclasses.asdict(asyncio.run(s.sample(None))) for _ in range(3)]
+# None: the one GPU NVML sees (with several visible and none named, the sampler reads none).
+samples = [dataclasses.asdict(asyncio.run(s.sample(None)).gpus[0]) for _ in range(3)]
 s.close()
 json.dump(samples, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(samples[-1], indent=2))
@@ -98,8 +99,9 @@ PYEOF
 
 step "2b. the watchdog watching that server: NVML, allocator, canary, idle memory"
 cat > "$OUT/watchdog.yaml" <<YAML
-target: {control_url: "http://127.0.0.1:$CONTROL_PORT", token_file: null}
-sampling: {nvml_interval: 500ms, torch_interval: 1s}
+target: {control_url: "http://127.0.0.1:$CONTROL_PORT", token_file: null,
+         metrics_url: "http://127.0.0.1:$PORT/metrics"}
+sampling: {nvml_interval: 500ms, torch_interval: 1s, server_interval: 1s}
 canary: {interval: 2s, timeout: 10s}
 restart: {strategy: none}
 server: {host: 127.0.0.1, port: $WPORT}
@@ -113,8 +115,11 @@ curl -s "localhost:$WPORT/metrics" > "$OUT/watchdog-metrics.txt"
 "$PY" - "$OUT/watchdog-status.json" "$OUT/memory.json" <<'PYEOF' || FAILED="$FAILED 2b"
 import json, sys
 st = json.load(open(sys.argv[1])); m = json.load(open(sys.argv[2]))
-gpu, torch = st["last_samples"]["gpu"], st["last_samples"]["torch"]
-print("states", st["states"], "ready", st["ready"], "nvml", st["nvml"])
+gpus, torch = st["last_samples"]["gpus"], st["last_samples"]["torch"]
+gpu = gpus[0] if gpus else None
+print("states", st["states"], "ready", st["ready"], "nvml", st["nvml"], "gpus", st["gpus"])
+print("server metrics", st["server_metrics"])
+assert st["server_metrics"]["last"] and st["server_metrics"]["last"]["server"] == "bundled", "own /metrics not read"
 print("idle memory", st["idle_memory"])
 assert st["ready"], "the watchdog never saw a successful canary"
 assert torch and torch["reachable"], "no allocator sample through the control API"

@@ -12,6 +12,11 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+CHAT_TEMPLATE = (
+    "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
 
 def build_tokenizer(vocab_size: int) -> object:
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -26,7 +31,9 @@ def build_tokenizer(vocab_size: int) -> object:
     tok = Tokenizer(models.BPE(vocab=byte_vocab, merges=[]))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
-    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+    # A plain chat template, so that chat endpoints (vLLM's, ours) serve the model too.
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>",
+                                   chat_template=CHAT_TEMPLATE)
 
 
 def make(directory: Path, hidden: int, layers: int, heads: int, vocab: int, context: int, seed: int) -> Path:

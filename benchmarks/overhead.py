@@ -28,10 +28,10 @@ from benchmarks._procs import ROOT, Running, free_port, machine, serve, start, w
 from watchdog.bench import BenchSettings, run_sweep
 
 RATES = {
-    "default": {"sampling": {"nvml_interval": "1s", "torch_interval": "5s"}, "canary": {"interval": "30s",
-                                                                                        "timeout": "10s"}},
-    "10x": {"sampling": {"nvml_interval": "100ms", "torch_interval": "500ms"}, "canary": {"interval": "3s",
-                                                                                          "timeout": "10s"}},
+    "default": {"sampling": {"nvml_interval": "1s", "torch_interval": "5s", "server_interval": "5s"},
+                "canary": {"interval": "30s", "timeout": "10s"}},
+    "10x": {"sampling": {"nvml_interval": "100ms", "torch_interval": "500ms", "server_interval": "500ms"},
+            "canary": {"interval": "3s", "timeout": "10s"}},
 }
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 CORES = os.cpu_count() or 1

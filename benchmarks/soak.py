@@ -245,7 +245,7 @@ async def _injector(session: aiohttp.ClientSession, s: SoakSettings, rng: random
 
 def _config(budget: int) -> dict[str, Any]:
     return {
-        "sampling": {"nvml_interval": "1s", "torch_interval": "300ms"},
+        "sampling": {"nvml_interval": "1s", "torch_interval": "300ms", "server_interval": "500ms"},
         "canary": {"interval": "500ms", "timeout": "3s"},
         "policy": {"memory_pressure": {"cooldown": "1s"},
                    "fragmentation": {"ratio": 0.3, "window": "10m", "empty_cache_attempts": 2},

@@ -44,9 +44,13 @@ class EngineProbe:
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, faults: FaultInjector | None = None) -> None:
+    def __init__(self, lm: LoadedModel, faults: FaultInjector | None = None,
+                 on_tokens: Callable[[int], object] | None = None) -> None:
         self.lm = lm
         self.faults = faults
+        # Called with each step's new tokens, not at the end of a request: a watcher reads the
+        # counter as proof of progress, and a long generation must not look like a stalled one.
+        self.on_tokens = on_tokens
         self._lock = threading.Lock()
         self._active = 0
         self._peak_active = 0
@@ -130,6 +134,7 @@ class Engine:
                 logits = logits.masked_fill(~lm.allowed_tokens[: logits.shape[-1]], float("-inf"))
             next_ids = self._sample(logits, temps, greedy)
             host_ids = next_ids.tolist()
+            before = sum(produced)
             for i, r in enumerate(requests):
                 if done[i]:
                     continue
@@ -147,6 +152,8 @@ class Engine:
                     done[i] = True
                 elif r.cancelled.is_set():
                     done[i], finish[i] = True, "cancelled"
+            if self.on_tokens is not None and sum(produced) > before:
+                self.on_tokens(sum(produced) - before)
             if all(done):
                 break
             ids = next_ids[:, None]

@@ -142,7 +142,6 @@ class PublicAPI:
         result = await self.service.scheduler.submit(
             GenRequest(ids, params.max_tokens, params.temperature), timeout=self.service.settings.queue_timeout)
         request["completion_tokens"] = result.completion_tokens
-        self.service.metrics.tokens.inc(result.completion_tokens)
         return result
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
@@ -242,7 +241,6 @@ class PublicAPI:
             return response
         result = task.result()
         request["completion_tokens"] = result.completion_tokens
-        self.service.metrics.tokens.inc(result.completion_tokens)
         if sse:
             await response.write(text_chunk("", result.finish_reason))
             await response.write(b"data: [DONE]\n\n")

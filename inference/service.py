@@ -75,7 +75,7 @@ class InferenceService:
             torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
         t0 = self._loop.time()
         lm = await asyncio.to_thread(model_mod.load, s.model, device)
-        self.engine = Engine(lm, self.faults)
+        self.engine = Engine(lm, self.faults, on_tokens=self.metrics.tokens.inc)
         log.info("model_loaded", model=lm.name, device=str(device), dtype=str(lm.dtype).replace("torch.", ""),
                  context_len=lm.context_len, seconds=round(self._loop.time() - t0, 3))
         self.admission = await asyncio.to_thread(self._size_admission)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
+import functools
 import hashlib
 import random
 import signal
@@ -14,17 +14,20 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from watchdog import idle_memory, logs, policy
+from watchdog import idle_memory, logs, policy, views
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
-from watchdog.config import ConfigError, Settings, load
+from watchdog.config import ConfigError, Settings, load, metrics_url
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision
 from watchdog.samplers.allocator import AllocatorSampler
-from watchdog.samplers.canary import CanarySampler
+from watchdog.samplers.canary import CanarySampler, OpenAICanary
 from watchdog.samplers.nvml import NvmlBackend, NvmlSampler, PynvmlBackend
-from watchdog.samples import ActionRecord, CanarySample, History, TorchSample, XidEvent
+from watchdog.samplers.pod_resources import list_pod_gpus
+from watchdog.samplers.server_metrics import ServerMetricsSampler
+from watchdog.samples import History, TorchSample, XidEvent
 from watchdog.server import build_app
+from watchdog.state import CacheFlushRequested, PodGpus, RestartBegun, RestartEnded, reduce
 from watchdog.token import read_token
 
 log = logs.get("watchdog")
@@ -33,25 +36,33 @@ TICK_S = 0.5
 
 
 class Watchdog:
+    """Wiring and loops: samplers produce outcomes, `state.reduce` folds them in, `policy.decide`
+    turns the history into decisions, and the executor methods perform them and report back."""
+
     def __init__(
         self,
         settings: Settings,
         restarter: Restarter,
         nvml_backend: NvmlBackend | None = None,
         token: str | None = None,
+        pod_gpus: Callable[[], tuple[str, ...] | None] | None = None,
     ) -> None:
         self.settings = settings
         self.restarter = restarter
         self._nvml_backend = nvml_backend or PynvmlBackend()
         self._token = token
+        self._pod_gpus = pod_gpus if pod_gpus is not None else _pod_gpus_reader(settings)
         self.clock: Callable[[], float] = lambda: 0.0
         self.history = History(started_at=0.0)
         self.metrics = WatchdogMetrics(self.snapshot)
         self.decisions: list[dict[str, Any]] = []
         self.restart_failed: str | None = None
         self.idle_memory: idle_memory.IdleMemory | None = None
+        self.pod_gpus_error: str | None = None
+        self.server_metrics_url = metrics_url(settings.target)
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
+        self._saturated = False
         self._tasks: list[asyncio.Task[Any]] = []
         self._actions: set[asyncio.Task[Any]] = set()
         self._session: aiohttp.ClientSession | None = None
@@ -60,7 +71,8 @@ class Watchdog:
         self.nvml: NvmlSampler | None = None
         self.control: ControlClient | None = None
         self.allocator: AllocatorSampler | None = None
-        self.canary: CanarySampler | None = None
+        self.canary: CanarySampler | OpenAICanary | None = None
+        self.server_metrics: ServerMetricsSampler | None = None
         self.port: int | None = None
 
     # -- lifecycle ---------------------------------------------------------------------------
@@ -73,14 +85,23 @@ class Watchdog:
         self.history = History(started_at=now, epoch=now, jitter=self._jitter())
         self._last_tick = now
         self._session = aiohttp.ClientSession()
-        token = self._token or self._read_token()
-        self.control = ControlClient(s.target.control_url, token, self._session)
-        self.allocator = AllocatorSampler(self.control, self.clock)
-        self.canary = CanarySampler(self.clock, s.canary.timeout, client=self.control, session=self._session,
-                                    openai_url=s.target.openai_url, openai_model=s.target.openai_model)
+        if s.target.openai_url is None:
+            token = self._token or self._read_token()
+            self.control = ControlClient(s.target.control_url, token, self._session)
+            self.allocator = AllocatorSampler(self.control, self.clock)
+            self.canary = CanarySampler(self.control, self.clock, s.canary.timeout)
+        else:
+            self.canary = OpenAICanary(s.target.openai_url, s.target.openai_model, s.target.api_key_file,
+                                       self._session, self.clock, s.canary.timeout)
+        if self.server_metrics_url is not None:
+            headers = self.canary.headers if isinstance(self.canary, OpenAICanary) else dict
+            self.server_metrics = ServerMetricsSampler(self.server_metrics_url, self._session, self.clock,
+                                                       timeout=min(5.0, s.sampling.server_interval + 1.0),
+                                                       headers=headers)
         self.nvml = NvmlSampler(self._nvml_backend, self.clock)
         await asyncio.to_thread(self.nvml.open)
         self.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
+        await self._learn_pod_gpus()
         if serve_http:
             app = build_app(self.metrics.registry, self.healthy, self.ready, self.status)
             self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
@@ -91,15 +112,21 @@ class Watchdog:
             sockets = getattr(server, "sockets", None) or []
             self.port = sockets[0].getsockname()[1] if sockets else s.server.port
         self._tasks = [
-            loop.create_task(self._periodic("nvml", s.sampling.nvml_interval, self._sample_nvml)),
-            loop.create_task(self._periodic("canary", s.canary.interval, self._sample_canary)),
-            loop.create_task(self._periodic("tick", TICK_S, self._tick)),
+            loop.create_task(self._periodic("nvml", lambda: s.sampling.nvml_interval, self._sample_nvml)),
+            loop.create_task(self._periodic("canary", self._canary_delay, self._sample_canary)),
+            loop.create_task(self._periodic("tick", lambda: TICK_S, self._tick)),
         ]
-        if s.target.openai_url is None:
-            self._tasks.append(loop.create_task(self._periodic("torch", s.sampling.torch_interval, self._sample_torch)))
-        log.info("watchdog_started", control_url=s.target.control_url, openai_url=s.target.openai_url,
+        if self.allocator is not None:
+            self._tasks.append(loop.create_task(
+                self._periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)))
+        if self.server_metrics is not None:
+            self._tasks.append(loop.create_task(
+                self._periodic("server", lambda: s.sampling.server_interval, self._sample_server)))
+        log.info("watchdog_started", control_url=s.target.control_url if self.control else None,
+                 openai_url=s.target.openai_url, server_metrics_url=self.server_metrics_url,
                  strategy=self.restarter.strategy, nvml=self.nvml.available, port=self.port,
-                 canary_interval_s=s.canary.interval, canary_timeout_s=s.canary.timeout)
+                 pod_gpus=self.history.pod_gpus, canary_interval_s=s.canary.interval,
+                 canary_timeout_s=s.canary.timeout)
 
     async def stop(self) -> None:
         for task in [*self._tasks, *self._actions]:
@@ -125,7 +152,19 @@ class Watchdog:
             log.warning("token_unreadable", error=str(exc))
             return None
 
-    async def _periodic(self, name: str, interval: float, step: Callable[[], Any]) -> None:
+    async def _learn_pod_gpus(self) -> None:
+        try:
+            uuids = await asyncio.to_thread(self._pod_gpus)
+        except Exception as exc:  # the kubelet socket missing, refused, slow: say so, go on without
+            self.pod_gpus_error = str(exc)[:300]
+            log.warning("pod_gpus_unknown", error=self.pod_gpus_error)
+            return
+        self.pod_gpus_error = None
+        if uuids is not None:
+            reduce(self.history, PodGpus(uuids))
+            log.info("pod_gpus", uuids=list(uuids), source="kubelet")
+
+    async def _periodic(self, name: str, interval: Callable[[], float], step: Callable[[], Any]) -> None:
         while True:
             start = self.clock()
             try:
@@ -137,25 +176,31 @@ class Watchdog:
             elapsed = self.clock() - start
             if name != "tick":
                 self.metrics.sample_duration.labels(sampler=name).observe(elapsed)
-            await asyncio.sleep(max(0.0, interval - elapsed))
+            await asyncio.sleep(max(0.0, interval() - elapsed))
+
+    def _canary_delay(self) -> float:
+        return policy.canary_delay(self.settings.canary, self.settings.policy, self.history)
 
     # -- samplers ----------------------------------------------------------------------------
 
     async def _sample_nvml(self) -> None:
         assert self.nvml is not None
-        self.history.gpu = await self.nvml.sample(self.history.torch_uuid())
-        if self.history.gpu.lost:
-            log.error("gpu_lost", uuid=self.history.gpu.uuid, reason=self.history.gpu.reason)
+        readout = await self.nvml.sample(policy.our_gpus(self.history))
+        reduce(self.history, readout)
+        for g in readout.gpus:
+            if g.lost:
+                log.error("gpu_lost", uuid=g.uuid, reason=g.reason)
         await self._evaluate()
 
     def _on_xid(self, ev: XidEvent) -> None:
-        gpu = self.history.gpu
-        index = "" if gpu is None or gpu.index is None or gpu.uuid != ev.uuid else str(gpu.index)
+        h = self.history
+        gpu = next((g for g in h.gpus if g.uuid == ev.uuid and g.index is not None), None)
+        index = "" if gpu is None else str(gpu.index)
         self.metrics.xid_errors.labels(gpu=index, uuid=ev.uuid or "", xid=str(ev.xid)).inc()
-        ours = self.history.torch_uuid()
-        log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, ours=ours is None or ev.uuid == ours,
-                    critical=ev.xid in policy.XID_CRITICAL)
-        self.history.xids.append(ev)
+        ours = policy.our_gpus(h)
+        log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, critical=ev.xid in policy.XID_CRITICAL,
+                    ours=None if ours is None and h.gpus_visible > 1 else ours is None or ev.uuid in ours)
+        reduce(h, ev)
         self._spawn(self._evaluate())
 
     async def _sample_torch(self) -> None:
@@ -163,8 +208,21 @@ class Watchdog:
         sample = await self.allocator.sample()
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
             self.control.set_token(self._read_token())
-        self.history.torch.append(sample)
+        reduce(self.history, sample)
         self._follow_idle_memory(sample)
+        await self._evaluate()
+
+    async def _sample_server(self) -> None:
+        assert self.server_metrics is not None
+        sample = await self.server_metrics.sample()
+        last = self.history.server[-1] if self.history.server else None
+        if last is None or last.reachable != sample.reachable or last.server != sample.server:
+            if sample.reachable:
+                log.info("server_metrics", server=sample.server, url=self.server_metrics_url,
+                         recognised=sample.server != "unknown")
+            else:
+                log.warning("server_metrics_unavailable", url=self.server_metrics_url, error=sample.error)
+        reduce(self.history, sample)
         await self._evaluate()
 
     def _follow_idle_memory(self, sample: TorchSample) -> None:
@@ -194,20 +252,36 @@ class Watchdog:
                 sample.error_class == "unreachable" or "(401)" in (sample.error or "")):
             # The inference container may have (re)written the token file since we last read it.
             self.control.set_token(self._read_token() or self._token)
-        self.history.canaries.append(sample)
+        served_before = self.history.served_at is not None
+        reduce(self.history, sample)
         if sample.ok:
             self.metrics.canary_duration.observe(sample.latency_s)
+            if not served_before:
+                log.info("target_serving", route=sample.route, latency_s=round(sample.latency_s, 4),
+                         starting_s=round(sample.at - max(self.history.started_at, self.history.epoch), 3))
         else:
             self.metrics.canary_failures.labels(error_class=sample.error_class or "other").inc()
             log.warning("canary_failed", error_class=sample.error_class, latency_s=round(sample.latency_s, 4),
-                        error=sample.error)
+                        error=sample.error, route=sample.route, starting=not served_before)
+        self._follow_saturation()
         await self._evaluate()
+
+    def _follow_saturation(self) -> None:
+        now_saturated, figures = policy.saturated(self.history)
+        if now_saturated and not self._saturated:
+            self.metrics.saturation_episodes.inc()
+            # Busy is not hung: no restart, readiness held. Logged once per episode.
+            log.warning("saturated", action="none", **figures)
+        elif self._saturated and not now_saturated:
+            last = self.history.canaries[-1] if self.history.canaries else None
+            log.info("saturation_ended", canary=None if last is None else ("ok" if last.ok else last.error_class))
+        self._saturated = now_saturated
 
     async def _tick(self) -> None:
         self._last_tick = self.clock()
         await self._evaluate()
 
-    # -- decisions ---------------------------------------------------------------------------
+    # -- decisions and their effects ---------------------------------------------------------
 
     async def _evaluate(self) -> None:
         async with self._eval_lock:
@@ -237,11 +311,11 @@ class Watchdog:
             return
         if decision.action == "restart":
             self._blocked_reported = None
-            self.history.restart_in_progress = True
+            reduce(self.history, RestartBegun(now))
             self._record(decision, "started", now)
             self._spawn(self._restart(decision))
         elif decision.action == "empty_cache":
-            self.history.actions.append(ActionRecord(now, "empty_cache", decision.reason))
+            reduce(self.history, CacheFlushRequested(now, decision.reason))
             self._record(decision, "started", now)
             self._spawn(self._empty_cache(decision))
 
@@ -264,7 +338,7 @@ class Watchdog:
         log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
                     drain=decision.drain, detail=decision.detail,
                     budget_remaining=policy.budget_remaining(s.policy, self.history, started) - 1)
-        keep_unready = False
+        done, keep_unready = False, False
         try:
             if decision.drain and self.restarter.strategy != "none" and self.control is not None:
                 try:
@@ -274,11 +348,10 @@ class Watchdog:
                     log.warning("drain_failed", error=str(exc))
             outcome = await self.restarter.restart(decision)
             now = self.clock()
-            self.history.actions.append(ActionRecord(now, "restart", decision.reason))
+            done = outcome.done
             if outcome.done:
                 self.restart_failed = None
                 self.metrics.restarts.labels(reason=decision.reason).inc()
-                # After an eviction the pod is going away: stay unready until it does.
                 keep_unready = self.restarter.strategy in ("evict", "delete")
             elif not isinstance(self.restarter, ReportOnlyRestarter):
                 self.restart_failed = outcome.detail
@@ -290,8 +363,9 @@ class Watchdog:
             self.restart_failed = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
         finally:
-            self.history.epoch = self.clock()
-            self.history.restart_in_progress = keep_unready
+            reduce(self.history, RestartEnded(self.clock(), decision.reason, done, keep_unready))
+            if self.canary is not None:
+                self.canary.forget()
             if not keep_unready:
                 # Readiness needs a canary newer than the restart: take one now rather than at the
                 # next interval (30 s by default), so a served-again model is routed to at once.
@@ -299,36 +373,20 @@ class Watchdog:
 
     # -- views -------------------------------------------------------------------------------
 
+    def _extras(self) -> views.Extras:
+        return views.Extras(
+            nvml_available=self.nvml is not None and self.nvml.available,
+            server_metrics_url=self.server_metrics_url,
+            canary={} if self.canary is None else self.canary.describe(),
+            strategy=self.restarter.strategy, restart_failed=self.restart_failed, decisions=self.decisions,
+            idle_memory=self.idle_memory, pod_gpus_error=self.pod_gpus_error,
+        )
+
     def states(self) -> frozenset[str]:
-        h = self.history
-        states: set[str] = set()
-        last_canary = h.canaries[-1] if h.canaries else None
-        last_torch = h.torch[-1] if h.torch else None
-        if h.restart_in_progress:
-            states.add("restarting")
-        if last_canary is not None and not last_canary.ok:
-            states.add("canary_failing")
-        if (last_canary is not None and last_canary.error_class == "unreachable") or (
-                last_torch is not None and not last_torch.reachable):
-            states.add("target_unreachable")
-        if policy.budget_remaining(self.settings.policy, h, self.clock()) <= 0:
-            states.add("budget_exhausted")
-        if self.nvml is not None and not self.nvml.available:
-            states.add("nvml_unavailable")
-        if last_canary is not None and last_canary.ok and not h.restart_in_progress:
-            states.add("healthy")
-        return frozenset(states)
+        return views.states(self.settings, self.history, self.clock(), self._extras())
 
     def snapshot(self) -> Snapshot:
-        h = self.history
-        return Snapshot(
-            gpu=h.gpu,
-            torch=next((t for t in reversed(h.torch) if t.reachable), None),
-            canary=h.canaries[-1] if h.canaries else None,
-            budget_remaining=policy.budget_remaining(self.settings.policy, h, self.clock()),
-            states=self.states(),
-            idle_memory=self.idle_memory,
-        )
+        return views.snapshot(self.settings, self.history, self.clock(), self._extras())
 
     def healthy(self) -> tuple[bool, dict[str, Any]]:
         age = self.clock() - self._last_tick
@@ -336,39 +394,18 @@ class Watchdog:
         return ok, {"ok": ok, "last_tick_age_s": round(age, 3)}
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        h = self.history
-        last: CanarySample | None = h.canaries[-1] if h.canaries else None
-        ok = last is not None and last.ok and last.at >= h.epoch and not h.restart_in_progress
-        reason = None if ok else ("restarting" if h.restart_in_progress else "no successful canary yet"
-                                  if last is None or last.at < h.epoch else f"canary failed: {last.error_class}")
-        return ok, {"ready": ok, "reason": reason}
+        return views.ready(self.history)
 
     def status(self) -> dict[str, Any]:
-        h = self.history
-        now = self.clock()
-        last_torch: TorchSample | None = h.torch[-1] if h.torch else None
+        return views.status(self.settings, self.history, self.clock(), self._extras())
 
-        def asdict(obj: Any) -> Any:
-            return None if obj is None else dataclasses.asdict(obj)
 
-        return {
-            "states": sorted(self.states()),
-            "ready": self.ready()[0],
-            "strategy": self.restarter.strategy,
-            "nvml": {"available": self.nvml is not None and self.nvml.available,
-                     "reason": None if h.gpu is None else h.gpu.reason},
-            "uptime_s": round(now - h.started_at, 3),
-            "restart_budget_remaining": policy.budget_remaining(self.settings.policy, h, now),
-            "restart_in_progress": h.restart_in_progress,
-            "restart_failed": self.restart_failed,
-            "last_samples": {"gpu": asdict(h.gpu), "torch": asdict(last_torch),
-                             "canary": asdict(h.canaries[-1] if h.canaries else None)},
-            "idle_memory": None if self.idle_memory is None else {
-                **dataclasses.asdict(self.idle_memory), "growth_bytes": self.idle_memory.growth_bytes,
-                "growth_ratio": round(self.idle_memory.growth_ratio, 6), "growing": self.idle_memory.growing},
-            "last_decisions": self.decisions[-20:],
-            "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
-        }
+def _pod_gpus_reader(settings: Settings) -> Callable[[], tuple[str, ...] | None]:
+    k = settings.kubernetes
+    socket_path = k.pod_resources_socket
+    if socket_path is None:
+        return lambda: None
+    return functools.partial(list_pod_gpus, socket_path, k.pod_name, k.namespace, k.request_timeout)
 
 
 def build_restarter(settings: Settings) -> Restarter:

@@ -22,6 +22,8 @@ import yaml
 from watchdog.units import parse_duration, parse_ratio
 
 STRATEGIES = ("evict", "delete", "local", "none")
+METRICS_AUTO = "auto"
+BUNDLED_METRICS_URL = "http://127.0.0.1:8000/metrics"  # the inference container's public port
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
 
 
@@ -43,14 +45,20 @@ def _ratio() -> dict[str, Any]:
 class TargetSettings:
     control_url: str = "http://127.0.0.1:8001"
     token_file: str | None = "/var/run/gpu-watchdog/token"
+    # Any OpenAI-compatible server (vLLM, TGI, SGLang, ...), with or without the `/v1` suffix.
     openai_url: str | None = None
-    openai_model: str | None = None
+    openai_model: str | None = None  # None: the first id of GET /v1/models, re-read after a restart
+    api_key_file: str | None = None  # sent as a Bearer token, for servers started with an API key
+    # The target's Prometheus page. "auto": the openai_url's origin + /metrics, or the bundled
+    # server's public port on this pod; null: none (canary timeouts alone decide a hang).
+    metrics_url: str | None = METRICS_AUTO
 
 
 @dataclass(frozen=True)
 class SamplingSettings:
     nvml_interval: float = field(default=1.0, metadata=_duration())
     torch_interval: float = field(default=5.0, metadata=_duration())
+    server_interval: float = field(default=5.0, metadata=_duration())
 
 
 @dataclass(frozen=True)
@@ -81,6 +89,18 @@ class HangSettings:
 
 
 @dataclass(frozen=True)
+class StallSettings:
+    # Requests running or waiting while the generated-token counter stays flat this long.
+    window: float = field(default=60.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class UnservableSettings:
+    # Every canary answered with an error (not a timeout) this long after having served.
+    window: float = field(default=600.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
 class RestartBudgetSettings:
     max_restarts: int = 3
     window: float = field(default=3600.0, metadata=_duration())
@@ -91,6 +111,11 @@ class PolicySettings:
     memory_pressure: MemoryPressureSettings = MemoryPressureSettings()
     fragmentation: FragmentationSettings = FragmentationSettings()
     hang: HangSettings = HangSettings()
+    stall: StallSettings = StallSettings()
+    # Model loading can take many minutes: before the first successful canary nothing restarts,
+    # until this long has passed.
+    startup_timeout: float = field(default=1800.0, metadata=_duration())
+    unservable: UnservableSettings = UnservableSettings()
     max_age: float = field(default=86400.0, metadata=_duration(positive=False))  # 0 = never
     max_age_jitter: float = field(default=0.1, metadata=_ratio())
     restart_budget: RestartBudgetSettings = RestartBudgetSettings()
@@ -112,6 +137,8 @@ class KubernetesSettings:
     namespace: str = "${POD_NAMESPACE}"
     kubeconfig: str | None = None
     request_timeout: float = field(default=10.0, metadata=_duration())
+    # The kubelet's PodResources API tells which GPUs this pod got (null: not asked).
+    pod_resources_socket: str | None = None
 
 
 @dataclass(frozen=True)
@@ -257,9 +284,22 @@ def _check(s: Settings, errors: list[str]) -> None:
         if not s.kubernetes.namespace:
             errors.append(f"kubernetes.namespace: required for restart strategy {s.restart.strategy}"
                           " (set POD_NAMESPACE from the downward API)")
-    for key, url in (("target.control_url", s.target.control_url), ("target.openai_url", s.target.openai_url)):
+    urls = [("target.control_url", s.target.control_url), ("target.openai_url", s.target.openai_url)]
+    if s.target.metrics_url != METRICS_AUTO:
+        urls.append(("target.metrics_url", s.target.metrics_url))
+    for key, url in urls:
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
             errors.append(f"{key}: expected an http(s) URL, got {url!r}")
+
+
+def metrics_url(target: TargetSettings) -> str | None:
+    """Where the target's own Prometheus page is, with "auto" resolved."""
+    if target.metrics_url != METRICS_AUTO:
+        return target.metrics_url
+    if target.openai_url is None:
+        return BUNDLED_METRICS_URL
+    m = re.match(r"^(https?://[^/\s]+)", target.openai_url)
+    return (m.group(1) if m else target.openai_url.rstrip("/")) + "/metrics"
 
 
 def from_mapping(data: Any) -> Settings:

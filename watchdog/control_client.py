@@ -1,8 +1,7 @@
-"""HTTP client of the inference process's control API (and of any OpenAI-compatible server)."""
+"""HTTP client of the inference process's control API."""
 
 from __future__ import annotations
 
-import asyncio
 from typing import Any
 
 import aiohttp
@@ -61,31 +60,3 @@ class ControlClient:
 
     async def drain(self, timeout: float) -> dict[str, Any]:
         return await self._call("POST", "/control/drain", {"timeout": timeout}, timeout + 5.0)
-
-
-async def openai_canary(
-    session: aiohttp.ClientSession, url: str, model: str | None, timeout: float
-) -> tuple[bool, str | None, str | None]:
-    """A `max_tokens: 1` completion against any OpenAI-compatible server (vLLM, TGI, Ollama)."""
-    body: dict[str, Any] = {"prompt": "ping", "max_tokens": 1, "temperature": 0}
-    if model:
-        body["model"] = model
-    try:
-        async with session.post(url.rstrip("/") + "/v1/completions", json=body,
-                                timeout=aiohttp.ClientTimeout(total=timeout)) as resp:
-            text = await resp.text()
-            if resp.status == 200:
-                return True, None, None
-            lowered = text.lower()
-            if "out of memory" in lowered:
-                return False, "oom", text[:300]
-            if resp.status >= 500 and ("cuda error" in lowered or "illegal memory access" in lowered
-                                       or "fatal_cuda" in lowered):
-                return False, "fatal_cuda", text[:300]
-            return False, "other", f"{resp.status}: {text[:300]}"
-    except TimeoutError:
-        return False, "timeout", f"no answer within {timeout:g}s"
-    except aiohttp.ClientError as exc:
-        return False, "unreachable", str(exc)[:300]
-    except asyncio.CancelledError:
-        raise

@@ -14,17 +14,18 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from watchdog.idle_memory import IdleMemory
-from watchdog.samples import CanarySample, GpuSample, TorchSample
+from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, RESTART_REASONS, STATES
+from watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
 
 P = "gpu_watchdog_"
-STATES = ("healthy", "canary_failing", "target_unreachable", "restarting", "budget_exhausted", "nvml_unavailable")
 
 
 @dataclass
 class Snapshot:
-    gpu: GpuSample | None = None
+    gpus: tuple[GpuSample, ...] = ()
     torch: TorchSample | None = None
     canary: CanarySample | None = None
+    server: ServerSample | None = None
     budget_remaining: int = 0
     states: frozenset[str] = frozenset()
     idle_memory: IdleMemory | None = None
@@ -36,20 +37,21 @@ class SnapshotCollector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         s = self._snapshot()
-        g = s.gpu
-        if g is not None and g.available and not g.lost:
-            labels = ["gpu", "uuid"]
-            values = [str(g.index if g.index is not None else ""), g.uuid or ""]
-            for name, doc, value in (
-                ("gpu_memory_used_bytes", "GPU memory used (NVML)", g.memory_used_bytes),
-                ("gpu_memory_total_bytes", "GPU memory total (NVML)", g.memory_total_bytes),
-                ("gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", g.utilization_ratio),
-                ("gpu_temperature_celsius", "GPU temperature (NVML)", g.temperature_celsius),
-                ("gpu_power_watts", "GPU power draw (NVML)", g.power_watts),
+        read = [g for g in s.gpus if g.available and not g.lost]
+        if read:
+            for name, doc, field in (
+                ("gpu_memory_used_bytes", "GPU memory used (NVML)", "memory_used_bytes"),
+                ("gpu_memory_total_bytes", "GPU memory total (NVML)", "memory_total_bytes"),
+                ("gpu_utilization_ratio", "GPU utilization 0-1 (NVML)", "utilization_ratio"),
+                ("gpu_temperature_celsius", "GPU temperature (NVML)", "temperature_celsius"),
+                ("gpu_power_watts", "GPU power draw (NVML)", "power_watts"),
             ):
-                fam = GaugeMetricFamily(P + name, doc, labels=labels)
-                fam.add_metric(values, float(value))
+                fam = GaugeMetricFamily(P + name, doc, labels=["gpu", "uuid"])
+                for g in read:
+                    fam.add_metric([str(g.index if g.index is not None else ""), g.uuid or ""],
+                                   float(getattr(g, field)))
                 yield fam
+        yield from _server_families(s.server)
         t = s.torch
         if t is not None and t.reachable:
             labels = ["device"]
@@ -94,6 +96,30 @@ class SnapshotCollector(Collector):
         yield fam
 
 
+def _server_families(v: ServerSample | None) -> Iterator[Metric]:
+    """The target server's own signals, under one name whatever the server calls them."""
+    if v is None:
+        return
+    labels, values = ["server"], [v.server]
+    for name, doc, value in (
+        ("server_requests_running", "Requests the target server is running", v.requests_running),
+        ("server_requests_waiting", "Requests waiting in the target server's queue", v.requests_waiting),
+        ("server_kv_cache_usage_ratio", "Share of the target server's KV cache in use (0-1)", v.kv_cache_usage_ratio),
+    ):
+        if value is not None:
+            fam = GaugeMetricFamily(P + name, doc, labels=labels)
+            fam.add_metric(values, float(value))
+            yield fam
+    for name, doc, value in (
+        ("server_generated_tokens", "Tokens the target server generated (its own counter)", v.generated_tokens),
+        ("server_preemptions", "Requests the target server preempted (its own counter)", v.preemptions),
+    ):
+        if value is not None:
+            cfam = CounterMetricFamily(P + name, doc, labels=labels)
+            cfam.add_metric(values, float(value))
+            yield cfam
+
+
 class WatchdogMetrics:
     def __init__(self, snapshot: Callable[[], Snapshot], registry: CollectorRegistry | None = None) -> None:
         self.registry = registry or CollectorRegistry()
@@ -114,10 +140,13 @@ class WatchdogMetrics:
                                          registry=r)
         self.decisions = Counter(P + "decisions", "Policy decisions by action, reason and outcome",
                                  ["action", "reason", "outcome"], registry=r)
-        for error_class in ("oom", "fatal_cuda", "timeout", "other", "unreachable"):
+        self.saturation_episodes = Counter(P + "saturation_episodes",
+                                           "Episodes of canary timeouts while the server kept producing tokens",
+                                           registry=r)
+        for error_class in ERROR_CLASSES:
             self.canary_failures.labels(error_class=error_class)
-        for reason in ("context_loss", "hang", "fragmentation_drift", "max_age"):
+        for reason in RESTART_REASONS:
             self.restarts.labels(reason=reason)
-        for reason in ("memory_pressure", "oom", "fragmentation_drift"):
+        for reason in EMPTY_CACHE_REASONS:
             self.empty_cache.labels(reason=reason)
         r.register(SnapshotCollector(snapshot))

@@ -10,8 +10,23 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
-from watchdog.config import PolicySettings
-from watchdog.samples import History, TorchSample
+from watchdog.config import CanarySettings, PolicySettings
+from watchdog.names import (
+    ANSWERED_ERRORS,
+    CANARY_FAILING,
+    CONTEXT_LOSS,
+    FRAGMENTATION_DRIFT,
+    HANG,
+    HEALTHY,
+    MAX_AGE,
+    MEMORY_PRESSURE,
+    OOM,
+    SATURATED,
+    STARTING,
+    STARTUP_TIMEOUT,
+    UNSERVABLE,
+)
+from watchdog.samples import CanarySample, History, ServerSample, TorchSample
 
 # Xid classes (NVIDIA Xid catalog). App faults kill the process's context; hardware ones need
 # the GPU reset, which a pod restart also triggers on most setups; warnings never restart.
@@ -21,8 +36,9 @@ XID_HARDWARE = frozenset({46, 62, 64, 74, 79, 95, 109, 119, 120})
 XID_CRITICAL = XID_APP_FAULT | XID_ECC | XID_HARDWARE
 XID_WARN_ONLY = frozenset({63, 92})
 
-RESTART_REASONS = ("context_loss", "hang", "fragmentation_drift", "max_age")
-EMPTY_CACHE_REASONS = ("memory_pressure", "oom", "fragmentation_drift")
+
+# What the target server's work counter did across a stretch of time.
+ADVANCED, FLAT, RESET, UNDECIDED, NO_METRICS = "advanced", "flat", "reset", "undecided", "no_metrics"
 
 
 @dataclass(frozen=True)
@@ -64,54 +80,209 @@ def _latest_instance(history: History) -> str | None:
 
 
 def _restart_rule(settings: PolicySettings, h: History, now: float) -> Decision | None:
+    context_loss = _context_loss(h)
+    if context_loss is not None:
+        return context_loss
+    if h.served_at is None:
+        # Loading a model can take many minutes: a server that has not served yet is starting,
+        # whatever its canaries say, until the startup timeout.
+        return _startup_timeout(settings, h, now)
     return (
-        _context_loss(h)
-        or _hang(settings, h)
+        _hang(settings, h)
+        or _stall(settings, h)
+        or _unservable(settings, h, now)
         or _fragmentation_restart(settings, h, now)
         or _max_age(settings, h, now)
     )
+
+
+# -- what the target is doing ------------------------------------------------------------------
+
+
+def _work_samples(h: History) -> list[ServerSample]:
+    return [s for s in h.server_since_epoch() if s.progress is not None]
+
+
+def progress_since(h: History, start: float) -> tuple[str, dict[str, Any]]:
+    """Did the server's work counter advance between `start` and its latest reading?
+
+    Measured between readings taken after `start` where there are two, so that tokens made just
+    before a stop do not pass for progress after it; from the last reading before `start`
+    otherwise. NO_METRICS when nothing was read since `start` (no page, or it went dark with the
+    server): the canary alone must then decide. UNDECIDED while a single reading covers it.
+    """
+    samples = _work_samples(h)
+    during = [s for s in samples if s.at >= start]
+    if not during:
+        return NO_METRICS, {}
+    before = [s for s in samples if s.at < start]
+    ref = during[0] if len(during) >= 2 or not before else before[-1]
+    last = during[-1]
+    assert ref.progress is not None and last.progress is not None
+    figures = {"server": last.server, "progress_from": ref.progress, "progress_to": last.progress,
+               "over_s": round(last.at - ref.at, 3)}
+    if last.progress > ref.progress:
+        return ADVANCED, figures
+    if last.progress < ref.progress:
+        return RESET, figures  # the server process was replaced: its counters start again
+    if last.at <= ref.at:
+        return UNDECIDED, figures
+    return FLAT, figures
+
+
+def _timeout_run(h: History) -> list[CanarySample]:
+    """The trailing canaries that timed out, oldest first."""
+    run: list[CanarySample] = []
+    for c in reversed(h.canaries_since_epoch()):
+        if c.error_class != "timeout":
+            break
+        run.append(c)
+    return run[::-1]
+
+
+def saturated(h: History) -> tuple[bool, dict[str, Any]]:
+    """Canaries time out while the server keeps producing tokens: busy, not hung."""
+    run = _timeout_run(h)
+    if not run:
+        return False, {}
+    verdict, figures = progress_since(h, run[0].started_at)
+    return verdict == ADVANCED, {"canary_timeouts": len(run), **figures}
+
+
+def target_state(h: History) -> str | None:
+    """HEALTHY, STARTING, SATURATED or CANARY_FAILING; None before any canary."""
+    if h.served_at is None:
+        return STARTING
+    last = h.canaries[-1] if h.canaries else None
+    if last is None:
+        return None
+    if last.ok:
+        return HEALTHY
+    return SATURATED if saturated(h)[0] else CANARY_FAILING
+
+
+def serviceable(h: History) -> bool:
+    """What `/readyz` says: the model served since the last restart and serves now, or is only busy.
+
+    A saturated pod stays in the Service: taking it out only pushes its load onto the others
+    until every replica leaves.
+    """
+    return not h.restart_in_progress and target_state(h) in (HEALTHY, SATURATED)
+
+
+def canary_delay(settings: CanarySettings, policy: PolicySettings, h: History) -> float:
+    """Seconds from one canary's start to the next.
+
+    After a timeout, confirm at once (every `timeout`) until a success or the hang threshold,
+    so a hang is decided in about interval + n x timeout; while the target starts, look as often,
+    so readiness follows the model's load closely. Healthy or saturated: every `interval`.
+    """
+    fast = min(settings.interval, settings.timeout)
+    if h.served_at is None:
+        return fast
+    run = _timeout_run(h)
+    if run and len(run) < policy.hang.consecutive_timeouts and not saturated(h)[0]:
+        return fast
+    return settings.interval
+
+
+def our_gpus(h: History) -> tuple[str, ...] | None:
+    """The GPUs this pod's server uses: from the kubelet, else the one the bundled server names."""
+    if h.pod_gpus:
+        return h.pod_gpus
+    uuid = h.torch_uuid()
+    return (uuid,) if uuid else None
 
 
 def _context_loss(h: History) -> Decision | None:
     canaries = h.canaries_since_epoch()
     if canaries and canaries[-1].error_class == "fatal_cuda":
         c = canaries[-1]
-        return Decision("restart", "context_loss", {"evidence": "canary", "error": c.error}, drain=False,
+        return Decision("restart", CONTEXT_LOSS, {"evidence": "canary", "error": c.error}, drain=False,
                         instance_id=c.instance_id)
     torch = h.torch_since_epoch()
     if torch and torch[-1].poisoned:
         t = torch[-1]
-        return Decision("restart", "context_loss", {"evidence": "poisoned_flag", "error": t.poison_reason},
+        return Decision("restart", CONTEXT_LOSS, {"evidence": "poisoned_flag", "error": t.poison_reason},
                         drain=False, instance_id=t.instance_id)
-    gpu = h.gpu
-    if gpu is not None and gpu.lost and gpu.at >= h.epoch:
-        return Decision("restart", "context_loss", {"evidence": "gpu_lost", "uuid": gpu.uuid}, drain=False,
-                        instance_id=_latest_instance(h))
-    our_uuid = _our_uuid(h)
+    for gpu in h.gpus:
+        if gpu.lost and gpu.at >= h.epoch:
+            return Decision("restart", CONTEXT_LOSS, {"evidence": "gpu_lost", "uuid": gpu.uuid}, drain=False,
+                            instance_id=_latest_instance(h))
+    ours = our_gpus(h)
     for ev in h.xids:
         if ev.at < h.epoch or ev.xid not in XID_CRITICAL:
             continue
-        if our_uuid is not None and ev.uuid is not None and ev.uuid != our_uuid:
+        if ours is None and h.gpus_visible > 1:
+            continue  # the node has several GPUs and we cannot tell ours: it may be another pod's
+        if ours is not None and ev.uuid is not None and ev.uuid not in ours:
             continue  # another GPU on the node: not our process's context
         kind = "app_fault" if ev.xid in XID_APP_FAULT else "ecc" if ev.xid in XID_ECC else "hardware"
-        return Decision("restart", "context_loss", {"evidence": "xid", "xid": ev.xid, "class": kind, "uuid": ev.uuid},
+        return Decision("restart", CONTEXT_LOSS, {"evidence": "xid", "xid": ev.xid, "class": kind, "uuid": ev.uuid},
                         drain=False, instance_id=_latest_instance(h))
     return None
 
 
-def _our_uuid(h: History) -> str | None:
-    return h.torch_uuid() or (h.gpu.uuid if h.gpu is not None else None)
+def _startup_timeout(settings: PolicySettings, h: History, now: float) -> Decision | None:
+    since = max(h.started_at, h.epoch)
+    if now - since < settings.startup_timeout:
+        return None
+    last = h.canaries[-1] if h.canaries else None
+    return Decision("restart", STARTUP_TIMEOUT,
+                    {"starting_s": round(now - since, 1), "startup_timeout_s": settings.startup_timeout,
+                     "last_canary": None if last is None else last.error_class}, drain=True,
+                    instance_id=_latest_instance(h))
 
 
 def _hang(settings: PolicySettings, h: History) -> Decision | None:
     n = settings.hang.consecutive_timeouts
-    canaries = h.canaries_since_epoch()
-    recent = canaries[-n:]
-    if len(recent) < n or not all(c.error_class == "timeout" for c in recent):
+    run = _timeout_run(h)
+    if len(run) < n:
         return None
+    recent = run[-n:]
+    # The canary is work itself: a server that produced no token for it nor for anyone across
+    # these timeouts is stuck, whatever its gauges say (a stopped engine keeps its last values).
+    verdict, figures = progress_since(h, recent[0].started_at)
+    if verdict not in (FLAT, NO_METRICS):
+        return None
+    detail = {"consecutive_timeouts": n, "last_latency_s": recent[-1].latency_s, "server_progress": verdict,
+              **figures}
     # A hung kernel never finishes, so there is nothing to drain.
-    return Decision("restart", "hang", {"consecutive_timeouts": n, "last_latency_s": recent[-1].latency_s},
-                    drain=False, instance_id=recent[-1].instance_id or _latest_instance(h))
+    return Decision("restart", HANG, detail, drain=False,
+                    instance_id=recent[-1].instance_id or _latest_instance(h))
+
+
+def _stall(settings: PolicySettings, h: History) -> Decision | None:
+    """Requests running or waiting, and not one token for any of them for `stall.window`."""
+    samples = _work_samples(h)
+    if not samples or samples[-1].pending <= 0:
+        return None
+    last = samples[-1]
+    start = last
+    for s in reversed(samples):
+        if s.progress != last.progress or s.pending <= 0:
+            break
+        start = s
+    if last.at - start.at < settings.stall.window:
+        return None
+    return Decision("restart", HANG,
+                    {"evidence": "stall", "server": last.server, "requests_running": last.requests_running,
+                     "requests_waiting": last.requests_waiting, "progress": last.progress,
+                     "flat_s": round(last.at - start.at, 1)}, drain=False, instance_id=_latest_instance(h))
+
+
+def _unservable(settings: PolicySettings, h: History, now: float) -> Decision | None:
+    """Every canary answered with an error for `unservable.window`: the pod stays unready forever otherwise."""
+    run: list[CanarySample] = []
+    for c in reversed(h.canaries_since_epoch()):
+        if c.ok or c.error_class not in ANSWERED_ERRORS:
+            break
+        run.append(c)
+    if not run or now - run[-1].at < settings.unservable.window:
+        return None
+    return Decision("restart", UNSERVABLE,
+                    {"failing_s": round(now - run[-1].at, 1), "canaries": len(run), "last_error": run[0].error},
+                    drain=True, instance_id=_latest_instance(h))
 
 
 def _sample_signals(settings: PolicySettings, prev: TorchSample | None, cur: TorchSample) -> dict[str, Any]:
@@ -166,7 +337,7 @@ def _fragmentation_attempts(settings: PolicySettings, h: History, now: float) ->
     window = settings.fragmentation.window
     start = max(h.epoch, _episode_start(settings, h))
     return [a.at for a in h.actions
-            if a.action == "empty_cache" and a.reason == "fragmentation_drift" and a.at >= start
+            if a.action == "empty_cache" and a.reason == FRAGMENTATION_DRIFT and a.at >= start
             and now - a.at < window]
 
 
@@ -187,7 +358,7 @@ def _fragmentation_restart(settings: PolicySettings, h: History, now: float) -> 
         return None
     if _fresh_after(h, attempts[-1]) is None:
         return None  # the last flush's effect is not observed yet
-    return Decision("restart", "fragmentation_drift",
+    return Decision("restart", FRAGMENTATION_DRIFT,
                     {**signals, "empty_cache_attempts": len(attempts)}, drain=True, instance_id=_latest_instance(h))
 
 
@@ -199,7 +370,7 @@ def _max_age(settings: PolicySettings, h: History, now: float) -> Decision | Non
     limit = settings.max_age * (1.0 + h.jitter)
     if age < limit:
         return None
-    return Decision("restart", "max_age", {"age_s": round(age, 1), "max_age_s": round(limit, 1)}, drain=True,
+    return Decision("restart", MAX_AGE, {"age_s": round(age, 1), "max_age_s": round(limit, 1)}, drain=True,
                     instance_id=_latest_instance(h))
 
 
@@ -214,15 +385,15 @@ def _cache_rules(settings: PolicySettings, h: History, now: float) -> list[Decis
         return []  # wait for figures taken after the last flush
     signals = _drift_signals(settings, h)
     if signals and len(_fragmentation_attempts(settings, h, now)) < settings.fragmentation.empty_cache_attempts:
-        return [Decision("empty_cache", "fragmentation_drift", signals, instance_id=last.instance_id)]
+        return [Decision("empty_cache", FRAGMENTATION_DRIFT, signals, instance_id=last.instance_id)]
     cooled = last_flush is None or now - last_flush >= settings.memory_pressure.cooldown
     if not cooled:
         return []
     if len(torch) >= 2 and last.ooms > torch[-2].ooms:
-        return [Decision("empty_cache", "oom", {"ooms": last.ooms, "new_ooms": last.ooms - torch[-2].ooms},
+        return [Decision("empty_cache", OOM, {"ooms": last.ooms, "new_ooms": last.ooms - torch[-2].ooms},
                          instance_id=last.instance_id)]
     if last.total_bytes > 0 and last.reserved_bytes / last.total_bytes >= settings.memory_pressure.reserved_ratio:
-        return [Decision("empty_cache", "memory_pressure",
+        return [Decision("empty_cache", MEMORY_PRESSURE,
                          {"reserved_bytes": last.reserved_bytes, "total_bytes": last.total_bytes,
                           "reserved_ratio": round(last.reserved_bytes / last.total_bytes, 4)},
                          instance_id=last.instance_id)]

@@ -63,6 +63,34 @@ class CanarySample:
     error_class: str | None  # oom | fatal_cuda | timeout | other | unreachable
     error: str | None = None
     instance_id: str | None = None
+    route: str | None = None  # /control/canary, /v1/completions or /v1/chat/completions
+
+    @property
+    def started_at(self) -> float:
+        return self.at - self.latency_s
+
+
+@dataclass(frozen=True)
+class ServerSample:
+    """The target server's own signals from its Prometheus page (None: the server has no such figure)."""
+
+    at: float
+    reachable: bool
+    error: str | None = None
+    server: str = "unknown"  # vllm | tgi | sglang | bundled | unknown
+    requests_running: float | None = None
+    requests_waiting: float | None = None
+    generated_tokens: float | None = None
+    # A counter of engine work whose advance proves the engine runs: generated tokens where the
+    # server counts them per step (vLLM, SGLang, ours); forward steps for TGI, which counts tokens
+    # only when a request ends.
+    progress: float | None = None
+    kv_cache_usage_ratio: float | None = None
+    preemptions: float | None = None
+
+    @property
+    def pending(self) -> float:
+        return (self.requests_running or 0.0) + (self.requests_waiting or 0.0)
 
 
 @dataclass(frozen=True)
@@ -81,7 +109,13 @@ class History:
     epoch: float = 0.0  # evidence older than the last restart is about a process that is gone
     canaries: deque[CanarySample] = field(default_factory=lambda: deque(maxlen=256))
     torch: deque[TorchSample] = field(default_factory=lambda: deque(maxlen=256))
-    gpu: GpuSample | None = None
+    # NVML readings of the pod's GPUs (one entry saying why, when NVML cannot be read).
+    gpus: tuple[GpuSample, ...] = ()
+    gpus_visible: int = 0  # how many GPUs NVML sees on the node (from this container)
+    pod_gpus: tuple[str, ...] | None = None  # UUIDs the kubelet gave this pod; None: not known
+    server: deque[ServerSample] = field(default_factory=lambda: deque(maxlen=256))
+    # First successful canary since the last restart: before it the target is still starting.
+    served_at: float | None = None
     xids: deque[XidEvent] = field(default_factory=lambda: deque(maxlen=256))
     actions: deque[ActionRecord] = field(default_factory=lambda: deque(maxlen=256))
     restart_in_progress: bool = False
@@ -95,6 +129,9 @@ class History:
             if t.uuid:
                 return t.uuid
         return None
+
+    def server_since_epoch(self) -> list[ServerSample]:
+        return [s for s in self.server if s.at >= self.epoch and s.reachable]
 
     def torch_since_epoch(self) -> list[TorchSample]:
         return [t for t in self.torch if t.at >= self.epoch and t.reachable]

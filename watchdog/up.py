@@ -15,7 +15,7 @@ import aiohttp
 from watchdog import logs
 from watchdog.actions.restart import LocalRestarter
 from watchdog.app import Watchdog
-from watchdog.config import ConfigError, Settings, from_mapping, read_yaml, replace
+from watchdog.config import METRICS_AUTO, ConfigError, Settings, from_mapping, read_yaml, replace
 from watchdog.token import ENV_VAR, TokenError, ensure_token
 
 log = logs.get("watchdog.up")
@@ -147,8 +147,11 @@ def up_settings(args: argparse.Namespace) -> Settings:
     elif isinstance(data, dict):
         data["restart"] = {"strategy": "local"}
     settings = from_mapping(data)
+    # The watchdog reads the child's own /metrics too, on the port `up` gave it.
+    server_metrics = (f"http://127.0.0.1:{args.port}/metrics" if settings.target.metrics_url == METRICS_AUTO
+                      else settings.target.metrics_url)
     settings = replace(settings, "target", control_url=f"http://127.0.0.1:{args.control_port}", openai_url=None,
-                       token_file=None)
+                       token_file=None, metrics_url=server_metrics)
     return replace(settings, "server", port=args.watchdog_port)
 
 

@@ -42,15 +42,24 @@ def containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
 
 
+VLLM: dict[str, Any] = {"inference": {"engine": "vllm", "model": {"source": "pvc", "pvc": {"claimName": "models"}}},
+                        "vllm": {"servedModelName": "llama", "args": ["--max-num-seqs", "64"]}}
+EXTERNAL: dict[str, Any] = {"inference": {"engine": "external"},
+                            "external": {"image": {"repository": "ghcr.io/huggingface/text-generation-inference",
+                                                   "tag": "3.3.4"}, "args": ["--model-id", "/models/m", "--port",
+                                                                             "8080"], "port": 8080}}
+
+
 @pytest.mark.parametrize("values", [{}, ALL_ON, {"watchdog": {"config": {"restart": {"strategy": "delete"}}}},
-                                    {"inference": {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}}])
+                                    {"inference": {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}},
+                                    VLLM, EXTERNAL])
 def test_lint_is_clean(values: dict[str, Any]) -> None:
     report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{K8S_VERSION}")
     errors = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and errors == [], report
 
 
-@pytest.mark.parametrize("values", [{}, ALL_ON])
+@pytest.mark.parametrize("values", [{}, ALL_ON, VLLM, EXTERNAL])
 def test_rendered_objects_validate_against_kubernetes_schemas(values: dict[str, Any]) -> None:
     docs = render(values)
     kinds = {d["kind"] for d in docs}
@@ -60,7 +69,7 @@ def test_rendered_objects_validate_against_kubernetes_schemas(values: dict[str, 
         if doc["apiVersion"].startswith("monitoring.coreos.com/"):
             continue  # Prometheus Operator CRDs: checked structurally below
         kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    if values:
+    if values == ALL_ON:
         [rule] = by_kind(docs, "PrometheusRule")
         assert rule["spec"] == yaml.safe_load((ROOT / "dashboards" / "alerts.yaml").read_text())
         [monitor] = by_kind(docs, "ServiceMonitor")
@@ -169,6 +178,81 @@ def test_schema_rejects_wrong_values(values: dict[str, Any], where: str) -> None
     with pytest.raises(helm.HelmError) as err:
         chart.render(values, name="demo", namespace="serving", is_install=True)
     assert where in str(err.value)
+
+
+def watchdog_config(values: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> Any:
+    monkeypatch.setenv("POD_NAME", "demo-0")
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    cm = next(d for d in by_kind(render(values), "ConfigMap") if d["metadata"]["name"].endswith("-watchdog"))
+    return from_mapping(yaml.safe_load(cm["data"]["config.yaml"]))
+
+
+def test_vllm_mode_puts_the_sidecar_next_to_vllm(monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(VLLM)
+    c = containers(docs)
+    inf, wd = c["inference"], c["watchdog"]
+    assert inf["image"].startswith("vllm/vllm-openai:")
+    assert inf["args"][:3] == ["--model=/models/model", "--host=0.0.0.0", "--port=8000"]
+    assert "--served-model-name=llama" in inf["args"] and inf["args"][-2:] == ["--max-num-seqs", "64"]
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert inf[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
+    assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in inf["volumeMounts"]
+    # No control API, so no token anywhere; the kubelet's PodResources folder, read-only.
+    pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert "control-token" not in volumes
+    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+    assert {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True} in wd[
+        "volumeMounts"]
+    assert wd["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in wd["securityContext"]
+    settings = watchdog_config(VLLM, monkeypatch)
+    assert settings.target.openai_url == "http://127.0.0.1:8000/v1"
+    assert settings.target.metrics_url == "http://127.0.0.1:8000/metrics"
+    assert settings.target.openai_model == "llama" and settings.target.api_key_file is None
+    assert settings.kubernetes.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+
+
+def test_vllm_api_key_reaches_both_containers_from_one_secret(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {**VLLM, "vllm": {"apiKeySecret": {"name": "vllm-key", "key": "token"}}}
+    c = containers(render(values))
+    env = {e["name"]: e for e in c["inference"]["env"]}
+    assert env["VLLM_API_KEY"]["valueFrom"]["secretKeyRef"] == {"name": "vllm-key", "key": "token"}
+    pod = by_kind(render(values), "Deployment")[0]["spec"]["template"]["spec"]
+    [secret] = [v for v in pod["volumes"] if v["name"] == "api-key"]
+    assert secret["secret"] == {"secretName": "vllm-key", "items": [{"key": "token", "path": "key"}]}
+    assert watchdog_config(values, monkeypatch).target.api_key_file == "/var/run/gpu-watchdog-api-key/key"
+
+
+def test_external_mode_and_a_server_without_metrics(monkeypatch: pytest.MonkeyPatch) -> None:
+    c = containers(render(EXTERNAL))
+    assert c["inference"]["ports"] == [{"name": "http", "containerPort": 8080, "protocol": "TCP"}]
+    assert c["inference"]["args"] == ["--model-id", "/models/m", "--port", "8080"]
+    assert watchdog_config(EXTERNAL, monkeypatch).target.openai_url == "http://127.0.0.1:8080/v1"
+    none = {**EXTERNAL, "external": {**EXTERNAL["external"], "metricsPath": ""}}
+    assert watchdog_config(none, monkeypatch).target.metrics_url is None
+
+
+def test_pod_resources_root_only_by_opt_in_and_off_for_bundled(monkeypatch: pytest.MonkeyPatch) -> None:
+    wd = containers(render({**VLLM, "watchdog": {"podResources": {"runAsRoot": True}}}))["watchdog"]
+    assert wd["securityContext"]["runAsUser"] == 0 and wd["securityContext"]["runAsNonRoot"] is False
+    assert wd["securityContext"]["readOnlyRootFilesystem"] is True and wd["securityContext"]["capabilities"] == {
+        "drop": ["ALL"]}
+    assert watchdog_config({}, monkeypatch).kubernetes.pod_resources_socket is None
+    off = {**VLLM, "watchdog": {"podResources": {"enabled": False}}}
+    assert "pod-resources" not in {v["name"] for v in by_kind(render(off), "Deployment")[0]["spec"]["template"][
+        "spec"]["volumes"]}
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"inference": {"engine": "vllm"}}, "vllm.model is required"),
+    ({"inference": {"engine": "external"}}, "external.image.repository is required for inference.engine=external"),
+    ({"inference": {"engine": "tgi"}}, "engine"),
+])
+def test_peer_modes_say_what_is_missing(values: dict[str, Any], message: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match=message):
+        chart.render(values, name="demo", namespace="serving", is_install=True)
 
 
 def test_pvc_model_requires_a_claim() -> None:

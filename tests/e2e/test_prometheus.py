@@ -22,7 +22,8 @@ ALWAYS_PRESENT = {
     "Torch reserved vs allocated", "Fragmentation ratio", "Canary success", "Canary latency p50 / p99",
     "empty_cache by reason", "Restarts by reason (1h)", "Restart budget remaining", "Watchdog state",
     "Request rate by status", "Request latency p50 / p99", "In-flight and queued vs admission limit", "OOMs",
-    "Batch size p50 / max", "Tokens per second",
+    "Batch size p50 / max", "Tokens per second", "Server requests running / waiting",
+    "Server generated tokens per second", "Saturated / starting",
 }
 
 

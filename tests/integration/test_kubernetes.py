@@ -83,6 +83,20 @@ async def test_pdb_429_is_retried_with_backoff_then_succeeds(kmock: Any, api: cl
     assert slept == [1.0, 2.0, 4.0]
 
 
+async def test_a_pdb_that_never_relents_never_leads_to_a_delete(kmock: Any, api: client.ApiClient) -> None:
+    """A 429 is the budget saying "not now": going around it with a DELETE would break the fleet's PDB."""
+    blocked = {"kind": "Status", "code": 429,
+               "message": "Cannot evict pod as it would violate the pod's disruption budget."}
+    refused = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 429 << blocked
+    deletes = kmock[f"delete /api/v1/namespaces/{NS}/pods/{POD}"] << 200 << pod()
+    r, slept = restarter(api, max_attempts=5)
+    outcome = await r.restart(DECISION)
+    assert outcome.done is False and outcome.attempts == 5 and "429" in outcome.detail
+    assert slept == [1.0, 2.0, 4.0, 8.0]  # backing off between attempts, never around the budget
+    assert len(refused) == 5 and len(deletes) == 0
+    assert kmock.objects["v1/pods", NS, POD] is not None  # the pod is still there
+
+
 async def test_403_is_reported_not_raised(kmock: Any, api: client.ApiClient) -> None:
     spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 403 << {"kind": "Status", "code": 403,
                                                                              "message": "forbidden"}

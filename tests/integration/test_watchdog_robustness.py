@@ -131,7 +131,7 @@ async def test_garbage_from_control_api_and_nvml_never_restarts(garbage_server: 
         assert {"canary_failing", "target_unreachable"} <= set(status["states"])
         assert not any(t.reachable for t in wd.history.torch)
         assert len(wd.history.canaries) > 10 and len(wd.history.torch) > 5
-        assert wd.history.gpu is not None and wd.history.gpu.available is False
+        assert wd.history.gpus and not any(g.available for g in wd.history.gpus)
         assert all(c.error_class in ("other", "unreachable") for c in wd.history.canaries)
     finally:
         await wd.stop()
@@ -179,4 +179,7 @@ async def test_malformed_kubernetes_json_does_not_crash(hanging_api: str) -> Non
 
     r = KubeRestarter(pod, RestartSettings(strategy="delete", max_attempts=2, retry_initial=0.1), sleep=no_sleep)
     outcome = await r.restart(Decision("restart", "context_loss", {}))
-    assert isinstance(outcome, RestartOutcome)  # either accepted (201) or reported; never an exception
+    # The status code is the API's answer (201: accepted); a body that is not JSON only goes unread,
+    # and the Event written after it (same garbage back) is reported, not raised.
+    assert outcome == RestartOutcome(True, "delete accepted", attempts=1)
+

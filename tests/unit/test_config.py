@@ -41,6 +41,41 @@ def test_design_example_loads_with_env_substitution(monkeypatch: pytest.MonkeyPa
     assert s.restart.strategy == "evict"
 
 
+PEER_EXAMPLE = """
+target:
+  openai_url: http://127.0.0.1:8000/v1
+  api_key_file: /var/run/secrets/vllm/key
+sampling: {server_interval: 2s}
+policy:
+  stall: {window: 90s}
+  startup_timeout: 45m
+  unservable: {window: 5m}
+kubernetes: {pod_resources_socket: /var/lib/kubelet/pod-resources/kubelet.sock}
+restart: {strategy: none}
+"""
+
+
+def test_peer_example_and_the_metrics_url_it_implies() -> None:
+    from watchdog.config import metrics_url
+
+    s = from_mapping(yaml.safe_load(PEER_EXAMPLE))
+    assert (s.sampling.server_interval, s.policy.stall.window) == (2.0, 90.0)
+    assert (s.policy.startup_timeout, s.policy.unservable.window) == (2700.0, 300.0)
+    assert s.kubernetes.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert metrics_url(s.target) == "http://127.0.0.1:8000/metrics"  # "auto": the origin, not /v1/metrics
+    assert metrics_url(from_mapping({"restart": {"strategy": "none"}}).target) == "http://127.0.0.1:8000/metrics"
+    none = from_mapping({"target": {"openai_url": "http://h:1", "metrics_url": None}, "restart": {"strategy": "none"}})
+    assert metrics_url(none.target) is None
+    custom = from_mapping({"target": {"metrics_url": "http://h:9/prom"}, "restart": {"strategy": "none"}})
+    assert metrics_url(custom.target) == "http://h:9/prom"
+
+
+def test_a_bad_metrics_url_names_its_key() -> None:
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"target": {"metrics_url": "localhost:9/metrics"}, "restart": {"strategy": "none"}})
+    assert any(e.startswith("target.metrics_url: expected an http(s) URL") for e in err.value.errors)
+
+
 def test_empty_config_is_the_defaults() -> None:
     s = from_mapping({"restart": {"strategy": "none"}})
     assert s.policy == Settings().policy

@@ -14,15 +14,16 @@ from hypothesis import strategies as st
 from watchdog.config import ConfigError, Settings, from_mapping
 
 KNOWN: dict[str, Any] = {
-    "target": ["control_url", "token_file", "openai_url", "openai_model"],
-    "sampling": ["nvml_interval", "torch_interval"],
+    "target": ["control_url", "token_file", "openai_url", "openai_model", "api_key_file", "metrics_url"],
+    "sampling": ["nvml_interval", "torch_interval", "server_interval"],
     "canary": ["interval", "timeout"],
     "policy": {"memory_pressure": ["reserved_ratio", "cooldown"],
                "fragmentation": ["ratio", "window", "empty_cache_attempts", "latency_factor"],
                "hang": ["consecutive_timeouts"], "restart_budget": ["max_restarts", "window"],
+               "stall": ["window"], "unservable": ["window"], "startup_timeout": None,
                "max_age": None, "max_age_jitter": None},
     "restart": ["strategy", "drain_timeout", "retry_initial", "retry_max", "max_attempts", "grace_period"],
-    "kubernetes": ["pod_name", "namespace", "kubeconfig", "request_timeout"],
+    "kubernetes": ["pod_name", "namespace", "kubeconfig", "request_timeout", "pod_resources_socket"],
     "server": ["host", "port"],
 }
 

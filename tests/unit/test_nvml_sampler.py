@@ -22,13 +22,14 @@ class FakeNvml:
         self.used = {A: 10 * 2**30, B: 1 * 2**30}
         self.xids: list[tuple[str | None, int]] = []
         self.closed = False
+        self.visible = [A, B]
 
     def open(self) -> None:
         if self.missing:
             raise NvmlUnavailable("NVML Shared Library Not Found")
 
     def uuids(self) -> list[str]:
-        return [A, B]
+        return list(self.visible)
 
     def read(self, uuid: str) -> GpuReading:
         if self.broken:
@@ -50,15 +51,35 @@ class FakeNvml:
         self.closed = True
 
 
-async def test_reads_the_gpu_the_inference_process_reports() -> None:
+async def test_reads_the_pods_gpus_and_only_those() -> None:
     fake = FakeNvml()
     s = NvmlSampler(fake, clock=lambda: 7.0)
     s.open()
-    g = await s.sample(B)
+    r = await s.sample((B,))
+    [g] = r.gpus
     assert (g.available, g.uuid, g.index, g.memory_used_bytes) == (True, B, 1, 2**30)
-    assert g.utilization_ratio == 0.42 and g.power_watts == 312.5
-    g = await s.sample(None)  # unknown: the first visible GPU
-    assert g.uuid == A and g.at == 7.0
+    assert g.utilization_ratio == 0.42 and g.power_watts == 312.5 and r.visible == 2
+    r = await s.sample((A, B))  # a multi-GPU pod: every one of its GPUs
+    assert [g.uuid for g in r.gpus] == [A, B] and all(g.available for g in r.gpus)
+
+
+async def test_several_gpus_and_none_known_samples_none() -> None:
+    fake = FakeNvml()
+    s = NvmlSampler(fake, clock=lambda: 7.0)
+    s.open()
+    r = await s.sample(None)
+    [g] = r.gpus
+    assert g.available is False and g.uuid is None and r.visible == 2
+    assert g.reason == "2 GPUs visible, the pod's unknown"
+
+
+async def test_one_gpu_and_none_known_is_that_one() -> None:
+    fake = FakeNvml()
+    fake.visible = [A]
+    s = NvmlSampler(fake, clock=lambda: 7.0)
+    s.open()
+    [g] = (await s.sample(None)).gpus
+    assert (g.available, g.uuid, g.at) == (True, A, 7.0)
 
 
 async def test_library_missing_is_a_state_not_a_crash() -> None:
@@ -66,7 +87,7 @@ async def test_library_missing_is_a_state_not_a_crash() -> None:
     fake.missing = True
     s = NvmlSampler(fake, clock=lambda: 1.0)
     s.open()
-    g = await s.sample(A)
+    [g] = (await s.sample((A,))).gpus
     assert g.available is False and "Not Found" in (g.reason or "")
     assert s.available is False
 
@@ -76,9 +97,10 @@ async def test_gpu_lost_and_unexpected_errors() -> None:
     s = NvmlSampler(fake, clock=lambda: 1.0)
     s.open()
     fake.lost.add(A)
-    assert (await s.sample(A)).lost is True
+    [lost, fine] = (await s.sample((A, B))).gpus
+    assert (lost.lost, lost.uuid, fine.lost, fine.available) == (True, A, False, True)
     fake.broken = True
-    g = await s.sample(B)
+    [g] = (await s.sample((B,))).gpus
     assert g.available is False and "unexpected" in (g.reason or "")
 
 
@@ -101,12 +123,17 @@ def test_xid_events_are_delivered_from_the_waiting_thread() -> None:
     assert fake.closed
 
 
-def test_real_backend_reports_no_driver_here() -> None:
-    backend = PynvmlBackend()
-    try:
-        backend.open()
-    except NvmlUnavailable as exc:
-        assert str(exc)
-    else:  # pragma: no cover - only on a machine with a GPU driver
-        assert backend.uuids()
-        backend.close()
+async def test_real_backend_without_a_driver_reports_why() -> None:
+    """The real pynvml path: here (no driver) the outcome is a reported state, with NVML's own words."""
+    s = NvmlSampler(PynvmlBackend(), clock=lambda: 2.0)
+    s.open()
+    readout = await s.sample(None)
+    if s.available:  # pragma: no cover - only on a machine with a GPU driver
+        assert readout.visible >= 1 and readout.gpus
+        s.close()
+        return
+    [g] = readout.gpus
+    assert (g.available, g.at, g.uuid, readout.visible) == (False, 2.0, None, 0)
+    assert g.reason is not None and "NVML Shared Library Not Found" in g.reason
+    s.start_xid_watch(lambda ev: None)  # nothing to watch: must not start a thread that fails
+    s.close()

@@ -7,8 +7,19 @@ from dataclasses import replace
 import pytest
 
 from watchdog.config import PolicySettings, Settings
-from watchdog.policy import Decision, budget_remaining, decide
-from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, TorchSample, XidEvent
+from watchdog.names import HANG, RESTART_REASONS, SATURATED, STARTING, STARTUP_TIMEOUT, UNSERVABLE
+from watchdog.policy import (
+    Decision,
+    budget_remaining,
+    canary_delay,
+    decide,
+    our_gpus,
+    saturated,
+    serviceable,
+    target_state,
+)
+from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
+from watchdog.state import RestartEnded, reduce
 
 GiB = 2**30
 UUID = "GPU-aaaa"
@@ -23,8 +34,14 @@ def ok(at: float, latency: float = 0.05) -> CanarySample:
     return CanarySample(at=at, ok=True, latency_s=latency, error_class=None, instance_id="i1")
 
 
-def failed(at: float, cls: str) -> CanarySample:
-    return CanarySample(at=at, ok=False, latency_s=10.0, error_class=cls, error=cls, instance_id="i1")
+def failed(at: float, cls: str, latency: float = 10.0) -> CanarySample:
+    return CanarySample(at=at, ok=False, latency_s=latency, error_class=cls, error=cls, instance_id="i1")
+
+
+def work(at: float, progress: float, running: float = 0.0, waiting: float = 0.0) -> ServerSample:
+    """A reading of the server's own /metrics (vLLM's names, already parsed)."""
+    return ServerSample(at=at, reachable=True, server="vllm", requests_running=running, requests_waiting=waiting,
+                        generated_tokens=progress, progress=progress)
 
 
 def torch(at: float, reserved: float = 10 * GiB, allocated: float = 9 * GiB, total: float = 80 * GiB,
@@ -36,7 +53,8 @@ def torch(at: float, reserved: float = 10 * GiB, allocated: float = 9 * GiB, tot
 
 
 def history(**kw: object) -> History:
-    return History(started_at=0.0, epoch=0.0, **kw)  # type: ignore[arg-type]
+    """A target that has served (most rules apply only then); pass served_at=None for one starting."""
+    return History(started_at=0.0, epoch=0.0, **{"served_at": 0.0, **kw})  # type: ignore[arg-type]
 
 
 def actions(ds: list[Decision]) -> list[tuple[str, str, bool]]:
@@ -78,7 +96,8 @@ def test_xid_app_fault_for_our_gpu_is_context_loss_other_gpu_ignored() -> None:
 
 
 def test_gpu_lost_is_context_loss() -> None:
-    h = history(gpu=GpuSample(at=5, available=True, uuid=UUID, lost=True))
+    h = history(gpus=(GpuSample(at=5, available=True, uuid=OTHER), GpuSample(at=5, available=True, uuid=UUID,
+                                                                            lost=True)))
     assert actions(decide(settings(), h, 5.5)) == [("restart", "context_loss", True)]
 
 
@@ -239,3 +258,229 @@ def test_unreachable_or_garbage_alone_never_restarts(reason: str) -> None:
         h.canaries.append(failed(t, reason))
         h.torch.append(TorchSample(at=t, reachable=False, error="bad_response: garbage"))
     assert [d for d in decide(settings(), h, 3.0) if d.action == "restart"] == []
+
+
+# -- busy is not hung: the server's own work counter ----------------------------------------------
+
+
+def timeouts(h: History, starts: list[float], timeout: float = 1.0) -> None:
+    for t in starts:
+        h.canaries.append(failed(t + timeout, "timeout", latency=timeout))
+
+
+def test_timeouts_while_tokens_flow_are_saturation_not_a_hang() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, 12):
+        h.server.append(work(t, progress=1000.0 + 150 * t, running=8, waiting=88))
+    timeouts(h, [2, 3, 4, 5, 6, 7, 8, 9, 10])  # nine in a row, far past the threshold of three
+    assert decide(settings(), h, 11.5) == []
+    busy, figures = saturated(h)
+    assert busy and figures["canary_timeouts"] == 9 and figures["progress_to"] > figures["progress_from"]
+    assert target_state(h) == SATURATED and serviceable(h)
+
+
+def test_timeouts_with_the_counter_flat_are_a_hang() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, 6):  # an engine that stopped keeps its last gauge values
+        h.server.append(work(t, progress=5000.0, running=3))
+    timeouts(h, [2, 3])
+    assert decide(settings(), h, 4.5) == []  # two timeouts: not yet
+    assert not serviceable(h)  # flat counter: not saturation, so not ready either
+    timeouts(h, [4])
+    [d] = decide(settings(), h, 5.5)
+    assert (d.reason, d.drain, d.detail["server_progress"]) == (HANG, False, "flat")
+
+
+def test_idle_server_with_a_stopped_engine_is_caught_too() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, 6):
+        h.server.append(work(t, progress=42.0))  # nothing running, nothing waiting, nothing moving
+    timeouts(h, [2, 3, 4])
+    [d] = decide(settings(), h, 5.5)
+    assert d.reason == HANG and d.detail["server_progress"] == "flat"
+
+
+def test_without_metrics_timeouts_alone_decide_as_before() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    timeouts(h, [2, 3, 4])
+    [d] = decide(settings(), h, 5.5)
+    assert d.reason == HANG and d.detail["server_progress"] == "no_metrics"
+
+
+def test_metrics_that_go_dark_with_the_server_leave_the_canary_to_decide() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    h.server.extend([work(0, 10.0), work(1, 20.0)])
+    for t in (3, 4, 5):
+        h.server.append(ServerSample(at=t, reachable=False, error="timeout: no page within 5s"))
+    timeouts(h, [2, 3, 4])
+    [d] = decide(settings(), h, 5.5)
+    assert d.reason == HANG and d.detail["server_progress"] == "no_metrics"
+
+
+def test_a_single_reading_across_the_timeouts_waits_for_the_next() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    h.server.append(work(2.5, 10.0))
+    timeouts(h, [2, 3, 4])
+    assert decide(settings(), h, 5.5) == []
+    h.server.append(work(5.6, 10.0))
+    [d] = decide(settings(), h, 5.7)
+    assert d.reason == HANG
+
+
+def test_a_counter_that_starts_again_is_a_new_server_starting() -> None:
+    h = history()
+    reduce(h, ok(0.5))
+    for sample in (work(1, 900.0), work(3, 0.0), work(5, 0.0)):
+        reduce(h, sample)
+    timeouts(h, [2, 3, 4])
+    # Replaced behind our back (its container restarted) and maybe loading: never restarted for
+    # failing canaries before it serves once.
+    assert target_state(h) == STARTING
+    assert decide(settings(), h, 5.5) == []
+
+
+def test_stall_requests_pending_and_no_token_for_the_window() -> None:
+    s = settings()
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, 60, 5):
+        h.server.append(work(t, progress=777.0, running=2, waiting=5))
+    assert decide(s, h, 56.0) == []  # flat for 55 s: under the 60 s window
+    h.server.append(work(60, progress=777.0, running=2, waiting=5))
+    [d] = decide(s, h, 60.5)
+    assert (d.reason, d.detail["evidence"], d.detail["flat_s"]) == (HANG, "stall", 60.0)
+
+
+def test_no_stall_when_idle_or_when_tokens_move() -> None:
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, 120, 5):
+        h.server.append(work(t, progress=777.0))  # flat but nothing pending: idle
+    assert decide(settings(), h, 121.0) == []
+    h2 = history()
+    h2.canaries.append(ok(0.5))
+    for t in range(0, 120, 5):
+        h2.server.append(work(t, progress=777.0 + (t // 30), running=4))  # slow but moving
+    assert decide(settings(), h2, 121.0) == []
+
+
+def test_confirm_fast_after_a_timeout_and_only_then() -> None:
+    s = Settings()
+    h = history()
+    h.canaries.append(ok(1))
+    assert canary_delay(s.canary, s.policy, h) == s.canary.interval  # healthy: no extra canaries
+    timeouts(h, [30], timeout=10)
+    assert canary_delay(s.canary, s.policy, h) == s.canary.timeout
+    timeouts(h, [40, 50], timeout=10)  # the threshold is reached: back to the interval
+    assert canary_delay(s.canary, s.policy, h) == s.canary.interval
+    busy = history()
+    busy.canaries.append(ok(1))
+    busy.server.extend([work(25, 100.0, running=8), work(35, 900.0, running=8)])
+    timeouts(busy, [30], timeout=10)
+    assert canary_delay(s.canary, s.policy, busy) == s.canary.interval  # saturated: no extra load
+
+
+def test_hang_at_defaults_is_decided_in_about_interval_plus_n_timeouts() -> None:
+    """The canary loop as it runs: the next canary starts `canary_delay` after the last one began."""
+    s = Settings()
+    h = history()
+    stopped_at, start = 1.0, 0.0  # the engine stops just after a successful canary
+    while True:
+        if start < stopped_at:
+            end = start + 0.05
+            h.canaries.append(ok(end))
+        else:
+            end = start + s.canary.timeout
+            h.canaries.append(failed(end, "timeout", latency=s.canary.timeout))
+        if [d for d in decide(s.policy, h, end) if d.reason == HANG]:
+            break
+        start += max(canary_delay(s.canary, s.policy, h), end - start)
+    # interval + n x timeout = 30 + 3 x 10; it took n x interval (96.5 s measured) before.
+    assert end - stopped_at <= s.canary.interval + 3 * s.canary.timeout
+
+
+# -- starting, startup timeout, unservable -------------------------------------------------------
+
+
+def test_a_server_that_never_served_is_starting_until_the_startup_timeout() -> None:
+    s = settings()
+    h = history(served_at=None)
+    for t in range(10, 1800, 10):
+        h.canaries.append(failed(t, "timeout" if t % 20 else "unreachable"))
+        assert decide(s, h, t + 0.5) == [], t  # loading for many minutes: never a restart
+        assert target_state(h) == STARTING and not serviceable(h)
+    [d] = decide(s, h, 1800.5)
+    assert (d.reason, d.drain) == (STARTUP_TIMEOUT, True)
+    assert d.detail["startup_timeout_s"] == 1800.0
+
+
+def test_the_first_success_ends_starting_and_a_restart_starts_it_again() -> None:
+    h = History(started_at=0.0, epoch=0.0)
+    reduce(h, failed(5, "unreachable"))
+    assert h.served_at is None
+    reduce(h, ok(6))
+    assert h.served_at == 6 and target_state(h) == "healthy"
+    reduce(h, RestartEnded(at=100.0, reason=HANG, done=True, keep_unready=False))
+    assert h.served_at is None and h.epoch == 100.0 and target_state(h) == STARTING
+    assert decide(settings(), h, 1800.0) == []  # the startup clock runs from the restart
+    assert [d.reason for d in decide(settings(), h, 1900.5)] == [STARTUP_TIMEOUT]
+
+
+def test_context_loss_is_decided_even_while_starting() -> None:
+    h = history(served_at=None)
+    h.torch.append(torch(1, poisoned=True))
+    assert actions(decide(settings(), h, 1.5)) == [("restart", "context_loss", True)]
+
+
+def test_every_canary_answered_with_an_error_for_the_window_is_unservable() -> None:
+    s = settings()
+    h = history()
+    h.canaries.append(ok(1))
+    for t in range(30, 630, 30):
+        h.canaries.append(failed(t, "other" if t % 60 else "oom"))
+        assert decide(s, h, t + 0.1) == [], t
+    h.canaries.append(failed(630, "other"))
+    [d] = decide(s, h, 630.5)
+    assert (d.reason, d.drain, d.detail["canaries"]) == (UNSERVABLE, True, 21)
+
+
+def test_unservable_needs_every_canary_to_fail() -> None:
+    h = history()
+    for t in range(0, 1200, 30):
+        h.canaries.append(ok(t) if t % 300 == 0 else failed(t, "other"))
+    assert decide(settings(), h, 1200.0) == []
+    h2 = history()
+    for t in range(0, 1200, 30):  # a closed port is the kubelet's to restart, not an answer
+        h2.canaries.append(failed(t, "unreachable"))
+    assert decide(settings(), h2, 1200.0) == []
+
+
+# -- which GPUs are ours -------------------------------------------------------------------------
+
+
+def test_xid_on_a_multi_gpu_node_with_unknown_gpus_never_restarts() -> None:
+    h = history(gpus_visible=8)
+    h.xids.append(XidEvent(at=2, xid=79, uuid=OTHER))
+    h.xids.append(XidEvent(at=3, xid=43, uuid=None))
+    assert our_gpus(h) is None and decide(settings(), h, 3.5) == []
+
+
+def test_xid_on_any_of_the_pods_gpus_from_the_kubelet() -> None:
+    third = "GPU-cccc"
+    h = history(gpus_visible=8, pod_gpus=(UUID, third))
+    h.xids.append(XidEvent(at=2, xid=79, uuid=OTHER))
+    assert decide(settings(), h, 2.5) == []
+    h.xids.append(XidEvent(at=3, xid=48, uuid=third))
+    [d] = decide(settings(), h, 3.5)
+    assert (d.reason, d.detail["uuid"], d.detail["class"]) == ("context_loss", third, "ecc")
+
+
+def test_every_restart_reason_is_a_known_name() -> None:
+    seen = {HANG, STARTUP_TIMEOUT, UNSERVABLE, "context_loss", "fragmentation_drift", "max_age"}
+    assert seen == set(RESTART_REASONS)

@@ -2,59 +2,193 @@
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 
-from watchdog.control_client import ControlClient, ControlError, openai_canary
+from watchdog import logs
+from watchdog.control_client import ControlClient, ControlError
+from watchdog.names import ERROR_CLASSES
 from watchdog.samples import CanarySample
+from watchdog.token import read_token
 
-ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other", "unreachable")
+log = logs.get("watchdog.canary")
+
+CONTROL_ROUTE = "/control/canary"
+COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 
 
 class CanarySampler:
-    def __init__(
-        self,
-        clock: Callable[[], float],
-        timeout: float,
-        client: ControlClient | None = None,
-        session: aiohttp.ClientSession | None = None,
-        openai_url: str | None = None,
-        openai_model: str | None = None,
-    ) -> None:
+    """The bundled server's canary: `POST /control/canary`, on a slot reserved for it."""
+
+    def __init__(self, client: ControlClient, clock: Callable[[], float], timeout: float) -> None:
+        self.client = client
         self.clock = clock
         self.timeout = timeout
-        self.client = client
-        self.session = session
-        self.openai_url = openai_url
-        self.openai_model = openai_model
+        self.route = CONTROL_ROUTE
+
+    def describe(self) -> dict[str, Any]:
+        return {"route": self.route}
+
+    def forget(self) -> None:
+        """After a restart: nothing learnt about the old process to drop."""
 
     async def sample(self) -> CanarySample:
         start = self.clock()
-        if self.openai_url is not None:
-            assert self.session is not None
-            ok, error_class, error = await openai_canary(self.session, self.openai_url, self.openai_model,
-                                                         self.timeout)
-            return CanarySample(at=self.clock(), ok=ok, latency_s=self.clock() - start, error_class=error_class,
-                                error=error)
-        assert self.client is not None
         try:
             data = await self.client.canary(self.timeout)
         except ControlError as exc:
             # Our own HTTP timeout firing means the server did not answer at all: a hang.
             cls = "timeout" if exc.kind == "timeout" else "unreachable" if exc.kind == "unreachable" else "other"
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class=cls,
-                                error=str(exc)[:300])
+                                error=str(exc)[:300], route=self.route)
         answered_ok: Any = data.get("ok")
         error_class = data.get("error_class")
         latency = data.get("latency_s")
         if not isinstance(answered_ok, bool) or (error_class is not None and error_class not in ERROR_CLASSES) \
                 or isinstance(latency, bool) or not isinstance(latency, int | float):
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class="other",
-                                error=f"bad canary answer: {str(data)[:200]}")
+                                error=f"bad canary answer: {str(data)[:200]}", route=self.route)
         instance = data.get("instance_id")
         return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency),
                             error_class=None if answered_ok else error_class,
                             error=None if answered_ok else str(data.get("error"))[:300],
-                            instance_id=instance if isinstance(instance, str) else None)
+                            instance_id=instance if isinstance(instance, str) else None, route=self.route)
+
+
+def api_base(url: str) -> str:
+    """`http://h:p`, `http://h:p/`, `http://h:p/v1` and `http://h:p/v1/` all mean the same server."""
+    return re.sub(r"/v1/?$", "", url.rstrip("/"))
+
+
+class OpenAICanary:
+    """A `max_tokens: 1`, temperature 0 request to any OpenAI-compatible server (vLLM, TGI, SGLang, ...).
+
+    Learns what it needs from the server: the model (first id of `GET /v1/models` unless
+    configured; asked again after a restart or when the server no longer knows it) and the route
+    (`/v1/completions`, or `/v1/chat/completions` for a server that serves only chat).
+    """
+
+    def __init__(self, url: str, model: str | None, api_key_file: str | None, session: aiohttp.ClientSession,
+                 clock: Callable[[], float], timeout: float) -> None:
+        self.base = api_base(url)
+        self.configured_model = model
+        self.model = model
+        self.api_key_file = api_key_file
+        self.session = session
+        self.clock = clock
+        self.timeout = timeout
+        self.route = COMPLETIONS
+        self._api_key = self._read_key()
+
+    def describe(self) -> dict[str, Any]:
+        return {"route": self.route, "base_url": self.base, "model": self.model,
+                "model_discovered": self.configured_model is None and self.model is not None}
+
+    def forget(self) -> None:
+        if self.configured_model is None:
+            self.model = None
+
+    def _read_key(self) -> str | None:
+        if self.api_key_file is None:
+            return None
+        try:
+            return read_token(self.api_key_file)
+        except Exception as exc:
+            log.warning("api_key_unreadable", file=self.api_key_file, error=str(exc))
+            return None
+
+    def headers(self) -> dict[str, str]:
+        return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}
+
+    async def sample(self) -> CanarySample:
+        start = self.clock()
+        ok, cls, error = await self._probe(start)
+        return CanarySample(at=self.clock(), ok=ok, latency_s=self.clock() - start, error_class=cls,
+                            error=None if ok else error, route=self.route)
+
+    def _left(self, start: float) -> float:
+        return max(0.05, self.timeout - (self.clock() - start))
+
+    async def _probe(self, start: float) -> tuple[bool, str | None, str | None]:
+        if self.model is None:
+            failure = await self._discover(start)
+            if failure is not None:
+                return failure
+        status, text = await self._post(self.route, start)
+        if status is None:
+            return False, text[0], text[1]
+        if status == 200:
+            return True, None, None
+        body = text[1] or ""
+        if status == 401 and self.api_key_file is not None:
+            self._api_key = self._read_key()  # the key may have been rotated
+        if status == 404 and self.configured_model is None and "model" in body.lower():
+            self.model = None  # the server was restarted with another model: ask again next time
+        if self.route == COMPLETIONS and status in (400, 404, 405, 501):
+            # A server that serves only chat; if chat fails too, the completions answer is reported.
+            chat_status, _ = await self._post(CHAT, start)
+            if chat_status == 200:
+                log.info("canary_route", route=CHAT, because=f"{COMPLETIONS} answered {status}")
+                self.route = CHAT
+                return True, None, None
+        return False, classify(status, body), f"{status}: {body[:300]}"
+
+    async def _discover(self, start: float) -> tuple[bool, str | None, str | None] | None:
+        status, text = await self._request("GET", "/v1/models", None, start)
+        if status is None:
+            return False, text[0], text[1]
+        if status != 200:
+            log.warning("model_discovery_failed", status=status, body=(text[1] or "")[:200])
+            return None  # many servers take a request without a model: try it
+        try:
+            data = json.loads(text[1] or "")
+            model = data["data"][0]["id"]
+            if not isinstance(model, str) or not model:
+                raise ValueError("empty id")
+        except (ValueError, KeyError, IndexError, TypeError) as exc:
+            log.warning("model_discovery_failed", error=f"bad /v1/models answer: {exc}")
+            return None
+        self.model = model
+        log.info("model_discovered", model=model, base_url=self.base)
+        return None
+
+    def _body(self, route: str) -> dict[str, Any]:
+        body: dict[str, Any] = {"max_tokens": 1, "temperature": 0}
+        if route == CHAT:
+            body["messages"] = [{"role": "user", "content": "ping"}]
+        else:
+            body["prompt"] = "ping"
+        if self.model:
+            body["model"] = self.model
+        return body
+
+    async def _post(self, route: str, start: float) -> tuple[int | None, tuple[str | None, str | None]]:
+        return await self._request("POST", route, self._body(route), start)
+
+    async def _request(self, method: str, path: str, body: dict[str, Any] | None,
+                       start: float) -> tuple[int | None, tuple[str | None, str | None]]:
+        """(status, (None, text)) for an answer; (None, (error_class, error)) for none."""
+        left = self._left(start)
+        try:
+            async with self.session.request(method, self.base + path, json=body, headers=self.headers(),
+                                            timeout=aiohttp.ClientTimeout(total=left)) as resp:
+                text = (await resp.content.read(64 * 1024)).decode("utf-8", errors="replace")
+                return resp.status, (None, text)
+        except TimeoutError:
+            return None, ("timeout", f"no answer within {self.timeout:g}s ({method} {path})")
+        except aiohttp.ClientError as exc:
+            return None, ("unreachable", f"{method} {path}: {exc}"[:300])
+
+
+def classify(status: int, body: str) -> str:
+    lowered = body.lower()
+    if "out of memory" in lowered:
+        return "oom"
+    if status >= 500 and ("cuda error" in lowered or "illegal memory access" in lowered or "fatal_cuda" in lowered):
+        return "fatal_cuda"
+    return "other"

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 
 from watchdog import logs
 from watchdog.samples import GpuSample, XidEvent
+from watchdog.state import GpuReadout
 
 log = logs.get("watchdog.nvml")
 
@@ -158,20 +159,31 @@ class NvmlSampler:
     def available(self) -> bool:
         return self._opened
 
-    def _read(self, uuid: str | None) -> GpuSample:
+    def _read(self, wanted: tuple[str, ...] | None) -> GpuReadout:
         now = self.clock()
         if not self._opened:
-            return GpuSample(at=now, available=False, reason=self._unavailable or "not opened")
+            return GpuReadout((GpuSample(at=now, available=False, reason=self._unavailable or "not opened"),), 0)
         try:
-            uuids = self.backend.uuids()
-            target = uuid if uuid in uuids else (uuids[0] if uuids else None)
-            if target is None:
-                return GpuSample(at=now, available=False, reason="no GPU visible to NVML")
-            r = self.backend.read(target)
+            visible = self.backend.uuids()
+        except Exception as exc:  # NVML said something unexpected: report it, keep going
+            return GpuReadout((GpuSample(at=now, available=False, reason=f"nvml error: {exc}"),), 0)
+        if wanted is None:
+            if len(visible) != 1:
+                # Several GPUs and no word on which are ours: reading one would be a guess.
+                why = "no GPU visible to NVML" if not visible else f"{len(visible)} GPUs visible, the pod's unknown"
+                return GpuReadout((GpuSample(at=now, available=False, reason=why),), len(visible))
+            wanted = (visible[0],)
+        return GpuReadout(tuple(self._read_one(now, uuid, visible) for uuid in wanted), len(visible))
+
+    def _read_one(self, now: float, uuid: str, visible: list[str]) -> GpuSample:
+        if uuid not in visible:
+            return GpuSample(at=now, available=False, uuid=uuid, reason=f"{uuid} not visible to NVML here")
+        try:
+            r = self.backend.read(uuid)
         except GpuLost as exc:
             return GpuSample(at=now, available=True, reason=str(exc), uuid=uuid, lost=True)
         except Exception as exc:  # NVML said something unexpected: report it, keep going
-            return GpuSample(at=now, available=False, reason=f"nvml error: {exc}")
+            return GpuSample(at=now, available=False, uuid=uuid, reason=f"nvml error: {exc}")
         return GpuSample(
             at=now, available=True, index=r.index, uuid=r.uuid, name=r.name,
             memory_used_bytes=r.memory_used_bytes, memory_total_bytes=r.memory_total_bytes,
@@ -179,10 +191,11 @@ class NvmlSampler:
             power_watts=r.power_milliwatts / 1000.0, ecc_uncorrected=r.ecc_uncorrected,
         )
 
-    async def sample(self, uuid: str | None) -> GpuSample:
+    async def sample(self, wanted: tuple[str, ...] | None) -> GpuReadout:
+        """The pod's GPUs (`wanted`), or the only one NVML sees when the pod's are not known."""
         if not self._opened:
-            return self._read(uuid)
-        return await asyncio.to_thread(self._read, uuid)
+            return self._read(wanted)
+        return await asyncio.to_thread(self._read, wanted)
 
     def start_xid_watch(self, deliver: Callable[[XidEvent], object]) -> None:
         """Wait on the NVML event set in a thread: the wait blocks."""

@@ -1,0 +1,43 @@
+"""The watchdog's vocabulary, defined once: restart reasons, flush reasons, states, error classes.
+
+The policy decides with these names, the metrics pre-create their label values from them, the
+alert rules and the dashboard match them, and the tests import them rather than spelling them.
+"""
+
+from __future__ import annotations
+
+# Why a pod is restarted (`gpu_watchdog_restarts_total{reason}`).
+CONTEXT_LOSS = "context_loss"
+HANG = "hang"
+FRAGMENTATION_DRIFT = "fragmentation_drift"
+MAX_AGE = "max_age"
+STARTUP_TIMEOUT = "startup_timeout"
+UNSERVABLE = "unservable"
+RESTART_REASONS = (CONTEXT_LOSS, HANG, FRAGMENTATION_DRIFT, MAX_AGE, STARTUP_TIMEOUT, UNSERVABLE)
+
+# Why the allocator cache is flushed (`gpu_watchdog_empty_cache_total{reason}`).
+MEMORY_PRESSURE = "memory_pressure"
+OOM = "oom"
+EMPTY_CACHE_REASONS = (MEMORY_PRESSURE, OOM, FRAGMENTATION_DRIFT)
+
+# How a canary failed (`gpu_watchdog_canary_failures_total{error_class}`).
+ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other", "unreachable")
+# Failures the server answered itself (as opposed to silence or a closed port).
+ANSWERED_ERRORS = ("oom", "other")
+
+# What the watchdog says about its target (`gpu_watchdog_state{state}`).
+HEALTHY = "healthy"
+STARTING = "starting"
+SATURATED = "saturated"
+CANARY_FAILING = "canary_failing"
+TARGET_UNREACHABLE = "target_unreachable"
+RESTARTING = "restarting"
+BUDGET_EXHAUSTED = "budget_exhausted"
+NVML_UNAVAILABLE = "nvml_unavailable"
+GPUS_UNKNOWN = "gpus_unknown"
+SERVER_METRICS_UNAVAILABLE = "server_metrics_unavailable"
+STATES = (HEALTHY, STARTING, SATURATED, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING, BUDGET_EXHAUSTED,
+          NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE)
+
+# Which server the target's /metrics belong to (`server` label).
+SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

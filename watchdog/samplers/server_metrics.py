@@ -1,0 +1,114 @@
+"""The target server's own Prometheus page, read into one typed sample whatever the server.
+
+vLLM, TGI, SGLang and the bundled server name the same ideas differently; each name below was
+checked against the server's source (and, for vLLM, a real scrape). A page that is garbage,
+hangs or names nothing we know is reported in the sample, never raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
+
+from watchdog.samples import ServerSample
+
+MAX_PAGE_BYTES = 8 * 2**20  # a metrics page is kilobytes; more is not a metrics page
+
+
+@dataclass(frozen=True)
+class Dialect:
+    server: str
+    running: tuple[str, ...]
+    waiting: tuple[str, ...]
+    generated_tokens: tuple[str, ...]
+    progress: tuple[str, ...]
+    kv_cache_usage: tuple[str, ...] = ()
+    preemptions: tuple[str, ...] = ()
+
+    def names(self) -> Iterable[str]:
+        return (*self.running, *self.waiting, *self.generated_tokens, *self.progress, *self.kv_cache_usage,
+                *self.preemptions)
+
+
+# Sample names as exposed (counters with their `_total`). For each figure the first name present
+# wins, except progress, which adds up every counter named: prompt tokens count too, so that a
+# long prefill, which generates nothing for a while, is progress.
+DIALECTS = (
+    # vllm/v1/metrics/loggers.py (PrometheusStatLogger); kv: gpu_cache_usage_perc before v1.
+    Dialect("vllm", running=("vllm:num_requests_running",), waiting=("vllm:num_requests_waiting",),
+            generated_tokens=("vllm:generation_tokens_total",),
+            progress=("vllm:generation_tokens_total", "vllm:prompt_tokens_total"),
+            kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
+            preemptions=("vllm:num_preemptions_total",)),
+    # python/sglang/srt/metrics/collector.py (needs --enable-metrics); retractions are its preemptions.
+    Dialect("sglang", running=("sglang:num_running_reqs",), waiting=("sglang:num_queue_reqs",),
+            generated_tokens=("sglang:generation_tokens_total",),
+            progress=("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
+            kv_cache_usage=("sglang:token_usage",), preemptions=("sglang:num_retracted_requests_total",)),
+    # router/src (metrics crate, exported without `_total`). Tokens are observed when a request
+    # ends, so progress is the count of successful prefill/decode steps.
+    Dialect("tgi", running=("tgi_batch_current_size",), waiting=("tgi_queue_size",),
+            generated_tokens=("tgi_request_generated_tokens_sum",),
+            progress=("tgi_batch_inference_success", "tgi_batch_inference_success_total")),
+    # inference/metrics.py: tokens are counted at every decode step.
+    Dialect("bundled", running=("gpu_inference_inflight_requests",), waiting=("gpu_inference_queued_requests",),
+            generated_tokens=("gpu_inference_generated_tokens_total",),
+            progress=("gpu_inference_generated_tokens_total",)),
+)
+
+
+def parse(text: str, at: float) -> ServerSample:
+    """One sample from exposition text; a page that is not Prometheus text is an unreachable sample."""
+    sums: dict[str, float] = {}
+    try:
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                # Several engines or models behind one server each carry their own series: add them up.
+                sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
+    except Exception as exc:  # the parser raises ValueError, IndexError, ... on garbage
+        return ServerSample(at=at, reachable=False, error=f"bad_response: not Prometheus text: {exc}"[:300])
+    for d in DIALECTS:
+        if not any(name in sums for name in d.names()):
+            continue
+
+        def first(names: tuple[str, ...]) -> float | None:
+            return next((sums[n] for n in names if n in sums), None)
+
+        def total(names: tuple[str, ...]) -> float | None:
+            present = [sums[n] for n in names if n in sums]
+            return sum(present) if present else None
+
+        return ServerSample(at=at, reachable=True, server=d.server, requests_running=first(d.running),
+                            requests_waiting=first(d.waiting), generated_tokens=first(d.generated_tokens),
+                            progress=total(d.progress), kv_cache_usage_ratio=first(d.kv_cache_usage),
+                            preemptions=first(d.preemptions))
+    return ServerSample(at=at, reachable=True, server="unknown")
+
+
+class ServerMetricsSampler:
+    def __init__(self, url: str, session: aiohttp.ClientSession, clock: Callable[[], float], timeout: float,
+                 headers: Callable[[], dict[str, str]] = dict) -> None:
+        self.url = url
+        self.session = session
+        self.clock = clock
+        self.timeout = timeout
+        self.headers = headers
+
+    async def sample(self) -> ServerSample:
+        try:
+            async with self.session.get(self.url, headers=self.headers(),
+                                        timeout=aiohttp.ClientTimeout(total=self.timeout)) as resp:
+                if resp.status != 200:
+                    return ServerSample(at=self.clock(), reachable=False,
+                                        error=f"bad_response: {self.url} answered {resp.status}")
+                body = await resp.content.read(MAX_PAGE_BYTES + 1)
+        except TimeoutError:
+            return ServerSample(at=self.clock(), reachable=False, error=f"timeout: no page within {self.timeout:g}s")
+        except aiohttp.ClientError as exc:
+            return ServerSample(at=self.clock(), reachable=False, error=f"unreachable: {exc}"[:300])
+        if len(body) > MAX_PAGE_BYTES:
+            return ServerSample(at=self.clock(), reachable=False, error="bad_response: page over 8 MiB")
+        return parse(body.decode("utf-8", errors="replace"), self.clock())

@@ -1,0 +1,114 @@
+"""What the watchdog shows: states, readiness, `/status` and the metrics snapshot, built from state."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from watchdog import names, policy
+from watchdog.config import Settings
+from watchdog.idle_memory import IdleMemory
+from watchdog.metrics import Snapshot
+from watchdog.samples import History
+
+
+@dataclasses.dataclass(frozen=True)
+class Extras:
+    """What the loop knows beyond the history: its samplers' situation and its own bookkeeping."""
+
+    nvml_available: bool
+    server_metrics_url: str | None
+    canary: dict[str, Any]
+    strategy: str
+    restart_failed: str | None
+    decisions: list[dict[str, Any]]
+    idle_memory: IdleMemory | None
+    pod_gpus_error: str | None
+
+
+def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
+    out: set[str] = set()
+    target = policy.target_state(h)
+    if target is not None and not h.restart_in_progress:
+        out.add(target)
+    last_canary = h.canaries[-1] if h.canaries else None
+    last_torch = h.torch[-1] if h.torch else None
+    if h.restart_in_progress:
+        out.add(names.RESTARTING)
+    if last_canary is not None and not last_canary.ok and target != names.SATURATED:
+        out.add(names.CANARY_FAILING)
+    if (last_canary is not None and last_canary.error_class == "unreachable") or (
+            last_torch is not None and not last_torch.reachable):
+        out.add(names.TARGET_UNREACHABLE)
+    if policy.budget_remaining(settings.policy, h, now) <= 0:
+        out.add(names.BUDGET_EXHAUSTED)
+    if not x.nvml_available:
+        out.add(names.NVML_UNAVAILABLE)
+    elif policy.our_gpus(h) is None and h.gpus_visible > 1:
+        out.add(names.GPUS_UNKNOWN)
+    if x.server_metrics_url is not None and (not h.server or not h.server[-1].reachable):
+        out.add(names.SERVER_METRICS_UNAVAILABLE)
+    return frozenset(out)
+
+
+def ready(h: History) -> tuple[bool, dict[str, Any]]:
+    ok = policy.serviceable(h)
+    if ok:
+        return True, {"ready": True, "reason": None, "state": policy.target_state(h)}
+    last = h.canaries[-1] if h.canaries else None
+    if h.restart_in_progress:
+        reason = "restarting"
+    elif h.served_at is None:
+        reason = "no successful canary yet" if last is None or last.ok else f"starting: canary {last.error_class}"
+    else:
+        reason = f"canary failed: {last.error_class}" if last is not None else "no canary yet"
+    return False, {"ready": False, "reason": reason}
+
+
+def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
+    return Snapshot(
+        gpus=h.gpus,
+        torch=next((t for t in reversed(h.torch) if t.reachable), None),
+        canary=h.canaries[-1] if h.canaries else None,
+        server=next((s for s in reversed(h.server) if s.reachable), None),
+        budget_remaining=policy.budget_remaining(settings.policy, h, now),
+        states=states(settings, h, now, x),
+        idle_memory=x.idle_memory,
+    )
+
+
+def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, Any]:
+    def asdict(obj: Any) -> Any:
+        return None if obj is None else dataclasses.asdict(obj)
+
+    sat, sat_figures = policy.saturated(h)
+    ours = policy.our_gpus(h)
+    unavailable = next((g.reason for g in h.gpus if not g.available), None)
+    return {
+        "states": sorted(states(settings, h, now, x)),
+        "ready": policy.serviceable(h),
+        "strategy": x.strategy,
+        "target": {"state": policy.target_state(h), "served_at_s": None if h.served_at is None
+                   else round(h.served_at - h.started_at, 3), "canary": x.canary,
+                   "saturation": sat_figures if sat else None},
+        "nvml": {"available": x.nvml_available, "reason": unavailable},
+        "gpus": {"ours": list(ours) if ours else None, "source": "kubelet" if h.pod_gpus else
+                 "inference process" if ours else None, "visible": h.gpus_visible,
+                 "pod_resources_error": x.pod_gpus_error,
+                 "note": f"{h.gpus_visible} GPUs visible and the pod's are unknown: not sampled, and no Xid"
+                         " restarts" if ours is None and h.gpus_visible > 1 else None},
+        "server_metrics": {"url": x.server_metrics_url,
+                           "last": asdict(h.server[-1] if h.server else None)},
+        "uptime_s": round(now - h.started_at, 3),
+        "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now),
+        "restart_in_progress": h.restart_in_progress,
+        "restart_failed": x.restart_failed,
+        "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
+                                                                                          else None),
+                         "canary": asdict(h.canaries[-1] if h.canaries else None)},
+        "idle_memory": None if x.idle_memory is None else {
+            **dataclasses.asdict(x.idle_memory), "growth_bytes": x.idle_memory.growth_bytes,
+            "growth_ratio": round(x.idle_memory.growth_ratio, 6), "growing": x.idle_memory.growing},
+        "last_decisions": x.decisions[-20:],
+        "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
+    }
