@@ -9,7 +9,13 @@ VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
 # The peer the sidecar is tested next to: vLLM's CPU build, in a venv of its own.
 VLLM_VERSION := 0.32.0
 
-.PHONY: install up test lint tools vllm clean chart-files
+# A stand-in for the GPU machines' image (no network there): their torch & co. at the releases that
+# matter (transformers 5.17), without kubernetes and structlog, which come as wheels.
+OFFLINE_VENV ?= .venv-offline
+OFFLINE_STAMP := $(OFFLINE_VENV)/.installed-stamp
+OFFLINE_WHEELS ?= .gpu-wheels-ci
+
+.PHONY: install up test lint tools vllm offline clean chart-files
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +38,19 @@ $(VLLM_STAMP):
 
 vllm: $(VLLM_STAMP)
 
+$(OFFLINE_STAMP):
+	$(PYTHON) -m venv $(OFFLINE_VENV)
+	$(OFFLINE_VENV)/bin/python -m pip install -q torch==2.13.0 transformers==5.17.0 tokenizers aiohttp \
+	  prometheus-client nvidia-ml-py pyyaml requests matplotlib tqdm psutil grpcio protobuf
+	touch $(OFFLINE_STAMP)
+
+$(OFFLINE_WHEELS)/.stamp: benchmarks/gpu_wheels.py $(STAMP)
+	$(PY) -m benchmarks.gpu_wheels $(OFFLINE_WHEELS) \
+	  --python-version $$($(OFFLINE_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
+	touch $(OFFLINE_WHEELS)/.stamp
+
+offline: $(OFFLINE_STAMP) $(OFFLINE_WHEELS)/.stamp
+
 # Prometheus and promtool check the alert rules and the dashboard queries for real.
 # amtool (Alertmanager) checks the routing example.
 tools:
@@ -50,11 +69,14 @@ lint: install
 	$(VENV)/bin/mypy
 	$(VENV)/bin/lint-imports
 
-test: install tools vllm lint
-	GPU_WATCHDOG_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python $(VENV)/bin/pytest
+test: install tools vllm offline lint
+	GPU_WATCHDOG_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
+	GPU_WATCHDOG_OFFLINE_PYTHON=$(abspath $(OFFLINE_VENV))/bin/python \
+	GPU_WATCHDOG_OFFLINE_WHEELS=$(abspath $(OFFLINE_WHEELS)) \
+	$(VENV)/bin/pytest
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OFFLINE_VENV) $(OFFLINE_WHEELS) .pytest_cache .mypy_cache .ruff_cache
 
 # The chart packages the dashboard and the rules from dashboards/ (the tests check they match).
 chart-files:

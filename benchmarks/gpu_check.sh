@@ -3,8 +3,11 @@
 #
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]
 #
-# From a fresh checkout with only python3 + pip: makes its own venv (torch from PyPI, which is a
-# CUDA build on Linux x86_64), then checks
+# On a GPU image that has torch & co. but no network: first, where the package index is reachable,
+# `python -m benchmarks.gpu_wheels` (wheels of what the image lacks into .gpu-wheels/, ~10 MiB);
+# the script installs them into a temp folder and runs from the checkout. From a fresh checkout
+# with only python3 + pip and network: makes its own venv (torch from PyPI, which is a CUDA build
+# on Linux x86_64). Then it checks
 #   1. NVML through the watchdog's sampler (memory, utilization, temperature, power, UUID),
 #   2. real torch.cuda.memory_stats figures through the control API of a CUDA server, then the
 #      watchdog itself watching that server (NVML, allocator, canary, idle-memory baseline),
@@ -28,12 +31,25 @@ step() { echo; echo "=== [$SECONDS s] $*"; }
 
 step "environment"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi not available"
-NEEDED='import torch, transformers, aiohttp, prometheus_client, structlog, kubernetes, yaml, pynvml, requests, tokenizers'
+NEEDED='import torch, transformers, aiohttp, prometheus_client, structlog, kubernetes, yaml, pynvml, requests, tokenizers, grpc, google.protobuf'
+# A machine without network (the GPU machines): the packages its image lacks come along as wheels,
+# made where the index is reachable by `python -m benchmarks.gpu_wheels` (default .gpu-wheels/).
+WHEELS=${GPU_CHECK_WHEELS:-.gpu-wheels}
+if [ -z "${GPU_CHECK_VENV:-}" ] && [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+  SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site.XXXXXX")
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$SITE" "$WHEELS"/*.whl
+  export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
+  echo "installed $(ls "$WHEELS"/*.whl | wc -l) wheels from $WHEELS into $SITE (no network)"
+fi
 if [ -z "${GPU_CHECK_VENV:-}" ] && python3 -c "$NEEDED" 2>/dev/null; then
   # A GPU image with the packages already there (possibly offline): run from the checkout as is.
   PY=python3
   export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-  echo "using the system python3 and its packages (no install)"
+  echo "using the system python3 and its packages (no install from the index)"
+elif [ -d "$WHEELS" ] && [ -z "${GPU_CHECK_VENV:-}" ]; then
+  python3 -c "$NEEDED" || true
+  echo "the wheels in $WHEELS do not complete python3's packages (above); refusing to reach for the network"
+  exit 2
 else
   VENV=${GPU_CHECK_VENV:-.venv-gpu}
   if [ ! -x "$VENV/bin/python" ]; then
@@ -65,6 +81,21 @@ json.dump(samples, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(samples[-1], indent=2))
 ok = samples[-1]["available"] and samples[-1]["memory_total_bytes"] > 0
 print("NVML sampler:", "OK" if ok else "UNAVAILABLE")
+PYEOF
+
+step "1b. decoding with the KV cache equals recomputing every step (this torch and transformers)"
+"$PY" - "$DEVICE" <<'PYEOF' || FAILED="$FAILED 1b"
+import dataclasses, sys, torch, transformers
+from inference.engine import Engine, GenRequest
+from inference.model import greedy_without_cache, load_builtin
+lm = load_builtin(torch.device(sys.argv[1]))
+lm = dataclasses.replace(lm, model=lm.model.float(), dtype=torch.float32)  # no half-precision rounding in the way
+print("torch", torch.__version__, "transformers", transformers.__version__, "cache keyword:", lm.cache_kwarg)
+for prompt in ("hello there", "the quick brown fox"):
+    [r] = Engine(lm).generate([GenRequest(prompt_ids=lm.codec.encode(prompt), max_tokens=12)])
+    reference = lm.codec.decoder().feed(greedy_without_cache(lm, prompt, 12))
+    assert r.text == reference, f"cached decoding diverged: {r.text!r} vs {reference!r}"
+print("cached decoding: OK")
 PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"

@@ -124,8 +124,8 @@ class Engine:
                     raise FatalCudaError(self.poisoned)
                 if self.faults is not None:
                     self.faults.during_forward()
-            out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
-                           **lm.forward_extra)
+            out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                           **{lm.cache_kwarg: cache}, **lm.forward_extra)
             cache = getattr(out, "cache", None)
             if cache is None:
                 cache = getattr(out, "past_key_values", None)

@@ -101,6 +101,8 @@ class LoadedModel:
     allowed_tokens: torch.Tensor | None
     # Extra forward() arguments; see `last_logits_only`.
     forward_extra: dict[str, Any] = field(default_factory=dict)
+    # The forward() keyword of the KV cache; see `cache_keyword`.
+    cache_kwarg: str = "past_key_values"
 
 
 def last_logits_only(model: Any) -> dict[str, Any]:
@@ -115,6 +117,19 @@ def last_logits_only(model: Any) -> dict[str, Any]:
     except (TypeError, ValueError):
         return {}
     return {"logits_to_keep": 1} if "logits_to_keep" in params else {}
+
+
+def cache_keyword(model: Any) -> str:
+    """The KV cache's forward() keyword: `cache` from transformers 5.2x, `past_key_values` before.
+
+    Passing the wrong one is silent (it lands in **kwargs): every step would then see only its
+    new token without the cache, and generate garbage. The GPU machines run transformers 5.17.
+    """
+    try:
+        params = inspect.signature(model.forward).parameters
+    except (TypeError, ValueError):
+        return "past_key_values"
+    return "cache" if "cache" in params else "past_key_values"
 
 
 def pick_device(requested: str) -> torch.device:
@@ -177,6 +192,7 @@ def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
         context_len=int(config.max_position_embeddings),
         allowed_tokens=allowed,
         forward_extra=last_logits_only(model),
+        cache_kwarg=cache_keyword(model),
     )
 
 
@@ -203,8 +219,23 @@ def load_pretrained(path: str, device: torch.device) -> LoadedModel:
         context_len=int(min(int(ctx), 1 << 20)),
         allowed_tokens=None,
         forward_extra=last_logits_only(model),
+        cache_kwarg=cache_keyword(model),
     )
 
 
 def load(path: str | None, device: torch.device) -> LoadedModel:
     return load_builtin(device) if path is None else load_pretrained(path, device)
+
+
+def greedy_without_cache(lm: LoadedModel, prompt: str, max_tokens: int) -> list[int]:
+    """The reference the engine's cached decoding must match: every step recomputes the whole
+    sequence. Slow; for checks only (tests, the GPU check on another transformers release)."""
+    ids = lm.codec.encode(prompt)
+    out: list[int] = []
+    with torch.inference_mode():
+        for _ in range(max_tokens):
+            logits = lm.model(input_ids=torch.tensor([ids + out], device=lm.device)).logits[0, -1].float()
+            if lm.allowed_tokens is not None:
+                logits = logits.masked_fill(~lm.allowed_tokens[: logits.shape[-1]], float("-inf"))
+            out.append(int(logits.argmax()))
+    return out

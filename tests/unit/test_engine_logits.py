@@ -7,7 +7,7 @@ import dataclasses
 import torch
 
 from inference.engine import Engine, GenRequest
-from inference.model import last_logits_only, load_builtin
+from inference.model import cache_keyword, greedy_without_cache, last_logits_only, load_builtin
 
 
 def _texts(engine: Engine, prompts: list[str]) -> list[str]:
@@ -41,3 +41,30 @@ def test_models_without_the_argument_get_no_extra_arguments() -> None:
 
     assert last_logits_only(Plain()) == {}
     assert last_logits_only(Trimming()) == {"logits_to_keep": 1}
+
+
+def test_cached_decoding_matches_recomputing_every_step() -> None:
+    """The KV cache reaches the model under the keyword its transformers release uses: a wrong one
+    is silently ignored, and every step would see only its new token."""
+    lm = load_builtin(torch.device("cpu"))
+    assert lm.cache_kwarg == cache_keyword(lm.model)
+    codec = lm.codec
+    for prompt in ("hello there", "a"):
+        [result] = Engine(lm).generate([GenRequest(prompt_ids=codec.encode(prompt), max_tokens=10)])
+        reference = greedy_without_cache(lm, prompt, 10)
+        assert result.text == codec.decoder().feed(reference)
+    broken = dataclasses.replace(lm, cache_kwarg="kv_cache_under_a_name_nobody_reads")
+    [garbled] = Engine(broken).generate([GenRequest(prompt_ids=codec.encode("hello there"), max_tokens=10)])
+    assert garbled.text != codec.decoder().feed(greedy_without_cache(lm, "hello there", 10))
+
+
+def test_the_cache_keyword_follows_the_forward_signature() -> None:
+    class New(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, cache: object = None) -> torch.Tensor:
+            return input_ids
+
+    class Old(torch.nn.Module):
+        def forward(self, input_ids: torch.Tensor, past_key_values: object = None) -> torch.Tensor:
+            return input_ids
+
+    assert cache_keyword(New()) == "cache" and cache_keyword(Old()) == "past_key_values"
