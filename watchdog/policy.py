@@ -150,7 +150,8 @@ def saturated(h: History) -> tuple[bool, dict[str, Any]]:
 
 
 def target_state(h: History) -> str | None:
-    """HEALTHY, STARTING, SATURATED or CANARY_FAILING; None before any canary."""
+    """STARTING until the first successful canary since the last restart; then HEALTHY, SATURATED or
+    CANARY_FAILING by the last canary."""
     if h.served_at is None:
         return STARTING
     last = h.canaries[-1] if h.canaries else None

@@ -183,3 +183,47 @@ async def test_malformed_kubernetes_json_does_not_crash(hanging_api: str) -> Non
     # and the Event written after it (same garbage back) is reported, not raised.
     assert outcome == RestartOutcome(True, "delete accepted", attempts=1)
 
+
+
+@pytest.mark.parametrize("page", ["hang", "garbage", "huge", "404"])
+async def test_a_metrics_page_that_hangs_or_lies_is_reported_never_acted_on(page: str) -> None:
+    """An OpenAI server whose canary answers fine while its /metrics misbehaves."""
+    hits = {"metrics": 0}
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if request.path == "/metrics":
+            hits["metrics"] += 1
+            if page == "hang":
+                await asyncio.sleep(4)  # well past the scrape's timeout (1.1 s here)
+            if page == "404":
+                return web.Response(status=404, text="no metrics here")
+            if page == "huge":
+                return web.Response(text="vllm:num_requests_running 1\n" * 400_000)
+            return web.Response(text="vllm:generation_tokens_total{oops 12\n<html>")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    async with serve_everything(handler) as url:
+        restarter = RecordingRestarter()
+        settings = from_mapping({
+            "target": {"openai_url": url + "/v1"},
+            "sampling": {"server_interval": "100ms"},
+            "canary": {"interval": "100ms", "timeout": "1s"},
+            "restart": {"strategy": "none"},
+            "server": {"host": "127.0.0.1", "port": 0},
+        })
+        wd = Watchdog(settings, restarter, nvml_backend=ExplodingNvml())
+        await wd.start(serve_http=False)
+        try:
+            await asyncio.sleep(2.5)
+            status = wd.status()
+        finally:
+            await wd.stop()
+    assert hits["metrics"] >= 1 and restarter.calls == []
+    assert status["ready"] is True and "server_metrics_unavailable" in status["states"]
+    last = status["server_metrics"]["last"]
+    assert last["reachable"] is False
+    expected = {"hang": "timeout:", "garbage": "bad_response: not Prometheus", "huge": "bad_response: page over",
+                "404": "bad_response:"}[page]
+    assert last["error"].startswith(expected), last["error"]

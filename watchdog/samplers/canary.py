@@ -12,6 +12,7 @@ import aiohttp
 from watchdog import logs
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.names import ERROR_CLASSES
+from watchdog.samplers.http_body import read_capped
 from watchdog.samples import CanarySample
 from watchdog.token import read_token
 
@@ -20,6 +21,7 @@ log = logs.get("watchdog.canary")
 CONTROL_ROUTE = "/control/canary"
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+ANSWER_BYTES = 1 << 20  # a one-token answer or a model list is kilobytes
 
 
 class CanarySampler:
@@ -177,7 +179,7 @@ class OpenAICanary:
         try:
             async with self.session.request(method, self.base + path, json=body, headers=self.headers(),
                                             timeout=aiohttp.ClientTimeout(total=left)) as resp:
-                text = (await resp.content.read(64 * 1024)).decode("utf-8", errors="replace")
+                text = (await read_capped(resp, ANSWER_BYTES)).decode("utf-8", errors="replace")
                 return resp.status, (None, text)
         except TimeoutError:
             return None, ("timeout", f"no answer within {self.timeout:g}s ({method} {path})")

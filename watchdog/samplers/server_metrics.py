@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
+from watchdog.samplers.http_body import read_capped
 from watchdog.samples import ServerSample
 
 MAX_PAGE_BYTES = 8 * 2**20  # a metrics page is kilobytes; more is not a metrics page
@@ -104,7 +105,7 @@ class ServerMetricsSampler:
                 if resp.status != 200:
                     return ServerSample(at=self.clock(), reachable=False,
                                         error=f"bad_response: {self.url} answered {resp.status}")
-                body = await resp.content.read(MAX_PAGE_BYTES + 1)
+                body = await read_capped(resp, MAX_PAGE_BYTES)
         except TimeoutError:
             return ServerSample(at=self.clock(), reachable=False, error=f"timeout: no page within {self.timeout:g}s")
         except aiohttp.ClientError as exc:
