@@ -24,6 +24,13 @@ class GateStats:
     canary_busy: bool
 
 
+@dataclass(frozen=True)
+class Grant:
+    """What one holder took from the gate: its weight, clamped to the budget when it got in."""
+
+    amount: float
+
+
 class AdmissionGate:
     def __init__(self, capacity: float) -> None:
         if capacity <= 0:
@@ -41,37 +48,40 @@ class AdmissionGate:
     def capacity(self) -> float:
         return self._capacity
 
-    def clamp(self, weight: float) -> float:
-        """A request heavier than the whole budget still runs, alone."""
-        return min(max(weight, 0.0), self._capacity)
+    def acquire(self, weight: float, timeout: float | None) -> Grant | None:
+        """Block the calling thread until `weight` fits; None when `timeout` seconds pass first.
 
-    def acquire(self, weight: float, timeout: float | None) -> bool:
-        """Block the calling thread until `weight` fits; False when `timeout` seconds pass first."""
-        weight = self.clamp(weight)
+        A request heavier than the whole budget still runs, alone. "The whole budget" is the one
+        in force when the request gets its turn: the limit can shrink while it waits (the watchdog
+        lowers it on OOMs), and a weight clamped to the old budget would never fit the new one.
+        """
+        weight = max(weight, 0.0)
         ticket = object()
         with self._cond:
             self._queue.append(ticket)
             try:
                 ok = self._cond.wait_for(
-                    lambda: self._queue[0] is ticket and self._in_use + weight <= self._capacity + 1e-9,
+                    lambda: self._queue[0] is ticket and self._in_use + min(weight, self._capacity)
+                    <= self._capacity + 1e-9,
                     timeout=timeout,
                 )
             finally:
                 self._queue.remove(ticket)
                 self._cond.notify_all()
             if not ok:
-                return False
-            self._in_use += weight
+                return None
+            grant = Grant(min(weight, self._capacity))
+            self._in_use += grant.amount
             self._holders += 1
             self._peak_holders = max(self._peak_holders, self._holders)
-            return True
+            return grant
 
-    def release(self, weight: float) -> None:
-        weight = self.clamp(weight)
+    def release(self, grant: Grant) -> None:
+        """Give back exactly what was taken, whatever the budget is now."""
         with self._cond:
             if self._holders <= 0:
                 raise RuntimeError("admission gate released more often than acquired")
-            self._in_use = max(0.0, self._in_use - weight)
+            self._in_use = max(0.0, self._in_use - grant.amount)
             self._holders -= 1
             self._cond.notify_all()
 

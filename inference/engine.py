@@ -88,7 +88,7 @@ class Engine:
             self._threads.add(threading.get_ident())
         try:
             if self.faults is not None:
-                self.faults.before_forward()
+                self.faults.before_forward(self._active)
             with torch.inference_mode():
                 return self._generate(requests)
         finally:
@@ -123,7 +123,7 @@ class Engine:
                 if self.poisoned is not None:
                     raise FatalCudaError(self.poisoned)
                 if self.faults is not None:
-                    self.faults.during_forward()
+                    self.faults.during_forward(self._active)
             out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                            **{lm.cache_kwarg: cache}, **lm.forward_extra)
             cache = getattr(out, "cache", None)

@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "clear")
+FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear")
 
 INJECTED_FATAL_MESSAGE = "CUDA error: an illegal memory access was encountered (injected fault)"
 
@@ -36,6 +36,8 @@ class FaultInjector:
         self._unhang = threading.Event()
         self._slow_s = 0.0
         self._fragmentation: Fragmentation | None = None
+        # A simulated card: more sequences than this in the engine at once run out of memory.
+        self._memory_cap: int | None = None
         self.injected_ooms = 0
 
     def inject(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
@@ -58,6 +60,10 @@ class FaultInjector:
                 self._fragmentation = Fragmentation(ratio=ratio, sticky=sticky)
             elif kind == "slow":
                 self._slow_s = _float_param(params, "delay_s", 0.5, 0.0, 60.0)
+            elif kind == "memory_cap":
+                if "sequences" not in params:
+                    raise FaultError("sequences: required (the most sequences the simulated card holds)")
+                self._memory_cap = _int_param(params, "sequences", 0, 1, 100_000)
             elif kind == "clear":
                 self._context_loss = False
                 self._oom_remaining = 0
@@ -65,6 +71,7 @@ class FaultInjector:
                 self._unhang.set()
                 self._slow_s = 0.0
                 self._fragmentation = None
+                self._memory_cap = None
             return self.describe()
 
     def describe(self) -> dict[str, Any]:
@@ -73,18 +80,21 @@ class FaultInjector:
             "oom_remaining": self._oom_remaining,
             "hang": self._hang.is_set(),
             "slow_s": self._slow_s,
+            "memory_cap": self._memory_cap,
             "fragmentation": None
             if self._fragmentation is None
             else {"ratio": self._fragmentation.ratio, "sticky": self._fragmentation.sticky},
         }
 
-    def before_forward(self) -> None:
+    def before_forward(self, active_sequences: int = 0) -> None:
         """Called in the worker thread right before GPU work: raise, block or delay as injected."""
         with self._lock:
             fatal = self._context_loss
             oom = self._oom_remaining > 0
             if oom and not fatal:
                 self._oom_remaining -= 1
+            oom = oom or self._over_cap(active_sequences)
+            if oom and not fatal:
                 self.injected_ooms += 1
             slow = self._slow_s
         if fatal:
@@ -97,10 +107,20 @@ class FaultInjector:
         if slow > 0:
             time.sleep(slow)
 
-    def during_forward(self) -> None:
-        """Called between decoding steps: a lost context fails the very next kernel, a hang stops it."""
+    def _over_cap(self, active_sequences: int) -> bool:
+        return self._memory_cap is not None and active_sequences > self._memory_cap
+
+    def during_forward(self, active_sequences: int = 0) -> None:
+        """Called between decoding steps: a lost context fails the very next kernel, a hang stops it,
+        and more sequences than the simulated card holds run out of memory."""
         if self._context_loss:
             raise RuntimeError(INJECTED_FATAL_MESSAGE)
+        with self._lock:
+            over = self._over_cap(active_sequences)
+            if over:
+                self.injected_ooms += 1
+        if over:
+            raise _oom_error()
         if self._hang.is_set():
             self._unhang.wait()
 

@@ -230,13 +230,13 @@ class Scheduler:
     def _run_batch(self, jobs: list[Job]) -> list[Outcome]:
         weight = self.batch_weight(jobs)
         remaining = min(j.deadline for j in jobs) - self.clock()
-        admitted = remaining > 0 and self.gate.acquire(weight, timeout=remaining)
+        grant = self.gate.acquire(weight, timeout=remaining) if remaining > 0 else None
         with self._lock:
             self._queued -= len(jobs)
-            if admitted:
+            if grant is not None:
                 self._inflight += len(jobs)
         self.metrics.queued.set(self._queued)
-        if not admitted:
+        if grant is None:
             return [AdmissionTimeout("no admission slot within the queue timeout") for _ in jobs]
         self.metrics.inflight.set(self._inflight)
         try:
@@ -247,7 +247,7 @@ class Scheduler:
                 run = self._runners.submit(self._generate_recovering, jobs)
             return run.result()
         finally:
-            self.gate.release(weight)
+            self.gate.release(grant)
             with self._lock:
                 self._inflight -= len(jobs)
             self.metrics.inflight.set(self._inflight)

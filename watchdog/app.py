@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import random
@@ -14,10 +15,11 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from watchdog import idle_memory, logs, policy, views
+from watchdog import idle_memory, ladder, logs, policy, views
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.config import ConfigError, Settings, load, metrics_url
 from watchdog.control_client import ControlClient, ControlError
+from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision
 from watchdog.samplers.allocator import AllocatorSampler
@@ -27,7 +29,16 @@ from watchdog.samplers.pod_resources import list_pod_gpus
 from watchdog.samplers.server_metrics import ServerMetricsSampler
 from watchdog.samples import History, TorchSample, XidEvent
 from watchdog.server import build_app
-from watchdog.state import CacheFlushRequested, PodGpus, RestartBegun, RestartEnded, reduce
+from watchdog.state import (
+    AdmissionAnswered,
+    AdmissionRequested,
+    CacheFlushRequested,
+    Outcome,
+    PodGpus,
+    RestartBegun,
+    RestartEnded,
+    reduce,
+)
 from watchdog.token import read_token
 
 log = logs.get("watchdog")
@@ -161,7 +172,7 @@ class Watchdog:
             return
         self.pod_gpus_error = None
         if uuids is not None:
-            reduce(self.history, PodGpus(uuids))
+            self._fold(PodGpus(uuids))
             log.info("pod_gpus", uuids=list(uuids), source="kubelet")
 
     async def _periodic(self, name: str, interval: Callable[[], float], step: Callable[[], Any]) -> None:
@@ -178,6 +189,9 @@ class Watchdog:
                 self.metrics.sample_duration.labels(sampler=name).observe(elapsed)
             await asyncio.sleep(max(0.0, interval() - elapsed))
 
+    def _fold(self, outcome: Outcome) -> None:
+        reduce(self.history, outcome, self.settings.policy.admission)
+
     def _canary_delay(self) -> float:
         return policy.canary_delay(self.settings.canary, self.settings.policy, self.history)
 
@@ -186,7 +200,7 @@ class Watchdog:
     async def _sample_nvml(self) -> None:
         assert self.nvml is not None
         readout = await self.nvml.sample(policy.our_gpus(self.history))
-        reduce(self.history, readout)
+        self._fold(readout)
         for g in readout.gpus:
             if g.lost:
                 log.error("gpu_lost", uuid=g.uuid, reason=g.reason)
@@ -200,7 +214,7 @@ class Watchdog:
         ours = policy.our_gpus(h)
         log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, critical=ev.xid in policy.XID_CRITICAL,
                     ours=None if ours is None and h.gpus_visible > 1 else ours is None or ev.uuid in ours)
-        reduce(h, ev)
+        self._fold(ev)
         self._spawn(self._evaluate())
 
     async def _sample_torch(self) -> None:
@@ -208,7 +222,7 @@ class Watchdog:
         sample = await self.allocator.sample()
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
             self.control.set_token(self._read_token())
-        reduce(self.history, sample)
+        self._fold(sample)
         self._follow_idle_memory(sample)
         await self._evaluate()
 
@@ -222,7 +236,7 @@ class Watchdog:
                          recognised=sample.server != "unknown")
             else:
                 log.warning("server_metrics_unavailable", url=self.server_metrics_url, error=sample.error)
-        reduce(self.history, sample)
+        self._fold(sample)
         await self._evaluate()
 
     def _follow_idle_memory(self, sample: TorchSample) -> None:
@@ -253,7 +267,7 @@ class Watchdog:
             # The inference container may have (re)written the token file since we last read it.
             self.control.set_token(self._read_token() or self._token)
         served_before = self.history.served_at is not None
-        reduce(self.history, sample)
+        self._fold(sample)
         if sample.ok:
             self.metrics.canary_duration.observe(sample.latency_s)
             if not served_before:
@@ -311,13 +325,35 @@ class Watchdog:
             return
         if decision.action == "restart":
             self._blocked_reported = None
-            reduce(self.history, RestartBegun(now))
+            self._fold(RestartBegun(now))
             self._record(decision, "started", now)
             self._spawn(self._restart(decision))
         elif decision.action == "empty_cache":
-            reduce(self.history, CacheFlushRequested(now, decision.reason))
+            self._fold(CacheFlushRequested(now, decision.reason))
             self._record(decision, "started", now)
             self._spawn(self._empty_cache(decision))
+        elif decision.action in (ladder.SHRINK, ladder.GROW):
+            change = Change(decision.action, int(decision.detail["limit"]), decision.detail)
+            self._fold(AdmissionRequested(change))
+            self._record(decision, "started", now)
+            self._spawn(self._set_admission(decision, change))
+
+    async def _set_admission(self, decision: Decision, change: Change) -> None:
+        assert self.control is not None
+        try:
+            await self.control.set_admission(change.limit)
+            ok = True
+        except ControlError as exc:
+            ok = False
+            log.warning("admission_change_failed", action=change.action, limit=change.limit, error=str(exc))
+        self._fold(AdmissionAnswered(self.clock(), change, ok))
+        if ok:
+            direction = "down" if change.action == ladder.SHRINK else "up"
+            self.metrics.admission_changes.labels(direction=direction).inc()
+            # Never a restart, and the restart budget is not touched.
+            log.warning("decision", action=change.action, reason=decision.reason, limit=change.limit,
+                        detail=decision.detail, ladder=dataclasses.asdict(self.history.ladder)
+                        if self.history.ladder is not None else None)
 
     async def _empty_cache(self, decision: Decision) -> None:
         assert self.control is not None
@@ -363,7 +399,7 @@ class Watchdog:
             self.restart_failed = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
         finally:
-            reduce(self.history, RestartEnded(self.clock(), decision.reason, done, keep_unready))
+            self._fold(RestartEnded(self.clock(), decision.reason, done, keep_unready))
             if self.canary is not None:
                 self.canary.forget()
             if not keep_unready:

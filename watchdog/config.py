@@ -101,6 +101,28 @@ class UnservableSettings:
 
 
 @dataclass(frozen=True)
+class AdmissionSettings:
+    """Adaptive admission (AIMD) through the control API: shrink on OOMs a flush did not stop."""
+
+    enabled: bool = True
+    oom_threshold: int = 2
+    window: float = field(default=60.0, metadata=_duration())
+    decrease_factor: float = field(default=0.5, metadata=_ratio())
+    min_limit: int = 1
+    recover_after: float = field(default=300.0, metadata=_duration())
+    max_wait: float = field(default=3600.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
+class EscalationSettings:
+    """Restarts that do not cure: the same GPU restarted this often within the window is suspect."""
+
+    restarts: int = 2
+    window: float = field(default=86400.0, metadata=_duration())
+    node_condition: bool = False  # opt-in: set the Node condition GPUSuspect=True
+
+
+@dataclass(frozen=True)
 class RestartBudgetSettings:
     max_restarts: int = 3
     window: float = field(default=3600.0, metadata=_duration())
@@ -119,6 +141,8 @@ class PolicySettings:
     max_age: float = field(default=86400.0, metadata=_duration(positive=False))  # 0 = never
     max_age_jitter: float = field(default=0.1, metadata=_ratio())
     restart_budget: RestartBudgetSettings = RestartBudgetSettings()
+    admission: AdmissionSettings = AdmissionSettings()
+    escalation: EscalationSettings = EscalationSettings()
 
 
 @dataclass(frozen=True)
@@ -139,6 +163,8 @@ class KubernetesSettings:
     request_timeout: float = field(default=10.0, metadata=_duration())
     # The kubelet's PodResources API tells which GPUs this pod got (null: not asked).
     pod_resources_socket: str | None = None
+    # The node this pod runs on (downward API spec.nodeName): where a suspect GPU is reported.
+    node_name: str = "${NODE_NAME}"
 
 
 @dataclass(frozen=True)
@@ -271,6 +297,17 @@ def _check(s: Settings, errors: list[str]) -> None:
     if s.policy.restart_budget.max_restarts < 1:
         errors.append("policy.restart_budget.max_restarts: must be at least 1"
                       " (use restart.strategy none to never restart)")
+    a = s.policy.admission
+    if a.oom_threshold < 1:
+        errors.append("policy.admission.oom_threshold: must be at least 1")
+    if a.min_limit < 1:
+        errors.append("policy.admission.min_limit: must be at least 1")
+    if not 0 < a.decrease_factor < 1:
+        errors.append("policy.admission.decrease_factor: must be between 0 and 1 (exclusive)")
+    if a.max_wait < a.recover_after:
+        errors.append("policy.admission.max_wait: must not be below policy.admission.recover_after")
+    if s.policy.escalation.restarts < 1:
+        errors.append("policy.escalation.restarts: must be at least 1")
     if s.restart.max_attempts < 1:
         errors.append("restart.max_attempts: must be at least 1")
     if s.restart.retry_max < s.restart.retry_initial:

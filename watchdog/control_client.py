@@ -58,5 +58,8 @@ class ControlClient:
         # The server bounds the generation by `timeout`; the HTTP call gets a margin on top.
         return await self._call("POST", "/control/canary", {"timeout": timeout}, timeout + 2.0)
 
+    async def set_admission(self, limit: int, timeout: float = 10.0) -> dict[str, Any]:
+        return await self._call("POST", "/control/admission", {"limit": limit}, timeout)
+
     async def drain(self, timeout: float) -> dict[str, Any]:
         return await self._call("POST", "/control/drain", {"timeout": timeout}, timeout + 5.0)

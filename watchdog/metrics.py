@@ -29,6 +29,7 @@ class Snapshot:
     budget_remaining: int = 0
     states: frozenset[str] = frozenset()
     idle_memory: IdleMemory | None = None
+    admission_limit: int | None = None
 
 
 class SnapshotCollector(Collector):
@@ -83,6 +84,10 @@ class SnapshotCollector(Collector):
                 fam = GaugeMetricFamily(P + name, doc, labels=["device"])
                 fam.add_metric(["cuda"], value)
                 yield fam
+        if s.admission_limit is not None:
+            fam = GaugeMetricFamily(P + "admission_limit", "The inference server's admission limit (worst-case slots)")
+            fam.add_metric([], float(s.admission_limit))
+            yield fam
         c = s.canary
         fam = GaugeMetricFamily(P + "canary_success", "1 when the last canary inference succeeded")
         fam.add_metric([], 1.0 if c is not None and c.ok else 0.0)
@@ -140,6 +145,10 @@ class WatchdogMetrics:
                                          registry=r)
         self.decisions = Counter(P + "decisions", "Policy decisions by action, reason and outcome",
                                  ["action", "reason", "outcome"], registry=r)
+        self.admission_changes = Counter(P + "admission_changes", "Admission limit changes by the watchdog",
+                                         ["direction"], registry=r)
+        for direction in ("down", "up"):
+            self.admission_changes.labels(direction=direction)
         self.saturation_episodes = Counter(P + "saturation_episodes",
                                            "Episodes of canary timeouts while the server kept producing tokens",
                                            registry=r)

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from statistics import median
 from typing import Any
 
+from watchdog import ladder
 from watchdog.config import CanarySettings, PolicySettings
 from watchdog.names import (
     ANSWERED_ERRORS,
@@ -65,10 +66,19 @@ def decide(settings: PolicySettings, history: History, now: float) -> list[Decis
         if budget_remaining(settings, history, now) <= 0:
             restart = Decision(restart.action, restart.reason, restart.detail, restart.drain, allowed=False,
                                blocked_by="restart_budget", instance_id=restart.instance_id)
-            # A blocked restart must not hide a cache flush that may still help.
-            return [restart, *_cache_rules(settings, history, now)]
+            # A blocked restart must not hide a cache flush or a lower limit that may still help.
+            return [restart, *_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
         return [restart]
-    return _cache_rules(settings, history, now)
+    return [*_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
+
+
+def _admission_rule(settings: PolicySettings, h: History, now: float) -> list[Decision]:
+    change = ladder.decide(settings.admission, h, now)
+    if change is None:
+        return []
+    reason = OOM if change.action == ladder.SHRINK else "recovered"
+    return [Decision(change.action, reason, {**change.detail, "limit": change.limit},
+                     instance_id=h.ladder.instance_id if h.ladder is not None else None)]
 
 
 def _latest_instance(history: History) -> str | None:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from watchdog.ladder import Ladder
 
 
 @dataclass(frozen=True)
@@ -53,6 +57,7 @@ class TorchSample:
     inflight: int = 0
     queued: int = 0
     admission_limit: int = 0
+    admission_mode: str = ""  # slots | bytes
 
 
 @dataclass(frozen=True)
@@ -116,6 +121,7 @@ class History:
     server: deque[ServerSample] = field(default_factory=lambda: deque(maxlen=256))
     # First successful canary since the last restart: before it the target is still starting.
     served_at: float | None = None
+    ladder: Ladder | None = None  # the admission limit and its probes
     xids: deque[XidEvent] = field(default_factory=lambda: deque(maxlen=256))
     actions: deque[ActionRecord] = field(default_factory=lambda: deque(maxlen=256))
     restart_in_progress: bool = False

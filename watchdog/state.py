@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from watchdog import ladder
+from watchdog.config import AdmissionSettings
 from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
 
 
@@ -46,11 +48,23 @@ class CacheFlushRequested:
     reason: str
 
 
+@dataclass(frozen=True)
+class AdmissionRequested:
+    change: ladder.Change
+
+
+@dataclass(frozen=True)
+class AdmissionAnswered:
+    at: float
+    change: ladder.Change
+    ok: bool
+
+
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
-           | CacheFlushRequested)
+           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered)
 
 
-def reduce(h: History, outcome: Outcome) -> History:
+def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
     """Fold one outcome into the history (in place: the deques are bounded logs) and return it."""
     if isinstance(outcome, CanarySample):
         h.canaries.append(outcome)
@@ -66,6 +80,7 @@ def reduce(h: History, outcome: Outcome) -> History:
         h.server.append(outcome)
     elif isinstance(outcome, TorchSample):
         h.torch.append(outcome)
+        h.ladder = ladder.observe(h.ladder, outcome, admission)
     elif isinstance(outcome, GpuReadout):
         h.gpus, h.gpus_visible = outcome.gpus, outcome.visible
     elif isinstance(outcome, XidEvent):
@@ -82,4 +97,8 @@ def reduce(h: History, outcome: Outcome) -> History:
         h.restart_in_progress = outcome.keep_unready
     elif isinstance(outcome, CacheFlushRequested):
         h.actions.append(ActionRecord(outcome.at, "empty_cache", outcome.reason))
+    elif isinstance(outcome, AdmissionRequested) and h.ladder is not None:
+        h.ladder = ladder.requested(h.ladder, outcome.change)
+    elif isinstance(outcome, AdmissionAnswered) and h.ladder is not None:
+        h.ladder = ladder.answered(h.ladder, outcome.change, outcome.at, outcome.ok, admission)
     return h

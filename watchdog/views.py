@@ -74,6 +74,7 @@ def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
         budget_remaining=policy.budget_remaining(settings.policy, h, now),
         states=states(settings, h, now, x),
         idle_memory=x.idle_memory,
+        admission_limit=h.ladder.limit if h.ladder is not None else None,
     )
 
 
@@ -109,6 +110,10 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "idle_memory": None if x.idle_memory is None else {
             **dataclasses.asdict(x.idle_memory), "growth_bytes": x.idle_memory.growth_bytes,
             "growth_ratio": round(x.idle_memory.growth_ratio, 6), "growing": x.idle_memory.growing},
+        "admission": None if h.ladder is None else {
+            **dataclasses.asdict(h.ladder), "enabled": settings.policy.admission.enabled,
+            "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
+            else round(max(0.0, h.ladder.changed_at + h.ladder.wait - now), 1)},
         "last_decisions": x.decisions[-20:],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }

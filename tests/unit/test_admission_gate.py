@@ -15,19 +15,20 @@ def _hammer(gate: AdmissionGate, weights: list[float], hold_s: float) -> tuple[f
     peak = {"weight": 0.0, "threads": 0}
 
     def worker(w: float) -> None:
-        assert gate.acquire(w, timeout=30)
+        grant = gate.acquire(w, timeout=30)
+        assert grant is not None
         try:
             with lock:
-                inside["weight"] += gate.clamp(w)
+                inside["weight"] += grant.amount
                 inside["threads"] += 1
                 peak["weight"] = max(peak["weight"], inside["weight"])
                 peak["threads"] = max(peak["threads"], inside["threads"])
             time.sleep(hold_s)
             with lock:
-                inside["weight"] -= gate.clamp(w)
+                inside["weight"] -= grant.amount
                 inside["threads"] -= 1
         finally:
-            gate.release(w)
+            gate.release(grant)
 
     threads = [threading.Thread(target=worker, args=(w,)) for w in weights]
     for t in threads:
@@ -53,26 +54,56 @@ def test_weighted_admission_lets_light_requests_share() -> None:
 
 def test_request_heavier_than_the_budget_runs_alone() -> None:
     gate = AdmissionGate(4)
-    assert gate.acquire(100, timeout=1)
-    assert not gate.acquire(1, timeout=0.05)
-    gate.release(100)
-    assert gate.acquire(1, timeout=0.05)
+    heavy = gate.acquire(100, timeout=1)
+    assert heavy is not None and heavy.amount == 4
+    assert gate.acquire(1, timeout=0.05) is None
+    gate.release(heavy)
+    assert gate.acquire(1, timeout=0.05) is not None
 
 
 def test_timeout_and_release_errors() -> None:
     gate = AdmissionGate(1)
-    assert gate.acquire(1, timeout=1)
-    assert gate.acquire(1, timeout=0.05) is False
-    gate.release(1)
+    grant = gate.acquire(1, timeout=1)
+    assert grant is not None
+    assert gate.acquire(1, timeout=0.05) is None
+    gate.release(grant)
     with pytest.raises(RuntimeError):
-        gate.release(1)
+        gate.release(grant)
+
+
+def test_a_waiter_still_gets_in_after_the_limit_shrinks_below_its_weight() -> None:
+    """The watchdog lowers the limit on OOMs while batches wait: none may wait forever."""
+    gate = AdmissionGate(8)
+    holder = gate.acquire(8, timeout=1)
+    assert holder is not None
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(gate.acquire(8, timeout=5)))
+    waiter.start()
+    time.sleep(0.05)
+    gate.set_capacity(4)
+    gate.release(holder)
+    waiter.join(timeout=5)
+    [grant] = got
+    assert grant is not None and grant.amount == 4  # alone, under the budget in force now
+
+
+def test_release_gives_back_what_was_taken_when_the_limit_changed_meanwhile() -> None:
+    gate = AdmissionGate(16)
+    grants = [gate.acquire(4, timeout=1) for _ in range(2)]
+    gate.set_capacity(2)  # shrunk while both hold 4
+    for g in grants:
+        assert g is not None
+        gate.release(g)
+    assert gate.stats().in_use == 0 and gate.stats().holders == 0
+    gate.set_capacity(16)
+    assert [gate.acquire(4, timeout=0.05) is not None for _ in range(4)] == [True] * 4
 
 
 def test_capacity_change_wakes_waiters() -> None:
     gate = AdmissionGate(1)
-    assert gate.acquire(1, timeout=1)
+    assert gate.acquire(1, timeout=1) is not None
     got: list[bool] = []
-    t = threading.Thread(target=lambda: got.append(gate.acquire(1, timeout=5)))
+    t = threading.Thread(target=lambda: got.append(gate.acquire(1, timeout=5) is not None))
     t.start()
     time.sleep(0.05)
     gate.set_capacity(2)
@@ -82,8 +113,9 @@ def test_capacity_change_wakes_waiters() -> None:
 
 def test_canary_slot_is_separate_from_traffic() -> None:
     gate = AdmissionGate(1)
-    assert gate.acquire(1, timeout=1)
+    grant = gate.acquire(1, timeout=1)
+    assert grant is not None
     assert gate.acquire_canary(timeout=0.1)
     assert not gate.acquire_canary(timeout=0.05)
     gate.release_canary()
-    gate.release(1)
+    gate.release(grant)

@@ -44,6 +44,7 @@ def parse_memory(data: dict[str, Any], at: float) -> TorchSample:
         instance_id=instance if isinstance(instance, str) else None,
         inflight=_num(data, "inflight"), queued=_num(data, "queued"),
         admission_limit=_num(admission, "limit") if "limit" in admission else 0,
+        admission_mode=str(admission.get("mode", "")),
     )
 
 
