@@ -9,16 +9,19 @@ import hashlib
 import random
 import signal
 import sys
+import time
 from collections.abc import Callable
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from watchdog import idle_memory, ladder, logs, policy, views
+from watchdog import escalation, idle_memory, ladder, logs, policy, views
+from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.config import ConfigError, Settings, load, metrics_url
 from watchdog.control_client import ControlClient, ControlError
+from watchdog.escalation import CURING_REASONS, Suspect
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision
@@ -57,6 +60,8 @@ class Watchdog:
         nvml_backend: NvmlBackend | None = None,
         token: str | None = None,
         pod_gpus: Callable[[], tuple[str, ...] | None] | None = None,
+        node: NodeReporter | None = None,
+        wall_clock: Callable[[], float] = time.time,
     ) -> None:
         self.settings = settings
         self.restarter = restarter
@@ -70,6 +75,12 @@ class Watchdog:
         self.restart_failed: str | None = None
         self.idle_memory: idle_memory.IdleMemory | None = None
         self.pod_gpus_error: str | None = None
+        self.node = node
+        self.wall_clock = wall_clock  # Events carry wall-clock times
+        self.suspects: dict[str, Suspect] = {}
+        self._escalation_errors: set[str] = set()
+        self._escalation_retry_at = 0.0
+        self._escalation_backoff = 30.0
         self.server_metrics_url = metrics_url(settings.target)
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
@@ -133,6 +144,8 @@ class Watchdog:
         if self.server_metrics is not None:
             self._tasks.append(loop.create_task(
                 self._periodic("server", lambda: s.sampling.server_interval, self._sample_server)))
+        if self.node is not None:
+            self._spawn(self._escalate("start"))
         log.info("watchdog_started", control_url=s.target.control_url if self.control else None,
                  openai_url=s.target.openai_url, server_metrics_url=self.server_metrics_url,
                  strategy=self.restarter.strategy, nvml=self.nvml.available, port=self.port,
@@ -392,6 +405,8 @@ class Watchdog:
             elif not isinstance(self.restarter, ReportOnlyRestarter):
                 self.restart_failed = outcome.detail
             self._record(decision, "done" if outcome.done else "failed", now)
+            if self.node is not None and decision.reason in CURING_REASONS:
+                self._spawn(self._escalate(decision.reason))
             log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy,
                         done=outcome.done, detail=outcome.detail, attempts=outcome.attempts,
                         seconds=round(now - started, 3))
@@ -407,6 +422,42 @@ class Watchdog:
                 # next interval (30 s by default), so a served-again model is routed to at once.
                 self._spawn(self._sample_canary())
 
+    async def _escalate(self, why: str) -> None:
+        """Read the namespace's restart Events back; report our GPUs that restarts did not cure."""
+        assert self.node is not None
+        if self.clock() < self._escalation_retry_at:
+            return
+        try:
+            records = await asyncio.to_thread(self.node.restart_records)
+        except Exception as exc:  # 403, timeouts, garbage: reported once per kind, retried later
+            self._escalation_failed("list_events", exc)
+            return
+        found = escalation.suspects(self.settings.policy.escalation, records, self.wall_clock(),
+                                    policy.our_gpus(self.history))
+        for suspect in found:
+            if suspect.uuid in self.suspects:
+                continue
+            log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, restarts=len(suspect.restarts),
+                      reasons=suspect.reasons, xids=suspect.xids, action="report", trigger=why,
+                      node_condition=self.node.node_condition)
+            try:
+                await asyncio.to_thread(self.node.report, suspect, self.settings.kubernetes.pod_name)
+            except Exception as exc:
+                self._escalation_failed("report", exc)
+                continue  # not marked: reported again on the next look
+            self.suspects[suspect.uuid] = suspect
+        self._escalation_backoff = 30.0
+
+    def _escalation_failed(self, step: str, exc: BaseException) -> None:
+        status = getattr(exc, "status", None)
+        key = f"{step}:{status or type(exc).__name__}"
+        if key not in self._escalation_errors:
+            self._escalation_errors.add(key)
+            log.warning("escalation_failed", step=step, status=status, error=str(exc)[:300],
+                        retry_in_s=self._escalation_backoff)
+        self._escalation_retry_at = self.clock() + self._escalation_backoff
+        self._escalation_backoff = min(self._escalation_backoff * 2, 3600.0)
+
     # -- views -------------------------------------------------------------------------------
 
     def _extras(self) -> views.Extras:
@@ -416,6 +467,7 @@ class Watchdog:
             canary={} if self.canary is None else self.canary.describe(),
             strategy=self.restarter.strategy, restart_failed=self.restart_failed, decisions=self.decisions,
             idle_memory=self.idle_memory, pod_gpus_error=self.pod_gpus_error,
+            suspects=tuple(self.suspects.values()),
         )
 
     def states(self) -> frozenset[str]:
@@ -458,6 +510,17 @@ def build_restarter(settings: Settings) -> Restarter:
     return KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), settings.restart)
 
 
+def build_node_reporter(settings: Settings) -> NodeReporter | None:
+    """Only where restarts go through Kubernetes: the Events to read back are written there."""
+    if settings.restart.strategy not in ("evict", "delete"):
+        return None
+    from watchdog.actions.kube import load_api_client
+
+    k = settings.kubernetes
+    return NodeReporter(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.node_name,
+                        k.request_timeout, settings.policy.escalation.node_condition)
+
+
 async def run_until_signal(watchdog: Watchdog) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -474,6 +537,7 @@ def run_main(config_path: str) -> int:
     try:
         settings = load(config_path)
         restarter = build_restarter(settings)
+        node = build_node_reporter(settings)
     except ConfigError as exc:
         for line in exc.errors:
             print(f"error: {line}", file=sys.stderr)
@@ -483,7 +547,7 @@ def run_main(config_path: str) -> int:
         print(f"gpu-watchdog run: {exc}", file=sys.stderr)
         return 2
     try:
-        asyncio.run(run_until_signal(Watchdog(settings, restarter)))
+        asyncio.run(run_until_signal(Watchdog(settings, restarter, node=node)))
     except OSError as exc:
         print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",
               file=sys.stderr)

@@ -30,6 +30,7 @@ class Snapshot:
     states: frozenset[str] = frozenset()
     idle_memory: IdleMemory | None = None
     admission_limit: int | None = None
+    suspects: tuple[str, ...] = ()
 
 
 class SnapshotCollector(Collector):
@@ -84,6 +85,12 @@ class SnapshotCollector(Collector):
                 fam = GaugeMetricFamily(P + name, doc, labels=["device"])
                 fam.add_metric(["cuda"], value)
                 yield fam
+        if s.suspects:
+            fam = GaugeMetricFamily(P + "gpu_suspect", "1 for a GPU that restarts did not cure (see /status)",
+                                    labels=["uuid"])
+            for uuid in s.suspects:
+                fam.add_metric([uuid], 1.0)
+            yield fam
         if s.admission_limit is not None:
             fam = GaugeMetricFamily(P + "admission_limit", "The inference server's admission limit (worst-case slots)")
             fam.add_metric([], float(s.admission_limit))

@@ -36,8 +36,9 @@ BUDGET_EXHAUSTED = "budget_exhausted"
 NVML_UNAVAILABLE = "nvml_unavailable"
 GPUS_UNKNOWN = "gpus_unknown"
 SERVER_METRICS_UNAVAILABLE = "server_metrics_unavailable"
+GPU_SUSPECT = "gpu_suspect"
 STATES = (HEALTHY, STARTING, SATURATED, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING, BUDGET_EXHAUSTED,
-          NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE)
+          NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT)
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

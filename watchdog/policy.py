@@ -6,7 +6,7 @@ rule is tested on recorded traces.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
@@ -90,6 +90,15 @@ def _latest_instance(history: History) -> str | None:
 
 
 def _restart_rule(settings: PolicySettings, h: History, now: float) -> Decision | None:
+    decision = _cure_rule(settings, h, now)
+    ours = our_gpus(h)
+    if decision is not None and decision.reason in (CONTEXT_LOSS, HANG) and ours:
+        # Named in the restart's Event, so that restarts that do not cure one GPU can be counted.
+        return replace(decision, detail={**decision.detail, "gpus": list(ours)})
+    return decision
+
+
+def _cure_rule(settings: PolicySettings, h: History, now: float) -> Decision | None:
     context_loss = _context_loss(h)
     if context_loss is not None:
         return context_loss

@@ -7,6 +7,7 @@ from typing import Any
 
 from watchdog import names, policy
 from watchdog.config import Settings
+from watchdog.escalation import Suspect
 from watchdog.idle_memory import IdleMemory
 from watchdog.metrics import Snapshot
 from watchdog.samples import History
@@ -24,6 +25,7 @@ class Extras:
     decisions: list[dict[str, Any]]
     idle_memory: IdleMemory | None
     pod_gpus_error: str | None
+    suspects: tuple[Suspect, ...] = ()
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
@@ -46,6 +48,8 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
         out.add(names.NVML_UNAVAILABLE)
     elif policy.our_gpus(h) is None and h.gpus_visible > 1:
         out.add(names.GPUS_UNKNOWN)
+    if x.suspects:
+        out.add(names.GPU_SUSPECT)
     if x.server_metrics_url is not None and (not h.server or not h.server[-1].reachable):
         out.add(names.SERVER_METRICS_UNAVAILABLE)
     return frozenset(out)
@@ -74,6 +78,7 @@ def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
         budget_remaining=policy.budget_remaining(settings.policy, h, now),
         states=states(settings, h, now, x),
         idle_memory=x.idle_memory,
+        suspects=tuple(sp.uuid for sp in x.suspects),
         admission_limit=h.ladder.limit if h.ladder is not None else None,
     )
 
@@ -114,6 +119,8 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
             **dataclasses.asdict(h.ladder), "enabled": settings.policy.admission.enabled,
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
             else round(max(0.0, h.ladder.changed_at + h.ladder.wait - now), 1)},
+        "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids}
+                        for sp in x.suspects],
         "last_decisions": x.decisions[-20:],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }

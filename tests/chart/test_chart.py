@@ -94,6 +94,7 @@ def test_probes_gpu_and_downward_api() -> None:
     env = {e["name"]: e for e in wd["env"]}
     assert env["POD_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.name"
     assert env["POD_NAMESPACE"]["valueFrom"]["fieldRef"]["fieldPath"] == "metadata.namespace"
+    assert env["NODE_NAME"]["valueFrom"]["fieldRef"]["fieldPath"] == "spec.nodeName"
     assert "--token-file=/var/run/gpu-watchdog/token" in inf["args"]
     assert not any("token" in e["name"].lower() and "value" in e for e in inf.get("env", []) + wd["env"])
 
@@ -122,13 +123,15 @@ ALLOWED = {
     ("", "events", "patch"),
     ("events.k8s.io", "events", "create"),
     ("events.k8s.io", "events", "patch"),
+    ("events.k8s.io", "events", "list"),
 }
 
 
-def grants(docs: list[dict[str, Any]]) -> set[tuple[str, str, str]]:
-    [role] = by_kind(docs, "Role")
-    return {(g, r, v) for rule in role["rules"] for g in rule["apiGroups"] for r in rule["resources"]
-            for v in rule["verbs"]}
+def grants(docs: list[dict[str, Any]], namespace: str = "serving") -> set[tuple[str, str, str]]:
+    """What the Roles grant in one namespace (the release's, unless named)."""
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"].get("namespace", "serving") == namespace]
+    return {(g, r, v) for role in roles for rule in role["rules"] for g in rule["apiGroups"]
+            for r in rule["resources"] for v in rule["verbs"]}
 
 
 def test_rbac_is_least_privilege() -> None:
@@ -139,8 +142,25 @@ def test_rbac_is_least_privilege() -> None:
     assert ("", "pods", "delete") in delete and ("", "pods/eviction", "create") not in delete
     none = grants(render({"watchdog": {"config": {"restart": {"strategy": "none"}}}}))
     assert none == ALLOWED - {("", "pods/eviction", "create")}
-    [binding] = by_kind(docs, "RoleBinding")
-    assert binding["subjects"][0]["name"] == by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+    sa = by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
+    assert {b["subjects"][0]["name"] for b in by_kind(docs, "RoleBinding")} == {sa}
+    # Suspect GPUs are reported as Events on their Node, which live in "default": create only.
+    assert grants(docs, "default") == {("events.k8s.io", "events", "create")}
+    assert grants(render({"watchdog": {"nodeEvents": False}}), "default") == set()
+
+
+def test_the_node_condition_is_opt_in_and_patches_nodes_status_only() -> None:
+    on = render({"watchdog": {"config": {"policy": {"escalation": {"node_condition": True}}}}})
+    [cluster_role] = by_kind(on, "ClusterRole")
+    assert [(rule["apiGroups"], rule["resources"], rule["verbs"]) for rule in cluster_role["rules"]] == [
+        ([""], ["nodes/status"], ["patch"])]
+    [binding] = by_kind(on, "ClusterRoleBinding")
+    assert binding["roleRef"]["name"] == cluster_role["metadata"]["name"]
+    assert binding["subjects"][0]["name"] == by_kind(on, "ServiceAccount")[0]["metadata"]["name"]
+    assert not by_kind(render(), "ClusterRole") and not by_kind(render(), "ClusterRoleBinding")
+    for doc in on:
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
 
 
 def test_pdb_serialises_evictions() -> None:

@@ -23,7 +23,7 @@ ALWAYS_PRESENT = {
     "empty_cache by reason", "Restarts by reason (1h)", "Restart budget remaining", "Watchdog state",
     "Request rate by status", "Request latency p50 / p99", "In-flight and queued vs admission limit", "OOMs",
     "Batch size p50 / max", "Tokens per second", "Server requests running / waiting",
-    "Server generated tokens per second", "Saturated / starting",
+    "Server generated tokens per second", "Saturated / starting", "Admission limit (watchdog) and its changes",
 }
 
 
@@ -157,6 +157,10 @@ def test_metric_names_match_the_contract(stack: dict[str, Any]) -> None:
                  "gpu_inference_request_duration_seconds_bucket", "gpu_inference_inflight_requests",
                  "gpu_inference_queued_requests", "gpu_inference_admission_limit", "gpu_inference_ooms_total",
                  "gpu_inference_batch_size_bucket", "gpu_inference_generated_tokens_total",
-                 "gpu_inference_empty_cache_total", "gpu_inference_fatal_errors_total"):
+                 "gpu_inference_empty_cache_total", "gpu_inference_fatal_errors_total",
+                 # The target's own signals (here the bundled server's /metrics) and the ladder.
+                 "gpu_watchdog_server_requests_running", "gpu_watchdog_server_requests_waiting",
+                 "gpu_watchdog_server_generated_tokens_total", "gpu_watchdog_admission_limit",
+                 "gpu_watchdog_admission_changes_total"):
         assert name in names, name
 

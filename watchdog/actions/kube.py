@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import datetime as dt
 import os
+import secrets
+import time
 from typing import Any
 
 from kubernetes import client, config
@@ -30,6 +32,11 @@ def load_api_client(kubeconfig: str | None, request_timeout: float) -> client.Ap
     config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
     configuration.retries = 0
     return client.ApiClient(configuration)
+
+
+def event_name(regarding: str) -> str:
+    """Unique without the server's help (as the kubelet names its Events): object name + time + a nonce."""
+    return f"{regarding}.{time.time_ns():x}{secrets.token_hex(2)}"
 
 
 def event_reason(rule: str) -> str:
@@ -75,10 +82,11 @@ class PodActions:
         self.core.delete_namespaced_pod(name, namespace, **kwargs)
 
     def record_event(self, name: str, namespace: str, reason: str, note: str, action: str,
-                     event_type: str = "Warning") -> None:
+                     event_type: str = "Warning", annotations: dict[str, str] | None = None) -> None:
         self._guard(name, namespace)
         body = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(generate_name=f"{name}.gpu-watchdog.", namespace=namespace),
+            metadata=client.V1ObjectMeta(name=event_name(name), namespace=namespace,
+                                         annotations=annotations or None),
             event_time=dt.datetime.now(dt.UTC),
             reporting_controller=CONTROLLER,
             reporting_instance=name,

@@ -11,6 +11,7 @@ from typing import Any, Protocol
 from watchdog import logs
 from watchdog.actions.kube import PodActions, RefusedError, event_reason
 from watchdog.config import RestartSettings
+from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, XID_ANNOTATION
 from watchdog.policy import Decision
 
 log = logs.get("watchdog.restart")
@@ -31,6 +32,17 @@ class Restarter(Protocol):
     async def restart(self, decision: Decision) -> RestartOutcome: ...
 
 
+def annotations_for(decision: Decision) -> dict[str, str]:
+    """What a later sidecar reads back: which GPUs a curing restart was for, and why."""
+    gpus = decision.detail.get("gpus")
+    if not gpus:
+        return {}
+    out = {GPUS_ANNOTATION: ",".join(gpus), REASON_ANNOTATION: decision.reason}
+    if isinstance(decision.detail.get("xid"), int):
+        out[XID_ANNOTATION] = str(decision.detail["xid"])
+    return out
+
+
 def note_for(decision: Decision) -> str:
     figures = json.dumps(decision.detail, sort_keys=True, default=str)
     return f"gpu-watchdog restarts this pod: {decision.reason}; {figures}"
@@ -49,7 +61,8 @@ class KubeRestarter:
         for attempt in range(3):
             try:
                 await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace,
-                                        event_reason(decision.reason), note_for(decision), action)
+                                        event_reason(decision.reason), note_for(decision), action,
+                                        annotations=annotations_for(decision))
                 return
             except RefusedError:
                 raise

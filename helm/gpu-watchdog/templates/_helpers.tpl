@@ -69,7 +69,7 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if include "gpu-watchdog.apiKeySecret" . -}}{{- $_ := set $target "api_key_file" "/var/run/gpu-watchdog-api-key/key" -}}{{- end -}}
 {{- $_ := set $cfg "target" $target -}}
 {{- end -}}
-{{- $kube := dict "pod_name" "${POD_NAME}" "namespace" "${POD_NAMESPACE}" -}}
+{{- $kube := dict "pod_name" "${POD_NAME}" "namespace" "${POD_NAMESPACE}" "node_name" "${NODE_NAME}" -}}
 {{- if include "gpu-watchdog.podResources" . -}}
 {{- $_ := set $kube "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock" -}}
 {{- end -}}

@@ -1,0 +1,81 @@
+"""Reading back the pod's restart Events, and reporting a suspect GPU on its Node.
+
+Never taints, cordons or drains: node-level remediation (NVSentinel, node-problem-detector
+consumers, autoscalers) acts on what is reported here.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from kubernetes import client
+
+from watchdog import logs
+from watchdog.actions.kube import CONTROLLER, event_name
+from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, XID_ANNOTATION, RestartRecord, Suspect
+
+log = logs.get("watchdog.node")
+
+NODE_EVENTS_NAMESPACE = "default"  # Events about cluster-scoped objects live there (kubelet's do too)
+CONDITION = "GPUSuspect"
+
+
+def restart_record(event: Any) -> RestartRecord | None:
+    """One of our restart Events as a record; None for anything else."""
+    meta = event.metadata
+    annotations = (meta.annotations if meta is not None else None) or {}
+    if event.reporting_controller != CONTROLLER or GPUS_ANNOTATION not in annotations:
+        return None
+    when = event.event_time or (meta.creation_timestamp if meta is not None else None)
+    if when is None:
+        return None
+    gpus = tuple(g for g in annotations[GPUS_ANNOTATION].split(",") if g)
+    xid = annotations.get(XID_ANNOTATION)
+    return RestartRecord(at=when.timestamp(), reason=annotations.get(REASON_ANNOTATION, ""), gpus=gpus,
+                         pod=event.regarding.name if event.regarding is not None else "",
+                         xid=int(xid) if xid and xid.isdigit() else None)
+
+
+class NodeReporter:
+    def __init__(self, api_client: client.ApiClient, namespace: str, node_name: str, request_timeout: float,
+                 node_condition: bool) -> None:
+        self.namespace = namespace
+        self.node_name = node_name
+        self.timeout = request_timeout
+        self.node_condition = node_condition
+        self.core = client.CoreV1Api(api_client)
+        self.events = client.EventsV1Api(api_client)
+
+    def restart_records(self) -> list[RestartRecord]:
+        """Blocking: the namespace's restart Events that name GPUs (every pod's, not only ours)."""
+        events = self.events.list_namespaced_event(self.namespace, _request_timeout=self.timeout)
+        return [r for r in (restart_record(e) for e in events.items or []) if r is not None]
+
+    def report(self, suspect: Suspect, pod: str) -> None:
+        """Blocking: a Warning Event on the Node, and the Node condition when that is switched on."""
+        if not self.node_name:
+            raise ValueError("the node's name is unknown (set NODE_NAME from the downward API spec.nodeName)")
+        message = (f"GPU {suspect.uuid} on node {self.node_name}: {len(suspect.restarts)} restarts in the window"
+                   f" did not cure it (reasons {', '.join(suspect.reasons)}"
+                   + (f"; Xid {', '.join(map(str, suspect.xids))}" if suspect.xids else "")
+                   + f"; pods {', '.join(sorted({r.pod for r in suspect.restarts}))}). A pod restart cannot"
+                   " fix a failing GPU; the node needs attention.")
+        now = dt.datetime.now(dt.UTC)
+        body = client.EventsV1Event(
+            metadata=client.V1ObjectMeta(name=event_name(self.node_name),
+                                         namespace=NODE_EVENTS_NAMESPACE,
+                                         annotations={GPUS_ANNOTATION: suspect.uuid}),
+            event_time=now, reporting_controller=CONTROLLER, reporting_instance=pod, action="Report",
+            reason=CONDITION, note=message[:1024], type="Warning",
+            regarding=client.V1ObjectReference(kind="Node", api_version="v1", name=self.node_name),
+        )
+        self.events.create_namespaced_event(NODE_EVENTS_NAMESPACE, body, _request_timeout=self.timeout)
+        if self.node_condition:
+            stamp = now.isoformat().replace("+00:00", "Z")
+            patch = {"status": {"conditions": [{
+                "type": CONDITION, "status": "True", "reason": "RepeatedGPURestarts", "message": message[:1024],
+                "lastTransitionTime": stamp, "lastHeartbeatTime": stamp}]}}
+            # A strategic merge keeps the kubelet's own conditions: the list merges by `type`.
+            self.core.patch_node_status(self.node_name, patch, _request_timeout=self.timeout,
+                                        _content_type="application/strategic-merge-patch+json")

@@ -1,0 +1,55 @@
+"""Restarts that do not cure: the same GPU restarted for context loss or hangs again and again.
+
+Pure: from the restart records read back from the namespace's Events (each restart's Event names
+the pod's GPU UUIDs), which GPUs are suspect. A pod restart cannot fix a failing GPU: the new pod
+may land on the same card. Reporting it (an Event on the Node, optionally a Node condition) lets
+node-level remediation act; the watchdog itself never taints, cordons or drains a node.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+
+from watchdog.config import EscalationSettings
+from watchdog.names import CONTEXT_LOSS, HANG
+
+CURING_REASONS = (CONTEXT_LOSS, HANG)  # restarts meant to cure the GPU's state, not the process's age
+GPUS_ANNOTATION = "gpu-watchdog.io/gpus"
+REASON_ANNOTATION = "gpu-watchdog.io/reason"
+XID_ANNOTATION = "gpu-watchdog.io/xid"
+
+
+@dataclass(frozen=True)
+class RestartRecord:
+    at: float  # seconds since the epoch
+    reason: str
+    gpus: tuple[str, ...]
+    pod: str
+    xid: int | None = None
+
+
+@dataclass(frozen=True)
+class Suspect:
+    uuid: str
+    restarts: tuple[RestartRecord, ...]
+
+    @property
+    def reasons(self) -> list[str]:
+        return sorted({r.reason for r in self.restarts})
+
+    @property
+    def xids(self) -> list[int]:
+        return sorted({r.xid for r in self.restarts if r.xid is not None})
+
+
+def suspects(settings: EscalationSettings, records: list[RestartRecord], now: float,
+             ours: tuple[str, ...] | None) -> list[Suspect]:
+    """Our GPUs with at least `restarts` curing restarts within `window`."""
+    by_gpu: dict[str, list[RestartRecord]] = defaultdict(list)
+    for r in records:
+        if r.reason in CURING_REASONS and now - r.at < settings.window:
+            for uuid in r.gpus:
+                by_gpu[uuid].append(r)
+    return [Suspect(uuid, tuple(sorted(rs, key=lambda r: r.at))) for uuid, rs in sorted(by_gpu.items())
+            if len(rs) >= settings.restarts and (ours is None or uuid in ours)]
