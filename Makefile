@@ -15,7 +15,13 @@ OFFLINE_VENV ?= .venv-offline
 OFFLINE_STAMP := $(OFFLINE_VENV)/.installed-stamp
 OFFLINE_WHEELS ?= .gpu-wheels-ci
 
-.PHONY: install up test lint tools vllm offline clean chart-files
+# Images: `make images` builds both with docker, podman or buildah (BUILDER=...); knobs BASE, TAG,
+# CA_BUNDLE, WHEELS, STORAGE (see docker/build.sh). `make push REGISTRY=host/path` pushes them.
+# `make images-ci` builds them here, without a Docker engine or Docker Hub: buildah on a Debian base
+# made by debootstrap (kept between runs), the machine's CA bundle and its local torch wheel.
+CI_BASE := localhost/gpu-watchdog-base:bookworm
+
+.PHONY: install up test lint tools vllm offline images push images-ci clean chart-files
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -77,6 +83,27 @@ test: install tools vllm offline lint
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OFFLINE_VENV) $(OFFLINE_WHEELS) .pytest_cache .mypy_cache .ruff_cache
+
+images:
+	bash docker/build.sh build
+
+push:
+	bash docker/build.sh push
+
+images-ci:
+	@command -v buildah >/dev/null 2>&1 && command -v debootstrap >/dev/null 2>&1 || { \
+	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
+	  $$SUDO apt-get update -qq && $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq buildah debootstrap >/dev/null; }
+	@if ! buildah --storage-driver vfs inspect --type image $(CI_BASE) >/dev/null 2>&1; then \
+	  set -e; root=$$(mktemp -d); \
+	  debootstrap --variant=minbase --include=python3,python3-venv bookworm $$root/rootfs http://deb.debian.org/debian >$$root/debootstrap.log; \
+	  ctr=$$(buildah --storage-driver vfs from scratch); mnt=$$(buildah --storage-driver vfs mount $$ctr); \
+	  cp -a $$root/rootfs/. $$mnt/; buildah --storage-driver vfs umount $$ctr >/dev/null; \
+	  buildah --storage-driver vfs commit -q $$ctr $(CI_BASE) >/dev/null; buildah --storage-driver vfs rm $$ctr >/dev/null; \
+	  rm -rf $$root; echo "base image $(CI_BASE) made with debootstrap"; \
+	fi
+	BUILDER=buildah STORAGE=vfs BASE=$(CI_BASE) TAG=ci CA_BUNDLE=/etc/ssl/certs/ca-certificates.crt \
+	  WHEELS=$$( [ -d /opt/wheels ] && echo /opt/wheels ) bash docker/build.sh build
 
 # The chart packages the dashboard and the rules from dashboards/ (the tests check they match).
 chart-files:

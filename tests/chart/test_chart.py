@@ -22,9 +22,23 @@ ALL_ON: dict[str, Any] = {
 }
 
 
+# The chart has no default image repositories: every install names its own registry.
+IMAGES: dict[str, Any] = {"inference": {"image": {"repository": "registry.example.com/ml/gpu-watchdog-inference"}},
+                          "watchdog": {"image": {"repository": "registry.example.com/ml/gpu-watchdog-watchdog"}}}
+
+
+def with_images(values: dict[str, Any] | None) -> dict[str, Any]:
+    """`values` over IMAGES, merged key by key."""
+    def merge(base: Any, over: Any) -> Any:
+        if isinstance(base, dict) and isinstance(over, dict):
+            return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
+        return over
+    return merge(IMAGES, values or {})  # type: ignore[no-any-return]
+
+
 def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     chart = helm.Chart.load(str(CHART))
-    manifests = chart.render(values or {}, name="demo", namespace="serving", is_install=True)
+    manifests = chart.render(with_images(values), name="demo", namespace="serving", is_install=True)
     docs: list[dict[str, Any]] = []
     for path, text in sorted(manifests.items()):
         if path.endswith("NOTES.txt"):
@@ -54,7 +68,7 @@ EXTERNAL: dict[str, Any] = {"inference": {"engine": "external"},
                                     {"inference": {"model": {"source": "pvc", "pvc": {"claimName": "models"}}}},
                                     VLLM, EXTERNAL])
 def test_lint_is_clean(values: dict[str, Any]) -> None:
-    report = helm.lint(str(CHART), values, strict=True, kube_version=f"v{K8S_VERSION}")
+    report = helm.lint(str(CHART), with_images(values), strict=True, kube_version=f"v{K8S_VERSION}")
     errors = [m for m in report["messages"] if m["severity"] >= 2]
     assert report["errors"] == [] and errors == [], report
 
@@ -196,7 +210,7 @@ def test_watchdog_config_from_values_is_valid(monkeypatch: pytest.MonkeyPatch) -
 def test_schema_rejects_wrong_values(values: dict[str, Any], where: str) -> None:
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError) as err:
-        chart.render(values, name="demo", namespace="serving", is_install=True)
+        chart.render(with_images(values), name="demo", namespace="serving", is_install=True)
     assert where in str(err.value)
 
 
@@ -272,13 +286,13 @@ def test_pod_resources_root_only_by_opt_in_and_off_for_bundled(monkeypatch: pyte
 def test_peer_modes_say_what_is_missing(values: dict[str, Any], message: str) -> None:
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError, match=message):
-        chart.render(values, name="demo", namespace="serving", is_install=True)
+        chart.render(with_images(values), name="demo", namespace="serving", is_install=True)
 
 
 def test_pvc_model_requires_a_claim() -> None:
     chart = helm.Chart.load(str(CHART))
     with pytest.raises(helm.HelmError, match="claimName is required"):
-        chart.render({"inference": {"model": {"source": "pvc"}}}, name="demo", namespace="serving")
+        chart.render(with_images({"inference": {"model": {"source": "pvc"}}}), name="demo", namespace="serving")
 
 
 def test_chart_ships_the_same_dashboard_and_rules() -> None:
@@ -289,7 +303,7 @@ def test_chart_ships_the_same_dashboard_and_rules() -> None:
 
 def test_notes_tell_how_to_reach_everything() -> None:
     chart = helm.Chart.load(str(CHART))
-    notes = chart.render(ALL_ON, name="demo", namespace="serving")["gpu-watchdog/templates/NOTES.txt"]
+    notes = chart.render(with_images(ALL_ON), name="demo", namespace="serving")["gpu-watchdog/templates/NOTES.txt"]
     assert "port-forward svc/demo-gpu-watchdog 8000:8000" in notes
     assert "/status" in notes and "/metrics" in notes and "dashboard" in notes.lower()
 
@@ -301,3 +315,66 @@ def test_dockerfiles_run_non_root_and_the_sidecar_has_no_torch() -> None:
     assert "torch" not in watchdog.lower().replace("(no torch)", "")
     assert "'.[inference]'" in inference
 
+
+
+@pytest.mark.parametrize(("values", "missing"), [
+    ({"watchdog": {"image": {"repository": "r/w"}}}, "inference.image.repository"),
+    ({"inference": {"image": {"repository": "r/i"}}}, "watchdog.image.repository"),
+    ({"inference": {"engine": "vllm", "model": {"source": "pvc", "pvc": {"claimName": "m"}}}},
+     "watchdog.image.repository"),
+])
+def test_install_without_image_repositories_says_where_to_look(values: dict[str, Any], missing: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError) as err:
+        chart.render(values, name="demo", namespace="serving", is_install=True)
+    text = str(err.value)
+    assert f"{missing} is not set" in text and "make images" in text and "README" in text, text
+
+
+def test_vllm_mode_needs_no_inference_image() -> None:
+    values = {**VLLM, "watchdog": {"image": {"repository": "r/w"}}}
+    chart = helm.Chart.load(str(CHART))
+    assert chart.render(values, name="demo", namespace="serving", is_install=True)
+
+
+def test_helm_test_checks_a_completion_through_the_service_and_the_watchdog() -> None:
+    docs = render()
+    [test_pod] = [d for d in docs if d["kind"] == "Pod"]
+    assert test_pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+    [c] = test_pod["spec"]["containers"]
+    assert c["image"] == "registry.example.com/ml/gpu-watchdog-watchdog:0.1.0"
+    script = " ".join(c["command"] + c.get("args", []))
+    assert "http://demo-gpu-watchdog:8000/v1/completions" in script
+    assert "http://demo-gpu-watchdog:9402/readyz" in script
+    assert test_pod["spec"]["restartPolicy"] == "Never"
+    assert c["securityContext"]["runAsNonRoot"] is True and c["securityContext"]["readOnlyRootFilesystem"] is True
+    kubernetes_validate.validate(test_pod, K8S_VERSION, strict=True)
+    # Next to vLLM the completion names the served model.
+    [vllm] = [d for d in render(VLLM) if d["kind"] == "Pod"]
+    assert '"model": "llama"' in " ".join(vllm["spec"]["containers"][0]["command"] +
+                                          vllm["spec"]["containers"][0].get("args", []))
+
+
+# Values documented as one entry: Kubernetes structures passed through, and the watchdog's config.
+OPAQUE = {"watchdog.config", "inference.resources", "watchdog.resources", "podSecurityContext", "securityContext",
+          "dashboard.labels"}
+
+
+def test_the_chart_readme_lists_every_value() -> None:
+    """helm/gpu-watchdog/README.md's table and values.yaml name the same keys."""
+    import re
+
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+
+    def leaves(d: Any, prefix: str = "") -> set[str]:
+        out: set[str] = set()
+        for k, v in d.items():
+            key = f"{prefix}{k}"
+            if isinstance(v, dict) and v and key not in OPAQUE:
+                out |= leaves(v, key + ".")
+            else:
+                out.add(key)
+        return out
+
+    documented = set(re.findall(r"^\| `([^`]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE))
+    assert documented == leaves(values), (sorted(leaves(values) - documented), sorted(documented - leaves(values)))

@@ -77,3 +77,10 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" 9402) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
+
+{{/* An image reference; a missing repository fails the install with where to look. */}}
+{{- define "gpu-watchdog.image" -}}
+{{- $img := index . 0 -}}{{- $key := index . 1 -}}
+{{- $msg := printf "%s.repository is not set: build and push the images first (make images; make push REGISTRY=...; README, section Kubernetes), then --set %s.repository=REGISTRY/gpu-watchdog-%s" $key $key (ternary "inference" "watchdog" (hasPrefix "inference" $key)) -}}
+{{- printf "%s:%s" (required $msg $img.repository) $img.tag -}}
+{{- end -}}
