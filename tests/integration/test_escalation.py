@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tests.integration.test_kubernetes import NS, POD, pod
+from tests.integration.test_kubernetes import NS, POD
 from tests.integration.test_restart_metrics import NoNvml, Restarter
 from watchdog.actions.kube import PodActions
 from watchdog.actions.node import NodeReporter
@@ -18,16 +18,6 @@ from watchdog.config import from_mapping
 from watchdog.policy import Decision
 
 OURS, OTHER, NODE = "GPU-11111111-aaaa", "GPU-22222222-bbbb", "gpu-node-7"
-
-
-@pytest.fixture
-def api(kmock: Any) -> client.ApiClient:
-    cfg = client.Configuration()
-    cfg.host = str(kmock.url).rstrip("/")
-    cfg.retries = 0
-    kmock.objects["v1/pods", NS, POD] = pod()
-    kmock.objects["v1/pods", NS, "model-1"] = pod("model-1")
-    return client.ApiClient(cfg)
 
 
 def earlier_restart(api: client.ApiClient, pod_name: str, reason: str, gpu: str, xid: int | None = None) -> None:

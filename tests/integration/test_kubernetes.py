@@ -20,16 +20,6 @@ def pod(name: str = POD, ns: str = NS) -> dict[str, Any]:
             "spec": {"containers": [{"name": "inference", "image": "gpu-watchdog-inference"}]}}
 
 
-@pytest.fixture
-def api(kmock: Any) -> client.ApiClient:
-    cfg = client.Configuration()
-    cfg.host = str(kmock.url).rstrip("/")
-    cfg.retries = 0
-    kmock.objects["v1/pods", NS, POD] = pod()
-    kmock.objects["v1/pods", NS, "neighbour"] = pod("neighbour")
-    return client.ApiClient(cfg)
-
-
 def events(kmock: Any) -> list[dict[str, Any]]:
     out = []
     for key in list(kmock.objects):

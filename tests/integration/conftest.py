@@ -1,0 +1,21 @@
+"""Fixtures shared by the tests that talk to kmock's Kubernetes API emulator."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from tests.integration.test_kubernetes import NS, POD, pod
+
+
+@pytest.fixture
+def api(kmock: Any) -> client.ApiClient:
+    """The real client pointed at kmock, with our pod and a neighbour in the namespace."""
+    cfg = client.Configuration()
+    cfg.host = str(kmock.url).rstrip("/")
+    cfg.retries = 0
+    kmock.objects["v1/pods", NS, POD] = pod()
+    kmock.objects["v1/pods", NS, "neighbour"] = pod("neighbour")
+    return client.ApiClient(cfg)
