@@ -128,6 +128,7 @@ def up(tmp_path: Any) -> Iterator[Up]:
 @pytest.mark.timeout(400)
 def test_the_limit_settles_on_the_card_and_climbs_back_after_clear(up: Up, tmp_path: Any) -> None:
     assert up.admission()["limit"] == 16 and up.admission()["ceiling"] == 16
+    ooms_start = up.ooms()
     up.fault("memory_cap", sequences=4)
     t0 = time.monotonic()
     with Clients(up.api, 16) as clients:
@@ -139,6 +140,7 @@ def test_the_limit_settles_on_the_card_and_climbs_back_after_clear(up: Up, tmp_p
             time.sleep(0.2)
         assert settled_at is not None, f"never settled: {up.admission()}"
         ooms_settled = up.ooms()
+        ooms_before = ooms_settled - ooms_start
         limits = []
         while time.monotonic() - settled_at < 20:  # settled: only the spaced probes may still meet the cap
             limits.append(up.admission()["limit"])
@@ -168,7 +170,8 @@ def test_the_limit_settles_on_the_card_and_climbs_back_after_clear(up: Up, tmp_p
     assert ooms_after <= 7 * 3, (ooms_after, changes)
     assert after["rate_503"] < before["rate_503"] / 3, (before, after)
     print(f"\nsettled in {settled_at - t0:.1f} s; limits over the next 20 s: {sorted(set(limits))}; before:"
-          f" {before}; after: {after}; OOMs in the 20 s after settling: {ooms_after:g}")
+          f" {before}; after: {after}; OOMs: {ooms_before:g} in the {settled_at - t0:.1f} s before settling,"
+          f" {ooms_after:g} in the 20 s after")
 
     up.fault("clear")
     t1 = time.monotonic()
