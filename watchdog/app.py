@@ -224,9 +224,8 @@ class Watchdog:
         gpu = next((g for g in h.gpus if g.uuid == ev.uuid and g.index is not None), None)
         index = "" if gpu is None else str(gpu.index)
         self.metrics.xid_errors.labels(gpu=index, uuid=ev.uuid or "", xid=str(ev.xid)).inc()
-        ours = policy.our_gpus(h)
         log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, critical=ev.xid in policy.XID_CRITICAL,
-                    ours=None if ours is None and h.gpus_visible > 1 else ours is None or ev.uuid in ours)
+                    ours=policy.xid_is_ours(h, ev.uuid))
         self._fold(ev)
         self._spawn(self._evaluate())
 

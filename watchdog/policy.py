@@ -214,6 +214,20 @@ def our_gpus(h: History) -> tuple[str, ...] | None:
     return (uuid,) if uuid else None
 
 
+def gpus_unknown(h: History) -> bool:
+    """NVML sees several GPUs and nothing says which are the pod's: any of them may be another pod's."""
+    return our_gpus(h) is None and h.gpus_visible > 1
+
+
+def xid_is_ours(h: History, uuid: str | None) -> bool | None:
+    """Whether an Xid on `uuid` concerns this pod's GPUs; None when that cannot be told."""
+    if gpus_unknown(h):
+        return None
+    ours = our_gpus(h)
+    # One GPU in sight (or none named), or an event that names no GPU: it is ours.
+    return ours is None or uuid is None or uuid in ours
+
+
 def _context_loss(h: History) -> Decision | None:
     canaries = h.canaries_since_epoch()
     if canaries and canaries[-1].error_class == "fatal_cuda":
@@ -229,14 +243,11 @@ def _context_loss(h: History) -> Decision | None:
         if gpu.lost and gpu.at >= h.epoch:
             return Decision("restart", CONTEXT_LOSS, {"evidence": "gpu_lost", "uuid": gpu.uuid}, drain=False,
                             instance_id=_latest_instance(h))
-    ours = our_gpus(h)
     for ev in h.xids:
         if ev.at < h.epoch or ev.xid not in XID_CRITICAL:
             continue
-        if ours is None and h.gpus_visible > 1:
-            continue  # the node has several GPUs and we cannot tell ours: it may be another pod's
-        if ours is not None and ev.uuid is not None and ev.uuid not in ours:
-            continue  # another GPU on the node: not our process's context
+        if not xid_is_ours(h, ev.uuid):
+            continue  # another pod's GPU, or one that may be: never a restart for it
         kind = "app_fault" if ev.xid in XID_APP_FAULT else "ecc" if ev.xid in XID_ECC else "hardware"
         return Decision("restart", CONTEXT_LOSS, {"evidence": "xid", "xid": ev.xid, "class": kind, "uuid": ev.uuid},
                         drain=False, instance_id=_latest_instance(h))

@@ -46,7 +46,7 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
         out.add(names.BUDGET_EXHAUSTED)
     if not x.nvml_available:
         out.add(names.NVML_UNAVAILABLE)
-    elif policy.our_gpus(h) is None and h.gpus_visible > 1:
+    elif policy.gpus_unknown(h):
         out.add(names.GPUS_UNKNOWN)
     if x.suspects:
         out.add(names.GPU_SUSPECT)
@@ -102,7 +102,7 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
                  "inference process" if ours else None, "visible": h.gpus_visible,
                  "pod_resources_error": x.pod_gpus_error,
                  "note": f"{h.gpus_visible} GPUs visible and the pod's are unknown: not sampled, and no Xid"
-                         " restarts" if ours is None and h.gpus_visible > 1 else None},
+                         " restarts" if policy.gpus_unknown(h) else None},
         "server_metrics": {"url": x.server_metrics_url,
                            "last": asdict(h.server[-1] if h.server else None)},
         "uptime_s": round(now - h.started_at, 3),

@@ -484,3 +484,14 @@ def test_xid_on_any_of_the_pods_gpus_from_the_kubelet() -> None:
 def test_every_restart_reason_is_a_known_name() -> None:
     seen = {HANG, STARTUP_TIMEOUT, UNSERVABLE, "context_loss", "fragmentation_drift", "max_age"}
     assert seen == set(RESTART_REASONS)
+
+
+def test_one_answer_to_whether_an_xid_is_ours() -> None:
+    from watchdog.policy import gpus_unknown, xid_is_ours
+
+    unknown = history(gpus_visible=4)
+    assert gpus_unknown(unknown) and xid_is_ours(unknown, OTHER) is None and xid_is_ours(unknown, None) is None
+    single = history(gpus_visible=1)
+    assert not gpus_unknown(single) and xid_is_ours(single, OTHER) is True
+    known = history(gpus_visible=4, pod_gpus=(UUID,))
+    assert (xid_is_ours(known, UUID), xid_is_ours(known, OTHER), xid_is_ours(known, None)) == (True, False, True)
