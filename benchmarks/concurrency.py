@@ -6,7 +6,7 @@ The three modes run on the same model in one invocation, one after the other (ne
 time, so they do not compete for the CPU/GPU):
 - unbounded: no gate (a limit no load reaches) and no batching;
 - semaphore: the seed's fixed gate of N slots, no batching;
-- full: admission by the memory budget (`auto`: measured on CUDA; N slots on CPU) + dynamic batching.
+- full: admission by the memory budget (`auto`: measured on CUDA; 64 slots on CPU) + continuous batching.
 """
 
 from __future__ import annotations
@@ -23,9 +23,9 @@ from watchdog.bench import BenchSettings, StepResult, markdown_table, ratio_tabl
 
 def modes(slots: int, max_batch: int) -> dict[str, list[str]]:
     return {
-        "unbounded": ["--max-concurrency", "100000", "--batch-window-ms", "0", "--max-queue", "100000"],
-        "semaphore": ["--max-concurrency", str(slots), "--batch-window-ms", "0"],
-        "full": ["--max-concurrency", "auto", "--batch-window-ms", "50", "--max-batch-size", str(max_batch)],
+        "unbounded": ["--max-concurrency", "100000", "--max-batch-size", "1", "--max-queue", "100000"],
+        "semaphore": ["--max-concurrency", str(slots), "--max-batch-size", "1"],
+        "full": ["--max-concurrency", "auto", "--max-batch-size", str(max_batch)],
     }
 
 
@@ -35,8 +35,8 @@ def main() -> None:
     p.add_argument("--requests", type=int, default=64)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--prompt-len", type=int, default=32)
-    p.add_argument("--slots", type=int, default=8, help="the semaphore mode's fixed gate (CPU auto uses 8 too)")
-    p.add_argument("--max-batch", type=int, default=8)
+    p.add_argument("--slots", type=int, default=8, help="the semaphore mode's fixed gate")
+    p.add_argument("--max-batch", type=int, default=256)
     p.add_argument("--device", default="auto")
     p.add_argument("--model", default=None)
     p.add_argument("--memory-fraction", default=None, help="cap each server's share of the GPU")
@@ -72,8 +72,8 @@ def write_report(args: argparse.Namespace, results: list[StepResult], out: Path)
         f"Machine: {machine()}",
         f"Model: {args.model or 'built-in'}; {args.requests} requests per step; prompt {args.prompt_len} chars;"
         f" max_tokens {args.max_tokens}; clients retry 503s with backoff (200 ms x 2^n, Retry-After honoured,"
-        f" at most 5 tries). Semaphore and CPU `auto` both use {args.slots} slots; full batches up to"
-        f" {args.max_batch} within a 50 ms window."
+        f" at most 5 tries). Semaphore uses {args.slots} slots, unbatched; full is `auto` admission with"
+        f" continuous batching of up to {args.max_batch} sequences."
         + (f" Each server capped at {args.memory_fraction} of the GPU's memory." if args.memory_fraction else ""),
         markdown_table(results),
         "## full / semaphore (same run)",

@@ -83,7 +83,7 @@ ok = samples[-1]["available"] and samples[-1]["memory_total_bytes"] > 0
 print("NVML sampler:", "OK" if ok else "UNAVAILABLE")
 PYEOF
 
-step "1b. decoding with the KV cache equals recomputing every step (this torch and transformers)"
+step "1b. decoding with the KV cache equals recomputing every step, alone and batched (this torch and transformers)"
 "$PY" - "$DEVICE" <<'PYEOF' || FAILED="$FAILED 1b"
 import dataclasses, sys, torch, transformers
 from inference.engine import Engine, GenRequest
@@ -91,11 +91,17 @@ from inference.model import greedy_without_cache, load_builtin
 lm = load_builtin(torch.device(sys.argv[1]))
 lm = dataclasses.replace(lm, model=lm.model.float(), dtype=torch.float32)  # no half-precision rounding in the way
 print("torch", torch.__version__, "transformers", transformers.__version__, "cache keyword:", lm.cache_kwarg)
-for prompt in ("hello there", "the quick brown fox"):
-    [r] = Engine(lm).generate([GenRequest(prompt_ids=lm.codec.encode(prompt), max_tokens=12)])
-    reference = lm.codec.decoder().feed(greedy_without_cache(lm, prompt, 12))
+engine = Engine(lm)
+prompts = [("hello there", 12), ("the quick brown fox", 20), ("x", 7), ("a longer prompt that pads the others", 16)]
+references = [lm.codec.decoder().feed(greedy_without_cache(lm, p, n)) for p, n in prompts]
+for (prompt, n), reference in zip(prompts, references):
+    [r] = engine.generate([GenRequest(prompt_ids=lm.codec.encode(prompt), max_tokens=n)])
     assert r.text == reference, f"cached decoding diverged: {r.text!r} vs {reference!r}"
-print("cached decoding: OK")
+# Continuous batching: rows of different lengths stitched into one batch and leaving at their own end.
+batched = engine.generate([GenRequest(prompt_ids=lm.codec.encode(p), max_tokens=n) for p, n in prompts])
+assert [r.text for r in batched] == references, "batched decoding diverged from solo decoding"
+print("cached decoding, alone and batched: OK; largest batch", engine.probe().largest_batch)
+engine.stop()
 PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"

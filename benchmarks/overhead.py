@@ -81,7 +81,7 @@ def main() -> None:
     args = p.parse_args()
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    server = serve(["--max-concurrency", "auto", "--batch-window-ms", "50"], out / "logs" / "overhead-server.log")
+    server = serve(["--max-concurrency", "auto"], out / "logs" / "overhead-server.log")
     runs: dict[str, list[tuple[float, float]]] = {"none": [], "default": [], "10x": []}
     # Sidecar CPU seconds and machine CPU-seconds (wall x cores) summed over the loaded runs: a
     # single run lasts seconds, below what /proc's 10 ms ticks resolve at default rates.

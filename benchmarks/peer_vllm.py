@@ -87,7 +87,9 @@ class Vllm:
         stop_process(self.proc, 30.0)
 
 
-def start_vllm(python: Path, model: Path, workdir: Path, max_num_seqs: int, timeout: float = 300.0) -> Vllm:
+def start_vllm(python: Path, model: Path, workdir: Path, max_num_seqs: int | None, timeout: float = 300.0,
+               eager: bool = True) -> Vllm:
+    """vLLM on loopback; `max_num_seqs=None, eager=False` is vLLM at its defaults (compiled graphs)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "VLLM_NO_USAGE_STATS": "1", "VLLM_CPU_KVCACHE_SPACE": "1",
@@ -97,8 +99,9 @@ def start_vllm(python: Path, model: Path, workdir: Path, max_num_seqs: int, time
     fh = open(log, "wb")
     proc = subprocess.Popen(
         [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model), "--served-model-name",
-         SERVED_NAME, "--dtype", "float32", "--max-model-len", "512", "--max-num-seqs", str(max_num_seqs),
-         "--enforce-eager", "--host", "127.0.0.1", "--port", str(port)],
+         SERVED_NAME, "--dtype", "float32", "--max-model-len", "512",
+         *([] if max_num_seqs is None else ["--max-num-seqs", str(max_num_seqs)]),
+         *(["--enforce-eager"] if eager else []), "--host", "127.0.0.1", "--port", str(port)],
         stdout=fh, stderr=subprocess.STDOUT, env=env, cwd=str(workdir))
     server = Vllm(proc, port, log)
     deadline = time.monotonic() + timeout

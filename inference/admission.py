@@ -1,10 +1,10 @@
-"""The admission gate: a thread-level, memory-weighted semaphore acquired inside the worker thread.
+"""The admission gate: a thread-safe, memory-weighted budget, held by every sequence in the GPU.
 
-An asyncio semaphore cannot bound work that runs in a thread pool (the seed's warning), so the gate
-is a `threading.Condition`. Each request weighs its predicted peak memory; in slot mode every
-sequence weighs one slot. Waiters are served first come, first served so a heavy request is not
-starved by a stream of light ones. The canary has a slot of its own: a busy but healthy server
-must not look hung to the watchdog.
+The decode loop takes a share (`try_acquire`) when a sequence joins the batch and gives it back
+the moment the sequence leaves; the control API can lower or raise the budget at any time
+(`set_capacity`) from another thread, which is why the gate is a `threading.Condition`, not an
+asyncio primitive. Each sequence weighs its predicted peak memory; in slot mode one slot. The
+canary has a slot of its own: a busy but healthy server must not look hung to the watchdog.
 """
 
 from __future__ import annotations
@@ -72,6 +72,19 @@ class AdmissionGate:
                 return None
             grant = Grant(min(weight, self._capacity))
             self._in_use += grant.amount
+            self._holders += 1
+            self._peak_holders = max(self._peak_holders, self._holders)
+            return grant
+
+    def try_acquire(self, weight: float) -> Grant | None:
+        """Take `weight` now if it fits and nobody waits ahead; never blocks (the decode loop's way in)."""
+        weight = max(weight, 0.0)
+        with self._cond:
+            amount = min(weight, self._capacity)
+            if self._queue or self._in_use + amount > self._capacity + 1e-9:
+                return None
+            grant = Grant(amount)
+            self._in_use += amount
             self._holders += 1
             self._peak_holders = max(self._peak_holders, self._holders)
             return grant

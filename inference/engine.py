@@ -1,187 +1,233 @@
-"""The synchronous generation engine. Everything here runs in worker threads, never on the event loop."""
+"""The engine's front: submit, stream, canary, drain, health and memory, for one model on one device.
+
+Everything the HTTP layers and the service ask of the GPU goes through here. The poisoned state
+lives in one place (the decode loop's `poisoned`): once set, every submit fails at once and the
+process exits.
+"""
 
 from __future__ import annotations
 
-import threading
+import asyncio
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
+import structlog
 import torch
 
-from inference.errors import FatalCudaError
+from inference.admission import AdmissionGate
+from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
+from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
 from inference.faults import FaultInjector
+from inference.metrics import InferenceMetrics
 from inference.model import LoadedModel
 
+__all__ = ["CanaryResult", "Engine", "EngineProbe", "GenRequest", "GenResult"]
 
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    on_text: Callable[[str], object] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
+log = structlog.get_logger(__name__)
 
-
-@dataclass(frozen=True)
-class GenResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
+CANARY_PROMPT = "ping"
+# Enough rows that the admission budget, not this cap, is what limits a batch.
+DEFAULT_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
-class EngineProbe:
-    """What the engine observed itself, independent of the admission gate's own bookkeeping."""
-
-    active_sequences: int
-    peak_active_sequences: int
-    forward_batches: int
-    largest_batch: int
-    # Distinct threads that ran a forward pass: on CUDA each keeps a cuBLAS workspace.
-    threads: int
+class CanaryResult:
+    ok: bool
+    latency_s: float
+    error_class: str | None
+    error: str | None = None
 
 
 class Engine:
-    def __init__(self, lm: LoadedModel, faults: FaultInjector | None = None,
-                 on_tokens: Callable[[int], object] | None = None) -> None:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        *,
+        gate: AdmissionGate | None = None,
+        cost: Callable[[int], float] = lambda tokens: 1.0,
+        metrics: InferenceMetrics | None = None,
+        faults: FaultInjector | None = None,
+        max_rows: int = DEFAULT_MAX_ROWS,
+        max_queue: int = 1 << 20,
+        memory_watermark: float = 0.85,
+        on_fatal: Callable[[str], object] | None = None,
+    ) -> None:
         self.lm = lm
+        self.gate = gate if gate is not None else AdmissionGate(float(1 << 30))
+        self.cost = cost
+        self.metrics = metrics
         self.faults = faults
-        # Called with each step's new tokens, not at the end of a request: a watcher reads the
-        # counter as proof of progress, and a long generation must not look like a stalled one.
-        self.on_tokens = on_tokens
-        self._lock = threading.Lock()
-        self._active = 0
-        self._peak_active = 0
-        self._batches = 0
-        self._largest_batch = 0
-        self._threads: set[int] = set()
-        self.poisoned: str | None = None
+        self.max_queue = max_queue
+        self.memory_watermark = memory_watermark
+        self.draining = False
+        self.oom_count = 0
+        self.empty_cache_count = 0
+        self._on_fatal = on_fatal
+        m = metrics
+        self._loop = DecodeLoop(
+            lm, self.gate, max_rows=max_rows, faults=faults,
+            on_tokens=None if m is None else m.tokens.inc,
+            on_step=None if m is None else m.batch_size.observe,
+            on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
+        )
+        self._loop.start()
+
+    # -- state -------------------------------------------------------------------------------
+
+    @property
+    def poisoned(self) -> str | None:
+        return self._loop.poisoned
 
     @property
     def is_cuda(self) -> bool:
         return self.lm.device.type == "cuda"
 
+    @property
+    def queued(self) -> int:
+        return self._loop.waiting
+
+    @property
+    def inflight(self) -> int:
+        return self._loop.running
+
+    @property
+    def max_rows(self) -> int:
+        return self._loop.max_rows
+
     def probe(self) -> EngineProbe:
-        with self._lock:
-            return EngineProbe(self._active, self._peak_active, self._batches, self._largest_batch,
-                               len(self._threads))
+        return self._loop.probe()
 
     def reset_peak(self) -> None:
-        with self._lock:
-            self._peak_active = self._active
+        self._loop.reset_peak()
 
     def poison(self, reason: str) -> None:
-        self.poisoned = reason
+        self._loop.poison(reason)
 
-    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        """Run one padded batch to completion; each request stops at its own max_tokens."""
+    def stop(self) -> None:
+        self._loop.stop()
+
+    # -- work --------------------------------------------------------------------------------
+
+    def _sequence(self, request: GenRequest) -> Seq:
         if self.poisoned is not None:
             raise FatalCudaError(self.poisoned)
-        n = len(requests)
-        with self._lock:
-            self._active += n
-            self._peak_active = max(self._peak_active, self._active)
-            self._batches += 1
-            self._largest_batch = max(self._largest_batch, n)
-            self._threads.add(threading.get_ident())
+        weight = self.cost(len(request.prompt_ids) + request.max_tokens)
+        return self._loop.new_sequence(request, weight)
+
+    async def submit(self, request: GenRequest, timeout: float) -> GenResult:
+        """Queue a request; its result once generated. `timeout` bounds the wait for admission only."""
+        if self.poisoned is not None:
+            raise FatalCudaError(self.poisoned)
+        if self.draining:
+            raise Draining("the server is draining")
+        if self._loop.waiting >= self.max_queue:
+            raise QueueFull(f"{self._loop.waiting} requests already waiting")
+        seq = self._sequence(request)
+        self._loop.enqueue(seq)
+        self._gauges()
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            if self._loop.withdraw(seq):
+                seq.future.set_exception(AdmissionTimeout("no admission slot within the queue timeout"))
+                self._gauges()
+
+        timer = loop.call_later(timeout, expire)
         try:
-            if self.faults is not None:
-                self.faults.before_forward(self._active)
-            with torch.inference_mode():
-                return self._generate(requests)
+            return await asyncio.shield(asyncio.wrap_future(seq.future))
+        except asyncio.CancelledError:
+            # The client went away: out of the queue now, or out of the batch at the next step.
+            request.cancelled.set()
+            self._loop.withdraw(seq)
+            raise
         finally:
-            with self._lock:
-                self._active -= n
+            timer.cancel()
+            self._gauges()
 
-    def _generate(self, requests: list[GenRequest]) -> list[GenResult]:
-        lm = self.lm
-        dev = lm.device
-        n = len(requests)
-        longest = max(len(r.prompt_ids) for r in requests)
-        # Left padding keeps every sequence's last token in the last column.
-        ids = torch.full((n, longest), lm.codec.pad_id, dtype=torch.long)
-        mask = torch.zeros((n, longest), dtype=torch.long)
-        for i, r in enumerate(requests):
-            ids[i, longest - len(r.prompt_ids):] = torch.tensor(r.prompt_ids, dtype=torch.long)
-            mask[i, longest - len(r.prompt_ids):] = 1
-        ids, mask = ids.to(dev), mask.to(dev)
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)
-        temps = torch.tensor([r.temperature for r in requests], dtype=torch.float32, device=dev)
-        greedy = temps <= 0
-        decoders = [lm.codec.decoder() for _ in requests]
-        texts: list[list[str]] = [[] for _ in requests]
-        produced = [0] * n
-        finish = ["length"] * n
-        done = [False] * n
-        cache: Any = None
-        steps = max(r.max_tokens for r in requests)
-        for step in range(steps):
-            if step:
-                # A sticky error fails every later kernel, including those of generations under way.
-                if self.poisoned is not None:
-                    raise FatalCudaError(self.poisoned)
-                if self.faults is not None:
-                    self.faults.during_forward(self._active)
-            out = lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                           **{lm.cache_kwarg: cache}, **lm.forward_extra)
-            cache = getattr(out, "cache", None)
-            if cache is None:
-                cache = getattr(out, "past_key_values", None)
-            logits = out.logits[:, -1, :].float()
-            if lm.allowed_tokens is not None:
-                logits = logits.masked_fill(~lm.allowed_tokens[: logits.shape[-1]], float("-inf"))
-            next_ids = self._sample(logits, temps, greedy)
-            host_ids = next_ids.tolist()
-            before = sum(produced)
-            for i, r in enumerate(requests):
-                if done[i]:
-                    continue
-                tok = int(host_ids[i])
-                if lm.codec.eos_id is not None and tok == lm.codec.eos_id:
-                    done[i], finish[i] = True, "stop"
-                    continue
-                piece = decoders[i].feed([tok])
-                produced[i] += 1
-                if piece:
-                    texts[i].append(piece)
-                    if r.on_text is not None:
-                        r.on_text(piece)
-                if produced[i] >= r.max_tokens:
-                    done[i] = True
-                elif r.cancelled.is_set():
-                    done[i], finish[i] = True, "cancelled"
-            if self.on_tokens is not None and sum(produced) > before:
-                self.on_tokens(sum(produced) - before)
-            if all(done):
-                break
-            ids = next_ids[:, None]
-            mask = torch.cat([mask, torch.ones((n, 1), dtype=mask.dtype, device=dev)], dim=1)
-            positions = positions[:, -1:] + 1
-        if self.is_cuda:
-            torch.cuda.synchronize(dev)
-        return [
-            GenResult(
-                text="".join(texts[i]),
-                prompt_tokens=len(r.prompt_ids),
-                completion_tokens=produced[i],
-                finish_reason=finish[i],
-            )
-            for i, r in enumerate(requests)
-        ]
+    def generate(self, requests: list[GenRequest]) -> list[GenResult]:
+        """Run requests to completion from a plain thread (warm-up, measuring, checks)."""
+        seqs = [self._sequence(r) for r in requests]
+        for seq in seqs:
+            self._loop.enqueue(seq)
+        return [seq.future.result() for seq in seqs]
 
-    @staticmethod
-    def _sample(logits: torch.Tensor, temps: torch.Tensor, greedy: torch.Tensor) -> torch.Tensor:
-        best = logits.argmax(dim=-1)
-        if bool(greedy.all()):
-            return best
-        scaled = logits / temps.clamp(min=1e-4)[:, None]
-        probs = torch.softmax(scaled, dim=-1)
-        drawn = torch.multinomial(probs, 1).squeeze(-1)
-        return torch.where(greedy, best, drawn)
+    def _gauges(self) -> None:
+        if self.metrics is not None:
+            self.metrics.queued.set(self._loop.waiting)
+            self.metrics.inflight.set(self._loop.running)
+
+    async def canary(self, timeout: float) -> CanaryResult:
+        """A real one-token generation on the same path, joining the running batch at the next step.
+
+        It does not queue behind load: it has a reserved slot (one canary at a time), so a busy
+        but healthy server answers it within a step.
+        """
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        if not self.gate.acquire_canary(timeout=0):
+            return CanaryResult(False, 0.0, "timeout", "the previous canary has not finished")
+        try:
+            seq = self._loop.new_sequence(GenRequest(self.lm.codec.encode(CANARY_PROMPT), max_tokens=1), 0.0,
+                                          canary=True)
+            self._loop.enqueue(seq)
+        except BaseException as exc:
+            self.gate.release_canary()
+            return CanaryResult(False, loop.time() - start, classify(exc), str(exc)[:300] or type(exc).__name__)
+        seq.future.add_done_callback(lambda _: self.gate.release_canary())
+        try:
+            await asyncio.wait_for(asyncio.shield(asyncio.wrap_future(seq.future)), timeout=timeout)
+        except asyncio.CancelledError:
+            raise
+        except TimeoutError:
+            return CanaryResult(False, loop.time() - start, "timeout", f"no token within {timeout:g} s")
+        except BaseException as exc:
+            return CanaryResult(False, loop.time() - start, classify(exc), str(exc)[:300] or type(exc).__name__)
+        return CanaryResult(True, loop.time() - start, None)
+
+    # -- failures ----------------------------------------------------------------------------
+
+    def _count_oom(self, exc: BaseException) -> None:
+        self.oom_count += 1
+        if self.metrics is not None:
+            self.metrics.ooms.inc()
+        freed = self.empty_cache()
+        log.warning("oom", error=str(exc)[:200], freed_bytes=freed)
+
+    def _fatal(self, reason: str) -> None:
+        if self.metrics is not None:
+            self.metrics.fatal.inc()
+        if self._on_fatal is not None:
+            self._on_fatal(reason)
 
     # -- allocator ---------------------------------------------------------------------------
+
+    def _memory_guard(self) -> None:
+        # Flushing after every request would make the next one pay cudaMalloc again; only
+        # flush once reserved memory passes the watermark.
+        if self.is_cuda and self.reserved_ratio() >= self.memory_watermark:
+            freed = self.empty_cache()
+            log.info("memory_guard_empty_cache", freed_bytes=freed, watermark=self.memory_watermark)
+
+    def empty_cache(self) -> int:
+        """Return cached blocks to the driver; the bytes freed (0 on CPU)."""
+        freed = 0
+        if self.is_cuda:
+            before = torch.cuda.memory_reserved(self.lm.device)
+            torch.cuda.empty_cache()
+            freed = max(0, int(before - torch.cuda.memory_reserved(self.lm.device)))
+        if self.faults is not None:
+            self.faults.on_empty_cache()
+        self.empty_cache_count += 1
+        if self.metrics is not None:
+            self.metrics.empty_cache.inc()
+        return freed
+
+    def reserved_ratio(self) -> float:
+        if not self.is_cuda:
+            return 0.0
+        total = torch.cuda.get_device_properties(self.lm.device).total_memory
+        return float(torch.cuda.memory_reserved(self.lm.device)) / float(total)
 
     def memory(self) -> dict[str, Any]:
         """Allocator figures; honest zeros on CPU, where there is no CUDA allocator."""
@@ -216,21 +262,8 @@ class Engine:
             )
         return figures
 
-    def empty_cache(self) -> int:
-        """Return cached blocks to the driver; the bytes freed (0 on CPU)."""
-        if not self.is_cuda:
-            return 0
-        before = torch.cuda.memory_reserved(self.lm.device)
-        torch.cuda.empty_cache()
-        return max(0, int(before - torch.cuda.memory_reserved(self.lm.device)))
-
-    def reserved_ratio(self) -> float:
-        if not self.is_cuda:
-            return 0.0
-        total = torch.cuda.get_device_properties(self.lm.device).total_memory
-        return float(torch.cuda.memory_reserved(self.lm.device)) / float(total)
-
 
 def _format_uuid(uuid: object) -> str:
     text = str(uuid)
     return text if text.startswith("GPU-") else f"GPU-{text}"
+

@@ -7,15 +7,16 @@ import hmac
 from collections.abc import Awaitable, Callable
 from typing import Any
 
+import structlog
 from aiohttp import web
 
 from inference.faults import FaultError
 from inference.openapi import control_spec
 from inference.service import InferenceService
 from inference.validation import BadRequest, parse_json_object
-from watchdog import logs
+from watchdog import contract
 
-log = logs.get("inference.control")
+log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
@@ -64,20 +65,20 @@ class ControlAPI:
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_auth(self.token)], client_max_size=64 * 1024)
         r = app.router
-        r.add_get("/control/memory", self.memory)
-        r.add_post("/control/empty_cache", self.empty_cache)
-        r.add_post("/control/canary", self.canary)
-        r.add_post("/control/drain", self.drain)
-        r.add_post("/control/admission", self.admission)
-        r.add_post("/control/fault", self.fault)
-        r.add_get("/control/openapi.json", self.openapi)
+        r.add_get(contract.MEMORY, self.memory)
+        r.add_post(contract.EMPTY_CACHE, self.empty_cache)
+        r.add_post(contract.CANARY, self.canary)
+        r.add_post(contract.DRAIN, self.drain)
+        r.add_post(contract.ADMISSION, self.admission)
+        r.add_post(contract.FAULT, self.fault)
+        r.add_get(contract.CONTROL_OPENAPI, self.openapi)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(control_spec())
 
     def _require_started(self) -> None:
-        if self.service.scheduler is None:
+        if self.service.engine is None or not self.service.ready:
             raise web.HTTPServiceUnavailable(text='{"error": {"message": "model still loading"}}',
                                              content_type="application/json")
 
@@ -90,20 +91,20 @@ class ControlAPI:
 
     async def empty_cache(self, request: web.Request) -> web.Response:
         self._require_started()
-        assert self.service.scheduler is not None
-        freed = await asyncio.to_thread(self.service.scheduler.empty_cache)
+        assert self.service.engine is not None
+        freed = await asyncio.to_thread(self.service.engine.empty_cache)
         log.info("empty_cache", freed_bytes=freed, source="control")
         return web.json_response({"freed_bytes": freed})
 
     async def canary(self, request: web.Request) -> web.Response:
         self._require_started()
-        assert self.service.scheduler is not None
+        assert self.service.engine is not None
         try:
             body = await _optional_body(request)
             timeout = _number(body, "timeout", 10.0, 0.01, 600.0)
         except BadRequest as exc:
             return _bad(exc)
-        result = await self.service.scheduler.canary(timeout)
+        result = await self.service.engine.canary(timeout)
         log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
         if self.service.poisoned:
             self.service.poison_reported.set()
@@ -113,7 +114,7 @@ class ControlAPI:
     async def drain(self, request: web.Request) -> web.Response:
         """Stop admitting (readyz turns 503) and wait, bounded, for in-flight work to finish."""
         self._require_started()
-        sched = self.service.scheduler
+        sched = self.service.engine
         assert sched is not None
         try:
             body = await _optional_body(request)

@@ -1,4 +1,4 @@
-"""The public API on :8000: completions (plain and SSE), /predict, /stream, probes and metrics."""
+"""The public API on :8000: OpenAI's models, completions and chat (plain and SSE), /predict, /stream, probes."""
 
 from __future__ import annotations
 
@@ -7,22 +7,35 @@ import json
 import time
 import uuid
 from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
 from typing import Any
 
+import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from inference.engine import GenRequest, GenResult
+from inference.decode import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from inference.model import NoChatTemplate
 from inference.openapi import public_spec
 from inference.service import InferenceService
-from inference.validation import BadRequest, CompletionParams, check_context, completion_params, parse_json_object
-from watchdog import logs
+from inference.validation import (
+    BadRequest,
+    ChatParams,
+    CompletionParams,
+    Limits,
+    Sampling,
+    chat_params,
+    check_context,
+    completion_params,
+    parse_json_object,
+)
 
-log = logs.get("inference.http")
+log = structlog.get_logger(__name__)
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SERVICE_KEY = web.AppKey("service", InferenceService)
+_EXPECTED = (BadRequest, AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 
 
 def error_response(exc: BaseException, retry_after: int) -> web.Response:
@@ -37,14 +50,15 @@ def error_response(exc: BaseException, retry_after: int) -> web.Response:
             InferenceOOM: "out_of_memory",
         }[type(exc)]
         return web.json_response(
-            {"error": {"message": str(exc) or kind, "type": kind}},
+            {"error": {"message": str(exc) or kind, "type": kind, "param": None, "code": kind}},
             status=503,
             headers={"Retry-After": str(retry_after)},
         )
     if isinstance(exc, FatalCudaError):
         return web.json_response({"error": {"message": "GPU context lost; the process is restarting",
-                                            "type": "fatal_cuda"}}, status=500)
-    return web.json_response({"error": {"message": "internal error", "type": "internal"}}, status=500)
+                                            "type": "fatal_cuda", "param": None, "code": None}}, status=500)
+    return web.json_response({"error": {"message": "internal error", "type": "internal", "param": None,
+                                        "code": None}}, status=500)
 
 
 @web.middleware
@@ -65,11 +79,11 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
         if exc.status == 413:
             return web.json_response(
                 {"error": {"message": f"request body larger than {request.app['max_body']} bytes",
-                           "type": "invalid_request_error", "param": "body"}}, status=413)
+                           "type": "invalid_request_error", "param": "body", "code": None}}, status=413)
         if exc.status in (404, 405):
             return web.json_response(
-                {"error": {"message": f"no route {request.method} {request.path}", "type": "not_found"}},
-                status=exc.status)
+                {"error": {"message": f"no route {request.method} {request.path}", "type": "not_found",
+                           "param": None, "code": None}}, status=exc.status)
         raise
     finally:
         elapsed = time.perf_counter() - start
@@ -79,18 +93,31 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
             service.metrics.duration.labels(route=route).observe(elapsed)
             log.info("request", request_id=rid, route=route, method=request.method, status=status,
                      latency_s=round(elapsed, 4), prompt_tokens=request.get("prompt_tokens"),
-                     completion_tokens=request.get("completion_tokens"))
+                     completion_tokens=request.get("completion_tokens"), user=request.get("user"))
+
+
+@dataclass(frozen=True)
+class _Job:
+    """One prompt of a request, ready for the engine."""
+
+    index: int
+    ids: list[int]
+    max_tokens: int
 
 
 class PublicAPI:
     def __init__(self, service: InferenceService) -> None:
         self.service = service
+        self.created = int(time.time())
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[request_log], client_max_size=self.service.settings.max_body_bytes)
         app[SERVICE_KEY] = self.service
         app["max_body"] = self.service.settings.max_body_bytes
+        app.router.add_get("/v1/models", self.models)
+        app.router.add_get("/v1/models/{model}", self.model)
         app.router.add_post("/v1/completions", self.completions)
+        app.router.add_post("/v1/chat/completions", self.chat)
         app.router.add_post("/predict", self.predict)
         app.router.add_post("/stream", self.stream)
         app.router.add_get("/healthz", self.healthz)
@@ -101,9 +128,9 @@ class PublicAPI:
 
     async def openapi(self, request: web.Request) -> web.Response:
         ctx = self.service.engine.lm.context_len if self.service.engine is not None else 0
-        return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx))
+        return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx, self.service.model_name))
 
-    # -- probes ------------------------------------------------------------------------------
+    # -- probes and models -------------------------------------------------------------------
 
     async def healthz(self, request: web.Request) -> web.Response:
         # Liveness: the event loop answers. A poisoned process exits on its own.
@@ -116,9 +143,31 @@ class PublicAPI:
         reason = "poisoned" if s.poisoned else "draining" if s.ready else "warming_up"
         return web.json_response({"ready": False, "reason": reason}, status=503)
 
-    # -- generation --------------------------------------------------------------------------
+    def _model_card(self) -> dict[str, Any]:
+        engine = self.service.engine
+        card: dict[str, Any] = {"id": self.service.model_name, "object": "model", "created": self.created,
+                                "owned_by": "gpu-watchdog"}
+        if engine is not None:
+            card["max_model_len"] = engine.lm.context_len
+        return card
 
-    async def _params(self, request: web.Request, allow_stream: bool) -> tuple[CompletionParams, list[int]]:
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [self._model_card()]})
+
+    async def model(self, request: web.Request) -> web.Response:
+        name = request.match_info["model"]
+        if name != self.service.model_name:
+            return error_response(BadRequest(404, "model", f"The model `{name}` does not exist",
+                                             code="model_not_found"), 0)
+        return web.json_response(self._model_card())
+
+    # -- parsing -----------------------------------------------------------------------------
+
+    def _limits(self) -> Limits:
+        s = self.service.settings
+        return Limits(s.default_max_tokens, s.max_tokens_limit, self.service.model_name)
+
+    async def _body(self, request: web.Request) -> dict[str, Any]:
         s = self.service
         if not s.ready or s.engine is None:
             raise Draining("the model is still loading")
@@ -129,120 +178,231 @@ class PublicAPI:
             raise BadRequest(408, "body", f"request body not received within {s.settings.body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(413, "body", f"request body larger than {s.settings.max_body_bytes} bytes") from None
-        data = parse_json_object(raw)
-        params = completion_params(data, default_max_tokens=s.settings.default_max_tokens,
-                                   max_tokens_limit=s.settings.max_tokens_limit, allow_stream=allow_stream)
-        ids = s.engine.lm.codec.encode(params.prompt)
-        check_context(len(ids), params.max_tokens, s.engine.lm.context_len)
-        request["prompt_tokens"] = len(ids)
-        return params, ids
+        return parse_json_object(raw)
 
-    async def _generate(self, request: web.Request, params: CompletionParams, ids: list[int]) -> GenResult:
-        assert self.service.scheduler is not None
-        result = await self.service.scheduler.submit(
-            GenRequest(ids, params.max_tokens, params.temperature), timeout=self.service.settings.queue_timeout)
-        request["completion_tokens"] = result.completion_tokens
-        return result
+    def _jobs(self, request: web.Request, prompts: list[list[int]], sampling: Sampling) -> list[_Job]:
+        engine = self.service.engine
+        assert engine is not None
+        ctx = engine.lm.context_len
+        jobs: list[_Job] = []
+        for i, ids in enumerate(prompts):
+            field = "prompt" if len(prompts) == 1 else f"prompt[{i}]"
+            # Without max_tokens (chat) the answer may use what the context leaves, within the limit.
+            max_tokens = sampling.max_tokens
+            if max_tokens is None:
+                max_tokens = max(1, min(self.service.settings.max_tokens_limit, ctx - len(ids)))
+            check_context(len(ids), max_tokens, ctx, field)
+            jobs.append(_Job(i, ids, max_tokens))
+        request["prompt_tokens"] = sum(len(j.ids) for j in jobs)
+        request["user"] = sampling.user
+        return jobs
+
+    async def _completion_jobs(self, request: web.Request, strict: bool, allow_stream: bool
+                               ) -> tuple[CompletionParams, list[_Job]]:
+        engine = self.service.engine
+        data = await self._body(request)
+        assert engine is not None
+        params = completion_params(data, self._limits(), vocab_size=engine.lm.vocab_size, strict=strict,
+                                   allow_stream=allow_stream)
+        codec = engine.lm.codec
+        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in params.prompts]
+        return params, self._jobs(request, prompts, params.sampling)
+
+    async def _chat_jobs(self, request: web.Request) -> tuple[ChatParams, list[_Job]]:
+        engine = self.service.engine
+        data = await self._body(request)
+        assert engine is not None
+        params = chat_params(data, self._limits())
+        try:
+            ids = engine.lm.codec.chat([{"role": m.role, "content": m.content} for m in params.messages])
+        except NoChatTemplate as exc:
+            raise BadRequest(400, "messages", str(exc)) from None
+        return params, self._jobs(request, [ids], params.sampling)
+
+    def _request(self, job: _Job, sampling: Sampling,
+                 on_text: Callable[[str], object] | None = None) -> GenRequest:
+        return GenRequest(job.ids, job.max_tokens, sampling.temperature, sampling.top_p, sampling.seed,
+                          sampling.stop, on_text=on_text)
+
+    async def _run(self, request: web.Request, jobs: list[_Job], sampling: Sampling) -> list[GenResult]:
+        engine = self.service.engine
+        assert engine is not None
+        timeout = self.service.settings.queue_timeout
+        tasks = [asyncio.ensure_future(engine.submit(self._request(j, sampling), timeout)) for j in jobs]
+        try:
+            results = await asyncio.gather(*tasks)
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            raise
+        request["completion_tokens"] = sum(r.completion_tokens for r in results)
+        return list(results)
+
+    def _fail(self, request: web.Request, exc: BaseException) -> web.Response:
+        if not isinstance(exc, _EXPECTED):
+            log.exception("request_failed", request_id=request.get("rid"), error=repr(exc))
+        return error_response(exc, self.service.settings.retry_after_s)
+
+    @staticmethod
+    def _usage(results: list[GenResult]) -> dict[str, int]:
+        prompt = sum(r.prompt_tokens for r in results)
+        completion = sum(r.completion_tokens for r in results)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+    # -- routes ------------------------------------------------------------------------------
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         try:
-            params, ids = await self._params(request, allow_stream=True)
-            if params.stream:
-                return await self._stream(request, params, ids, sse=True)
-            result = await self._generate(request, params, ids)
+            params, jobs = await self._completion_jobs(request, strict=True, allow_stream=True)
+            if params.sampling.stream:
+                return await self._sse(request, jobs, params.sampling, chat=False)
+            results = await self._run(request, jobs, params.sampling)
         except Exception as exc:
             return self._fail(request, exc)
         return web.json_response({
             "id": f"cmpl-{request['rid']}",
             "object": "text_completion",
             "created": int(time.time()),
-            "model": self.service.engine.lm.name if self.service.engine else "",
-            "choices": [{"text": result.text, "index": 0, "logprobs": None, "finish_reason": result.finish_reason}],
-            "usage": {"prompt_tokens": result.prompt_tokens, "completion_tokens": result.completion_tokens,
-                      "total_tokens": result.prompt_tokens + result.completion_tokens},
+            "model": params.sampling.model,
+            "choices": [{"text": r.text, "index": i, "logprobs": None, "finish_reason": r.finish_reason}
+                        for i, r in enumerate(results)],
+            "usage": self._usage(results),
+        })
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        try:
+            params, jobs = await self._chat_jobs(request)
+            if params.sampling.stream:
+                return await self._sse(request, jobs, params.sampling, chat=True)
+            results = await self._run(request, jobs, params.sampling)
+        except Exception as exc:
+            return self._fail(request, exc)
+        r = results[0]
+        return web.json_response({
+            "id": f"chatcmpl-{request['rid']}",
+            "object": "chat.completion",
+            "created": int(time.time()),
+            "model": params.sampling.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
+                         "logprobs": None, "finish_reason": r.finish_reason}],
+            "usage": self._usage(results),
         })
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
         try:
-            params, ids = await self._params(request, allow_stream=False)
-            result = await self._generate(request, params, ids)
+            params, jobs = await self._completion_jobs(request, strict=False, allow_stream=False)
+            [result] = await self._run(request, jobs, params.sampling)
         except Exception as exc:
             return self._fail(request, exc)
         return web.json_response({"result": result.text, "completion_tokens": result.completion_tokens})
 
     async def stream(self, request: web.Request) -> web.StreamResponse:
         try:
-            params, ids = await self._params(request, allow_stream=True)
-            return await self._stream(request, params, ids, sse=False)
+            params, jobs = await self._completion_jobs(request, strict=False, allow_stream=True)
+            return await self._stream(request, jobs, params.sampling, lambda _i, text, _f: text.encode(),
+                                      "text/plain; charset=utf-8", sse=False)
         except Exception as exc:
             return self._fail(request, exc)
 
-    def _fail(self, request: web.Request, exc: BaseException) -> web.Response:
-        if not isinstance(exc, BadRequest | AdmissionTimeout | QueueFull | Draining | InferenceOOM | FatalCudaError):
-            log.exception("request_failed", request_id=request.get("rid"), error=repr(exc))
-        return error_response(exc, self.service.settings.retry_after_s)
+    # -- streaming ---------------------------------------------------------------------------
 
-    async def _stream(
-        self, request: web.Request, params: CompletionParams, ids: list[int], sse: bool
-    ) -> web.StreamResponse:
-        """Hold one admission slot for the whole stream; headers go out only once generation started,
-        so admission failures still get a proper status code."""
-        assert self.service.scheduler is not None
-        loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[str | None] = asyncio.Queue()
-        gen = GenRequest(ids, params.max_tokens, params.temperature,
-                         on_text=lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, piece))
-        task = asyncio.ensure_future(
-            self.service.scheduler.submit(gen, timeout=self.service.settings.queue_timeout, batchable=False))
-        task.add_done_callback(lambda _: pieces.put_nowait(None))
-        cid = f"cmpl-{request['rid']}"
-        model_name = self.service.engine.lm.name if self.service.engine else ""
+    async def _sse(self, request: web.Request, jobs: list[_Job], sampling: Sampling, chat: bool) -> web.StreamResponse:
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{request['rid']}"
+        created = int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def sse_chunk(payload: dict[str, Any]) -> bytes:
+        def event(payload: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(payload)}\n\n".encode()
 
-        def text_chunk(text: str, finish: str | None) -> bytes:
-            if not sse:
-                return text.encode()
-            return sse_chunk({"id": cid, "object": "text_completion", "created": int(time.time()), "model": model_name,
-                              "choices": [{"text": text, "index": 0, "logprobs": None, "finish_reason": finish}]})
+        def chunk(index: int, text: str, finish: str | None) -> bytes:
+            if chat:
+                delta: dict[str, Any] = {"content": text} if text or finish is None else {}
+                choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+            return event({"id": cid, "object": kind, "created": created, "model": sampling.model,
+                          "choices": [choice]})
+
+        def opening() -> bytes:
+            # Chat streams announce the role first, as OpenAI's do.
+            return event({"id": cid, "object": kind, "created": created, "model": sampling.model,
+                          "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""},
+                                       "logprobs": None, "finish_reason": None} for j in jobs]}) if chat else b""
+
+        def closing(results: list[GenResult]) -> bytes:
+            tail = b"".join(chunk(i, "", r.finish_reason) for i, r in enumerate(results))
+            if sampling.include_usage:
+                tail += event({"id": cid, "object": kind, "created": created, "model": sampling.model,
+                               "choices": [], "usage": self._usage(results)})
+            return tail + b"data: [DONE]\n\n"
+
+        return await self._stream(request, jobs, sampling, lambda i, text, f: chunk(i, text, f),
+                                  "text/event-stream", sse=True, opening=opening, closing=closing,
+                                  error_event=lambda exc: event({"error": {
+                                      "message": str(exc)[:300] or type(exc).__name__,
+                                      "type": type(exc).__name__}}))
+
+    async def _stream(
+        self, request: web.Request, jobs: list[_Job], sampling: Sampling,
+        render: Callable[[int, str, str | None], bytes], content_type: str, *, sse: bool,
+        opening: Callable[[], bytes] | None = None, closing: Callable[[list[GenResult]], bytes] | None = None,
+        error_event: Callable[[BaseException], bytes] | None = None,
+    ) -> web.StreamResponse:
+        """Headers go out only once generation started, so admission failures still get a proper
+        status code; the sequences are batched with everything else in the engine."""
+        engine = self.service.engine
+        assert engine is not None
+        loop = asyncio.get_running_loop()
+        pieces: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+        def sink(index: int) -> Callable[[str], object]:
+            return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
+
+        requests = [self._request(j, sampling, on_text=sink(j.index)) for j in jobs]
+        timeout = self.service.settings.queue_timeout
+        tasks = [asyncio.ensure_future(engine.submit(r, timeout)) for r in requests]
+        whole = asyncio.gather(*tasks)
+        # After the last piece: every on_text call was queued on the loop before its future resolved.
+        whole.add_done_callback(lambda _: loop.call_soon(pieces.put_nowait, None))
+
+        def cancel() -> None:
+            for r, t in zip(requests, tasks, strict=True):
+                r.cancelled.set()
+                t.cancel()
 
         first = await pieces.get()
-        if first is None and task.exception() is not None:
-            exc = task.exception()
+        if first is None and whole.exception() is not None:
+            exc = whole.exception()
             assert exc is not None
+            cancel()
             return self._fail(request, exc)
-        response = web.StreamResponse(headers={
-            "Content-Type": "text/event-stream" if sse else "text/plain; charset=utf-8",
-            "Cache-Control": "no-cache",
-            "X-Request-Id": request["rid"],
-        })
-        await response.prepare(request)
+        response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
+                                               "X-Request-Id": request["rid"]})
         try:
-            piece = first
-            while piece is not None:
-                await response.write(text_chunk(piece, None))
-                piece = await pieces.get()
+            await response.prepare(request)
+            if opening is not None:
+                await response.write(opening())
+            item = first
+            while item is not None:
+                await response.write(render(item[0], item[1], None))
+                item = await pieces.get()
         except (ConnectionResetError, asyncio.CancelledError):
-            gen.cancelled.set()
+            cancel()
             raise
-        exc = task.exception()
+        exc = whole.exception()
         if exc is not None:
+            cancel()
             # Never end silently: an SSE client gets an error event; a plain-text client gets a
             # truncated chunked body (no terminating chunk), which every HTTP client reports.
             log.warning("stream_failed", request_id=request["rid"], error=str(exc)[:200])
-            if sse:
-                await response.write(sse_chunk({"error": {"message": str(exc)[:300] or type(exc).__name__,
-                                                          "type": type(exc).__name__}}))
+            if sse and error_event is not None:
+                await response.write(error_event(exc))
                 await response.write_eof()
-            else:
-                if request.transport is not None:
-                    request.transport.close()
+            elif request.transport is not None:
+                request.transport.close()
             return response
-        result = task.result()
-        request["completion_tokens"] = result.completion_tokens
-        if sse:
-            await response.write(text_chunk("", result.finish_reason))
-            await response.write(b"data: [DONE]\n\n")
+        results = list(whole.result())
+        request["completion_tokens"] = sum(r.completion_tokens for r in results)
+        if closing is not None:
+            await response.write(closing(results))
         await response.write_eof()
         return response

@@ -7,16 +7,16 @@ import os
 import signal
 import sys
 
+import structlog
 from aiohttp import web
 
 from inference.http_control import ControlAPI
 from inference.http_public import PublicAPI
 from inference.service import InferenceService
 from inference.settings import ServeSettings
-from watchdog import logs
-from watchdog.token import TokenError, ensure_token
+from watchdog.contract import TokenError, ensure_token
 
-log = logs.get("inference.main")
+log = structlog.get_logger(__name__)
 
 EXIT_POISONED = 3
 
@@ -66,7 +66,7 @@ async def _serve(settings: ServeSettings) -> int:
         log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
         return EXIT_POISONED
 
-    sched = service.scheduler
+    sched = service.engine
     if sched is not None:
         sched.draining = True
         deadline = loop.time() + settings.shutdown_grace_s
@@ -80,7 +80,7 @@ async def _serve(settings: ServeSettings) -> int:
 
 
 def run(settings: ServeSettings) -> int:
-    logs.configure("inference")
+    """Serve until SIGTERM; the caller configured logging (structlog) once, at the entry point."""
     try:
         code = asyncio.run(_serve(settings))
     except TokenError as exc:

@@ -1,16 +1,70 @@
-"""`gpu-watchdog plan` without figures: measure M_base and M_peak of a model on the CUDA device."""
+"""Measuring a model's memory on its CUDA device: one routine for `serve --max-concurrency auto` and `plan`.
+
+Both ask the same questions of the same engine path, so they cannot disagree on one card:
+- the base: what the process keeps reserved once the measuring runs' blocks are returned
+  (weights and warm cache), and, apart, the CUDA context and other non-torch use;
+- the peak of one sequence, fitted as a line between a short run and the longest one planned.
+"""
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
 from inference import model as model_mod
-from inference.engine import Engine, GenRequest
+from inference.decode import GenRequest
+from inference.engine import Engine
 from inference.planner import CostModel, Plan, plan
+
+SHORT_PROMPT = 16
 
 
 class MeasureError(RuntimeError):
     pass
+
+
+@dataclass(frozen=True)
+class Measurement:
+    total_bytes: int
+    base_bytes: int
+    context_bytes: int
+    cost: CostModel
+    longest_tokens: int
+
+    @property
+    def peak_bytes(self) -> int:
+        return int(self.cost.peak_bytes(self.longest_tokens))
+
+
+def filler(engine: Engine, tokens: int) -> list[int]:
+    unit = engine.lm.codec.encode("measure ")
+    return (unit * (tokens // len(unit) + 1))[: max(1, tokens)]
+
+
+def measure(engine: Engine, prompt_tokens: int, new_tokens: int) -> Measurement:
+    """Peak memory of one sequence of `prompt_tokens` + `new_tokens`, and the base, on CUDA."""
+    if not engine.is_cuda:
+        raise MeasureError("no CUDA device to measure on")
+    dev = engine.lm.device
+
+    def peak(prompt: int, new: int) -> float:
+        torch.cuda.synchronize(dev)
+        torch.cuda.reset_peak_memory_stats(dev)
+        before = torch.cuda.memory_allocated(dev)
+        engine.generate([GenRequest(prompt_ids=filler(engine, prompt), max_tokens=new)])
+        torch.cuda.synchronize(dev)
+        return float(torch.cuda.max_memory_allocated(dev) - before)
+
+    peak(8, 1)  # warm-up: kernels, allocator, cuBLAS workspace
+    short = peak(SHORT_PROMPT, 1)
+    longest = peak(prompt_tokens, new_tokens)
+    cost = CostModel.fit(SHORT_PROMPT + 1, short, prompt_tokens + new_tokens, longest)
+    torch.cuda.empty_cache()
+    base = int(torch.cuda.memory_reserved(dev))
+    free, total = torch.cuda.mem_get_info(dev)
+    context = max(0, int(total - free) - base)
+    return Measurement(int(total), base, context, cost, prompt_tokens + new_tokens)
 
 
 def measure_plan(
@@ -19,32 +73,16 @@ def measure_plan(
 ) -> Plan:
     if not torch.cuda.is_available():
         raise MeasureError("no CUDA device to measure on: pass --total, --base and --peak to compute a plan")
-    dev = torch.device("cuda")
-    lm = model_mod.load(model_dir, dev)
-    engine = Engine(lm)
+    lm = model_mod.load(model_dir, torch.device("cuda"))
     max_input = max_input or lm.context_len // 2
     max_output = max_output or lm.context_len - max_input
     if max_input + max_output > lm.context_len:
         raise MeasureError(f"--max-input + --max-output exceed the model's context of {lm.context_len} tokens")
-    unit = lm.codec.encode("measure ")
-
-    def run(prompt_len: int, new_tokens: int) -> float:
-        prompt = (unit * (prompt_len // len(unit) + 1))[:prompt_len]
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        engine.generate([GenRequest(prompt_ids=prompt, max_tokens=new_tokens)])
-        torch.cuda.synchronize(dev)
-        return float(torch.cuda.max_memory_allocated(dev) - before)
-
-    run(8, 1)  # warm-up: CUDA context, kernels, cache
-    short = run(16, 1)
-    longest = run(max_input, max_output)
-    cost = CostModel.fit(17, short, max_input + max_output, longest)
-    torch.cuda.empty_cache()
-    free, total = torch.cuda.mem_get_info(dev)
-    base = int(total - free)  # weights, CUDA context and what this process keeps cached
+    engine = Engine(lm)
+    try:
+        m = measure(engine, max_input, max_output)
+    finally:
+        engine.stop()
     kind, value = reserve if reserve is not None else ("ratio", 0.12)
-    return plan(int(total), base, int(cost.peak_bytes(max_input + max_output)),
-                reserve_bytes=int(value) if kind == "bytes" else None,
-                reserve_ratio=value if kind == "ratio" else None, workers=workers)
+    return plan(m.total_bytes, m.base_bytes, m.peak_bytes, reserve_bytes=int(value) if kind == "bytes" else None,
+                reserve_ratio=value if kind == "ratio" else None, workers=workers, context_bytes=m.context_bytes)

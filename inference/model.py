@@ -15,13 +15,22 @@ _BUILTIN_SEED = 1234
 _PRINTABLE = range(32, 127)
 
 
+class NoChatTemplate(ValueError):
+    """The model's tokenizer has no chat template."""
+
+
 class Codec(Protocol):
-    """The part of a tokenizer the engine needs."""
+    """The part of a tokenizer the engine and the API need."""
 
     pad_id: int
     eos_id: int | None
+    vocab_size: int
 
     def encode(self, text: str) -> list[int]: ...
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        """The prompt of a conversation, through the model's chat template, ready for the answer."""
+        ...
 
     def decoder(self) -> StreamDecoder: ...
 
@@ -40,6 +49,11 @@ class ByteCodec:
 
     def encode(self, text: str) -> list[int]:
         return [self.bos_id, *text.encode("utf-8")]
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        # The same plain template as the generated benchmark models: "role: content" lines.
+        lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
+        return self.encode(lines + "assistant: ")
 
     def decoder(self) -> _ByteDecoder:
         return _ByteDecoder()
@@ -63,9 +77,19 @@ class HFCodec:
             pad = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
         self.pad_id: int = int(pad)
         self.eos_id: int | None = tokenizer.eos_token_id
+        self.vocab_size: int = len(tokenizer)
 
     def encode(self, text: str) -> list[int]:
         ids: list[int] = self._tok(text, add_special_tokens=True)["input_ids"]
+        return ids
+
+    def chat(self, messages: list[dict[str, str]]) -> list[int]:
+        if not getattr(self._tok, "chat_template", None):
+            raise NoChatTemplate("this model's tokenizer has no chat template: use /v1/completions")
+        text = self._tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        # The template writes its own special tokens (BOS and the like); adding them again would
+        # double them, as vLLM's chat route also avoids.
+        ids: list[int] = self._tok(text, add_special_tokens=False)["input_ids"]
         return ids
 
     def decoder(self) -> _HFDecoder:
@@ -103,6 +127,12 @@ class LoadedModel:
     forward_extra: dict[str, Any] = field(default_factory=dict)
     # The forward() keyword of the KV cache; see `cache_keyword`.
     cache_kwarg: str = "past_key_values"
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids the model takes (its embedding rows; may exceed the tokenizer's vocabulary)."""
+        config = getattr(self.model, "config", None)
+        return int(getattr(config, "vocab_size", None) or self.codec.vocab_size)
 
 
 def last_logits_only(model: Any) -> dict[str, Any]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from watchdog import __version__
+from watchdog.contract import VERSION as __version__
 
 ERROR = {
     "type": "object",
@@ -34,40 +34,109 @@ def _errors(*codes: int) -> dict[str, Any]:
     return out
 
 
-def public_spec(max_tokens_limit: int, context_len: int) -> dict[str, Any]:
+def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dict[str, Any]:
+    max_tokens = {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True}
+    common: dict[str, Any] = {
+        "model": {"type": "string", "nullable": True,
+                  "description": f"`{model_name}` or absent; any other id is answered with 404"},
+        "max_tokens": max_tokens,
+        "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
+        "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
+        "seed": {"type": "integer", "nullable": True},
+        "stop": {"oneOf": [{"type": "string", "minLength": 1},
+                           {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}],
+                 "nullable": True},
+        "user": {"type": "string", "nullable": True},
+        "stream": {"type": "boolean", "nullable": True},
+    }
+    token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     request: dict[str, Any] = {
         "type": "object",
         "required": ["prompt"],
+        "additionalProperties": False,
         "properties": {
-            "prompt": {"type": "string", "minLength": 1},
-            "max_tokens": {"type": "integer", "minimum": 1, "maximum": max_tokens_limit},
-            "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
-            "stream": {"type": "boolean"},
+            "prompt": {"oneOf": [
+                {"type": "string", "minLength": 1},
+                {"type": "array", "minItems": 1, "maxItems": 64, "items": {"type": "string", "minLength": 1}},
+                token_ids,
+                {"type": "array", "minItems": 1, "maxItems": 64, "items": token_ids},
+            ]},
+            **common,
         },
     }
-    plain_request = {**request, "properties": {k: v for k, v in request["properties"].items() if k != "stream"}}
+    message = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
+        "role": {"type": "string", "enum": ["system", "developer", "user", "assistant", "tool"]},
+        "content": {"oneOf": [{"type": "string"}, {"type": "array", "items": {
+            "type": "object", "required": ["type", "text"], "additionalProperties": False,
+            "properties": {"type": {"type": "string", "enum": ["text"]}, "text": {"type": "string"}}}}],
+                    "nullable": True},
+        "name": {"type": "string", "nullable": True}, "tool_call_id": {"type": "string", "nullable": True},
+        "refusal": {"type": "string", "nullable": True},
+        "tool_calls": {"type": "array", "maxItems": 0, "items": {}, "nullable": True}}}
+    chat_request: dict[str, Any] = {
+        "type": "object",
+        "required": ["messages"],
+        "additionalProperties": False,
+        "properties": {"messages": {"type": "array", "minItems": 1, "items": message},
+                       "max_completion_tokens": max_tokens, **common},
+    }
+    plain_request = {"type": "object", "required": ["prompt"], "properties": {
+        "prompt": {"type": "string", "minLength": 1}, "max_tokens": max_tokens,
+        "temperature": common["temperature"]}}
+    usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                              "completion_tokens": {"type": "integer"},
+                                              "total_tokens": {"type": "integer"}}}
     completion = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
         "model": {"type": "string"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
             "text": {"type": "string"}, "index": {"type": "integer"},
             "finish_reason": {"type": "string", "nullable": True}}}},
-        "usage": {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
-                                                   "completion_tokens": {"type": "integer"},
-                                                   "total_tokens": {"type": "integer"}}}}}
+        "usage": usage}}
+    chat_completion = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+        "model": {"type": "string"},
+        "choices": {"type": "array", "items": {"type": "object", "properties": {
+            "index": {"type": "integer"},
+            "message": {"type": "object", "properties": {"role": {"type": "string"},
+                                                         "content": {"type": "string"}}},
+            "finish_reason": {"type": "string", "nullable": True}}}},
+        "usage": usage}}
+    model_card = {"type": "object", "required": ["id", "object"], "properties": {
+        "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+        "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
     probe = {"type": "object"}
-    fails = (400, 408, 413, 500, 503)
+    fails = (400, 404, 408, 413, 500, 503)
+    stream_doc = "Each event: a JSON chunk, an error object, or [DONE]."
     return {
         "openapi": "3.0.3",
         "info": {"title": "gpu-watchdog inference API", "version": __version__,
-                 "description": f"The model's context is {context_len} tokens (prompt + max_tokens)."},
+                 "description": f"Serves `{model_name}`; its context is {context_len} tokens (prompt +"
+                                " max_tokens)."},
         "paths": {
+            "/v1/models": {"get": {"operationId": "models", "responses": {"200": _json(
+                {"type": "object", "required": ["data"], "properties": {
+                    "object": {"type": "string"}, "data": {"type": "array", "items": model_card}}},
+                "the served model")}}},
+            "/v1/models/{model}": {"get": {
+                "operationId": "model",
+                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+                "responses": {"200": _json(model_card, "the served model"), **_errors(404)}}},
             "/v1/completions": {"post": {
                 "operationId": "completions",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": {"200": {"description": "a completion, or an SSE stream when stream is true",
+                "responses": {"200": {"description": "a completion, or an SSE stream when stream is true. "
+                                                     + stream_doc,
                                       "content": {"application/json": {"schema": completion},
-                                                  # Each event: a JSON chunk, an error object, or [DONE].
+                                                  "text/event-stream": {"schema": {}}}},
+                              **_errors(*fails)}}},
+            "/v1/chat/completions": {"post": {
+                "operationId": "chat_completions",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": chat_request}}},
+                "responses": {"200": {"description": "a chat completion, or an SSE stream when stream is true. "
+                                                     + stream_doc,
+                                      "content": {"application/json": {"schema": chat_completion},
                                                   "text/event-stream": {"schema": {}}}},
                               **_errors(*fails)}}},
             "/predict": {"post": {
@@ -134,7 +203,7 @@ def control_spec() -> dict[str, Any]:
                 "operationId": "fault",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "enum": [
-                        "context_loss", "oom", "hang", "fragmentation", "slow", "clear"]}}}}}},
+                        "context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear"]}}}}}},
                 "responses": {"200": _json(obj, "fault injected"), **_errors(400, 401, 404)}}},
         },
     }

@@ -1,4 +1,4 @@
-"""The inference service: loads the model, sizes admission, owns the scheduler and process state."""
+"""The inference service: loads the model, sizes admission, owns the engine and the process state."""
 
 from __future__ import annotations
 
@@ -10,19 +10,21 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import structlog
 import torch
 
 from inference import model as model_mod
 from inference.admission import AdmissionGate
-from inference.engine import Engine, GenRequest
+from inference.decode import GenRequest
+from inference.engine import Engine
 from inference.faults import FaultInjector
+from inference.measure import filler, measure
 from inference.metrics import InferenceMetrics
+from inference.model import BUILTIN_NAME
 from inference.planner import CostModel, Plan, plan
-from inference.scheduler import Scheduler
 from inference.settings import ServeSettings
-from watchdog import logs
 
-log = logs.get("inference.service")
+log = structlog.get_logger(__name__)
 
 TERMINATION_LOG = os.environ.get("GPU_WATCHDOG_TERMINATION_LOG", "/dev/termination-log")
 
@@ -53,12 +55,10 @@ class InferenceService:
         self.faults = FaultInjector() if settings.fault_injection else None
         self.instance_id = os.environ.get("GPU_WATCHDOG_INSTANCE_ID") or uuid.uuid4().hex[:12]
         self.ready = False
-        self.fatal_reason: str | None = None
         self.fatal_event = asyncio.Event()
         # Set once the poisoned state was reported through the control API (to the watchdog).
         self.poison_reported = asyncio.Event()
         self.engine: Engine | None = None
-        self.scheduler: Scheduler | None = None
         self.gate: AdmissionGate | None = None
         self.admission: Admission | None = None
         self._started = 0.0
@@ -75,39 +75,33 @@ class InferenceService:
             torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
         t0 = self._loop.time()
         lm = await asyncio.to_thread(model_mod.load, s.model, device)
-        self.engine = Engine(lm, self.faults, on_tokens=self.metrics.tokens.inc)
-        log.info("model_loaded", model=lm.name, device=str(device), dtype=str(lm.dtype).replace("torch.", ""),
-                 context_len=lm.context_len, seconds=round(self._loop.time() - t0, 3))
+        # The gate opens wide for the warm-up and the measuring runs; sizing closes it to the budget.
+        self.gate = AdmissionGate(float(1 << 30))
+        self.engine = Engine(lm, gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
+                             max_queue=s.max_queue, memory_watermark=s.memory_watermark,
+                             on_fatal=self._on_fatal_threadsafe)
+        log.info("model_loaded", model=lm.name, served_model_name=self.model_name, device=str(device),
+                 dtype=str(lm.dtype).replace("torch.", ""), context_len=lm.context_len,
+                 seconds=round(self._loop.time() - t0, 3))
         self.admission = await asyncio.to_thread(self._size_admission)
-        self.gate = AdmissionGate(self.admission.capacity)
+        self.gate.set_capacity(self.admission.capacity)
+        self.engine.cost = self.admission.cost
         self.metrics.admission_limit.set(self.admission.limit)
-        self.scheduler = Scheduler(
-            self.engine, self.gate, self.metrics, self.admission.cost,
-            batch_window_s=s.batch_window_ms / 1000.0, max_batch_size=s.max_batch_size,
-            max_queue=s.max_queue, gpu_threads=self.admission.limit, memory_watermark=s.memory_watermark,
-            on_fatal=self._on_fatal_threadsafe,
-        )
-        self.scheduler.start()
         log.info("admission", mode=self.admission.mode, limit=self.admission.limit,
-                 capacity=self.admission.capacity, source=self.admission.source,
-                 batch_window_ms=s.batch_window_ms, max_batch_size=s.max_batch_size)
+                 capacity=self.admission.capacity, source=self.admission.source, max_batch_size=s.max_batch_size)
         self.ready = True
         log.info("ready", instance_id=self.instance_id)
 
     def _warm_up(self, tokens: int) -> None:
         assert self.engine is not None
-        lm = self.engine.lm
-        unit = lm.codec.encode("warm up ")
-        prompt = (unit * (tokens // len(unit) + 1))[: max(1, tokens - 1)]
-        self.engine.generate([GenRequest(prompt_ids=prompt, max_tokens=1)])
+        self.engine.generate([GenRequest(prompt_ids=filler(self.engine, tokens - 1), max_tokens=1)])
 
     def _size_admission(self) -> Admission:
         """Warm up, then measure the memory budget on CUDA (`auto`) or take the configured slots."""
         assert self.engine is not None
         s = self.settings
-        lm = self.engine.lm
         # The worst case is the longest sequence the context admits: prompt + output.
-        worst = lm.context_len
+        worst = self.engine.lm.context_len
         self._warm_up(8)
         if s.max_concurrency is not None:
             self._warm_up(worst)
@@ -118,33 +112,19 @@ class InferenceService:
             n = s.cpu_default_concurrency
             log.info("admission_auto_cpu", note="no CUDA allocator to measure: using a fixed number of slots", slots=n)
             return Admission("slots", float(n), n, None, worst, None, "cpu default (no CUDA budget to measure)")
-        dev = lm.device
-        torch.cuda.synchronize(dev)
-        base_reserved = torch.cuda.memory_reserved(dev)
-        free, total = torch.cuda.mem_get_info(dev)
-        context_bytes = max(0, (total - free) - base_reserved)  # CUDA context and other non-torch use
+        m = measure(self.engine, worst - 1, 1)
+        total = m.total_bytes
         if s.memory_fraction is not None:
             # Several workers share the card (or a smaller card is emulated): budget only our share.
             total = int(total * s.memory_fraction)
-        short = 16
-        peaks: list[tuple[int, float]] = []
-        for tokens in (short, worst):
-            torch.cuda.reset_peak_memory_stats(dev)
-            before = torch.cuda.memory_allocated(dev)
-            self._warm_up(tokens)
-            torch.cuda.synchronize(dev)
-            peaks.append((tokens, float(torch.cuda.max_memory_allocated(dev) - before)))
-        cost = CostModel.fit(peaks[0][0], peaks[0][1], peaks[1][0], peaks[1][1])
-        # The measuring runs left their blocks cached; the base is what stays once they are returned.
-        torch.cuda.empty_cache()
-        base = int(torch.cuda.memory_reserved(dev))
-        p = plan(total_bytes=int(total), base_bytes=base, peak_bytes=int(cost.peak_bytes(worst)),
-                 reserve_ratio=s.reserve_ratio, context_bytes=int(context_bytes))
-        log.info("admission_measured", total_bytes=int(total), base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
+        p = plan(total_bytes=total, base_bytes=m.base_bytes, peak_bytes=m.peak_bytes,
+                 reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
+        log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
                  reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
                  notes=list(p.notes))
         limit = max(1, p.max_concurrency)
-        return Admission("bytes", float(max(p.budget_bytes, cost.peak_bytes(worst))), limit, cost, worst, p, "measured")
+        return Admission("bytes", float(max(p.budget_bytes, m.cost.peak_bytes(worst))), limit, m.cost, worst, p,
+                         "measured")
 
     # -- state -------------------------------------------------------------------------------
 
@@ -152,17 +132,30 @@ class InferenceService:
         return 0.0 if self._loop is None else self._loop.time() - self._started
 
     @property
+    def model_name(self) -> str:
+        """The id clients use (`model` in requests, `GET /v1/models`)."""
+        if self.settings.served_model_name:
+            return self.settings.served_model_name
+        return Path(self.settings.model).name if self.settings.model else BUILTIN_NAME
+
+    @property
+    def fatal_reason(self) -> str | None:
+        return None if self.engine is None else self.engine.poisoned
+
+    @property
     def poisoned(self) -> bool:
         return self.fatal_reason is not None
 
+    @property
+    def draining(self) -> bool:
+        return self.engine is not None and self.engine.draining
+
     def is_ready(self) -> bool:
-        return self.ready and not self.poisoned and not (self.scheduler is not None and self.scheduler.draining)
+        return self.ready and not self.poisoned and not self.draining
 
     def set_admission_limit(self, limit: int) -> None:
         assert self.gate is not None and self.admission is not None
         self.gate.set_capacity(self.admission.capacity_for(limit))
-        assert self.scheduler is not None
-        self.scheduler.set_gpu_threads(limit)
         self.admission = Admission(self.admission.mode, self.gate.capacity, limit, self.admission.cost_model,
                                    self.admission.worst_case_tokens, self.admission.plan, "control api")
         self.metrics.admission_limit.set(limit)
@@ -173,9 +166,8 @@ class InferenceService:
         self._loop.call_soon_threadsafe(self._on_fatal, reason)
 
     def _on_fatal(self, reason: str) -> None:
-        if self.fatal_reason is not None:
+        if self.fatal_event.is_set():
             return
-        self.fatal_reason = reason
         log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id)
         try:
             path = Path(TERMINATION_LOG)
@@ -187,7 +179,7 @@ class InferenceService:
         self.fatal_event.set()
 
     def memory_report(self) -> dict[str, Any]:
-        assert self.engine is not None and self.scheduler is not None and self.gate is not None
+        assert self.engine is not None and self.gate is not None
         assert self.admission is not None
         figures = self.engine.memory()
         injected = False
@@ -209,18 +201,18 @@ class InferenceService:
         probe = self.engine.probe()
         figures.update(
             injected=injected,
-            ooms_caught=self.scheduler.oom_count,
-            empty_cache_count=self.scheduler.empty_cache_count,
+            ooms_caught=self.engine.oom_count,
+            empty_cache_count=self.engine.empty_cache_count,
             uptime_s=round(self.uptime(), 3),
             poisoned=self.poisoned,
             poison_reason=self.fatal_reason,
-            inflight=self.scheduler.inflight,
-            queued=self.scheduler.queued,
-            draining=self.scheduler.draining,
+            inflight=self.engine.inflight,
+            queued=self.engine.queued,
+            draining=self.engine.draining,
             ready=self.is_ready(),
             instance_id=self.instance_id,
             pid=os.getpid(),
-            model=self.engine.lm.name,
+            model=self.model_name,
             time=time.time(),
             admission={
                 "mode": self.admission.mode,
@@ -239,6 +231,8 @@ class InferenceService:
                 "forward_batches": probe.forward_batches,
                 "largest_batch": probe.largest_batch,
                 "threads": probe.threads,
+                "preemptions": probe.preemptions,
+                "max_batch_size": self.engine.max_rows,
             },
             faults=None if self.faults is None else self.faults.describe(),
         )

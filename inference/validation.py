@@ -1,4 +1,4 @@
-"""Parsing and checking of request bodies; every error names the field at fault."""
+"""Parsing and checking of request bodies (OpenAI's completions and chat shapes); every error names the field."""
 
 from __future__ import annotations
 
@@ -6,24 +6,87 @@ import json
 from dataclasses import dataclass
 from typing import Any
 
+# Fields of OpenAI's request schemas that change nothing at these values: clients and
+# frameworks send them routinely, so they are accepted; any other value is refused by name.
+_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "presence_penalty": (0, 0.0, None),
+    "frequency_penalty": (0, 0.0, None),
+    "logit_bias": (None,),
+    "logprobs": (None, False),
+    "top_logprobs": (None, 0),
+    "echo": (False, None),
+    "best_of": (1, None),
+    "suffix": (None, ""),
+    "tools": (None,),
+    "tool_choice": (None, "none"),
+    "parallel_tool_calls": (None, True, False),
+    "response_format": (None,),
+    "store": (None, False),
+    "metadata": (None,),
+    "service_tier": (None, "auto", "default"),
+}
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "best_of", "suffix", "logprobs", "logit_bias",
+                                          "presence_penalty", "frequency_penalty"})
+CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
+                                   "presence_penalty", "frequency_penalty", "tools", "tool_choice",
+                                   "parallel_tool_calls", "response_format", "store", "metadata", "service_tier"})
+ROLES = ("system", "developer", "user", "assistant", "tool")
+MAX_STOPS = 4
+MAX_PROMPTS = 64
+
 
 class BadRequest(Exception):
-    def __init__(self, status: int, field: str | None, message: str) -> None:
+    def __init__(self, status: int, field: str | None, message: str, code: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.field = field
         self.message = message
+        self.code = code
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": "invalid_request_error", "param": self.field}}
+        kind = "not_found_error" if self.status == 404 else "invalid_request_error"
+        return {"error": {"message": self.message, "type": kind, "param": self.field, "code": self.code}}
+
+
+@dataclass(frozen=True)
+class Limits:
+    default_max_tokens: int
+    max_tokens_limit: int
+    model_name: str
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """What every generation route shares. `max_tokens` None: as many as the context leaves (chat)."""
+
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    seed: int | None
+    stop: tuple[str, ...]
+    stream: bool
+    include_usage: bool
+    user: str | None
+    model: str
 
 
 @dataclass(frozen=True)
 class CompletionParams:
-    prompt: str
-    max_tokens: int
-    temperature: float
-    stream: bool
+    prompts: tuple[str | tuple[int, ...], ...]
+    sampling: Sampling
+
+
+@dataclass(frozen=True)
+class Message:
+    role: str
+    content: str
+
+
+@dataclass(frozen=True)
+class ChatParams:
+    messages: tuple[Message, ...]
+    sampling: Sampling
 
 
 def parse_json_object(raw: bytes) -> dict[str, Any]:
@@ -38,42 +101,215 @@ def parse_json_object(raw: bytes) -> dict[str, Any]:
     return data
 
 
-def completion_params(
-    data: dict[str, Any], *, default_max_tokens: int, max_tokens_limit: int, allow_stream: bool = True
-) -> CompletionParams:
-    prompt = data.get("prompt")
-    if prompt is None:
-        raise BadRequest(400, "prompt", "prompt is required")
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
-        prompt = prompt[0]
-    if not isinstance(prompt, str):
-        raise BadRequest(400, "prompt", "prompt must be a string")
-    if not prompt:
-        raise BadRequest(400, "prompt", "prompt must not be empty")
-    max_tokens = data.get("max_tokens", default_max_tokens)
-    if isinstance(max_tokens, bool) or not isinstance(max_tokens, int):
-        raise BadRequest(400, "max_tokens", "max_tokens must be an integer")
-    if not 1 <= max_tokens <= max_tokens_limit:
-        raise BadRequest(400, "max_tokens", f"max_tokens must be between 1 and {max_tokens_limit}")
-    temperature = data.get("temperature", 0.0)
+def _text(value: str, where: str) -> str:
+    """JSON may carry lone surrogates (\\ud800); no tokenizer can encode them."""
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRequest(400, where, f"{where} is not valid Unicode (a lone surrogate)") from None
+    return value
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: object) -> bool:
+    return isinstance(v, int | float) and not isinstance(v, bool)
+
+
+def _check_fields(data: dict[str, Any], allowed: frozenset[str]) -> None:
+    for name, value in data.items():
+        if name not in allowed:
+            raise BadRequest(400, name, f"{name}: not a supported field")
+        if name in _NEUTRAL and not _neutral(name, value):
+            raise BadRequest(400, name, f"{name}: not supported (only {_NEUTRAL[name][0]!r} or absent)")
+    n = data.get("n")
+    if n is not None:
+        if not _is_int(n) or n < 1:
+            raise BadRequest(400, "n", "n must be a positive integer")
+        if n > 1:
+            raise BadRequest(400, "n", "n > 1 is not supported: send the request n times (or a list of prompts)")
+
+
+def _neutral(name: str, value: object) -> bool:
+    if value in ({}, []) or (name == "response_format" and value == {"type": "text"}):
+        return True
+    return any(value == v and type(value) is type(v) for v in _NEUTRAL[name]) or (
+        value is not None and _is_number(value) and any(_is_number(v) and value == v for v in _NEUTRAL[name]))
+
+
+def _max_tokens(data: dict[str, Any], name: str, default: int | None, limit: int) -> int | None:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_int(value):
+        raise BadRequest(400, name, f"{name} must be an integer")
+    if not 1 <= value <= limit:
+        raise BadRequest(400, name, f"{name} must be between 1 and {limit}")
+    return int(value)
+
+
+def sampling(data: dict[str, Any], limits: Limits, *, default_max_tokens: int | None,
+             token_fields: tuple[str, ...] = ("max_tokens",), allow_stream: bool = True) -> Sampling:
+    model = data.get("model")
+    if model is not None and not isinstance(model, str):
+        raise BadRequest(400, "model", "model must be a string")
+    if model is not None and model != limits.model_name:
+        raise BadRequest(404, "model", f"The model `{model}` does not exist; this server serves"
+                         f" `{limits.model_name}` (GET /v1/models)", code="model_not_found")
+    max_tokens = default_max_tokens
+    for name in token_fields:
+        if data.get(name) is not None:
+            max_tokens = _max_tokens(data, name, default_max_tokens, limits.max_tokens_limit)
+    temperature = data.get("temperature")
     if temperature is None:
-        temperature = 0.0
-    if isinstance(temperature, bool) or not isinstance(temperature, int | float):
+        temperature = 0.0  # greedy unless asked: answers a client can reproduce
+    if not _is_number(temperature):
         raise BadRequest(400, "temperature", "temperature must be a number")
     if not 0.0 <= float(temperature) <= 2.0:
         raise BadRequest(400, "temperature", "temperature must be between 0 and 2")
+    top_p = data.get("top_p")
+    top_p = 1.0 if top_p is None else top_p
+    if not _is_number(top_p) or not 0.0 < float(top_p) <= 1.0:
+        raise BadRequest(400, "top_p", "top_p must be a number in (0, 1]")
+    seed = data.get("seed")
+    if seed is not None and (not _is_int(seed) or not -(2**63) <= seed < 2**64):
+        raise BadRequest(400, "seed", "seed must be an integer")
+    stop = data.get("stop")
+    if stop is None:
+        stops: tuple[str, ...] = ()
+    elif isinstance(stop, str):
+        stops = (stop,)
+    elif isinstance(stop, list) and all(isinstance(s, str) for s in stop):
+        stops = tuple(stop)
+    else:
+        raise BadRequest(400, "stop", "stop must be a string or a list of strings")
+    if len(stops) > MAX_STOPS:
+        raise BadRequest(400, "stop", f"stop takes at most {MAX_STOPS} strings")
+    if any(not s for s in stops):
+        raise BadRequest(400, "stop", "stop strings must not be empty")
+    for s in stops:
+        _text(s, "stop")
     stream = data.get("stream", False)
+    if stream is None:
+        stream = False
     if not isinstance(stream, bool):
         raise BadRequest(400, "stream", "stream must be a boolean")
     if stream and not allow_stream:
         raise BadRequest(400, "stream", "this route does not stream; use /stream")
-    return CompletionParams(prompt=prompt, max_tokens=max_tokens, temperature=float(temperature), stream=stream)
+    options = data.get("stream_options")
+    include_usage = False
+    if options is not None:
+        if not stream:
+            raise BadRequest(400, "stream_options", "stream_options is only allowed with stream: true")
+        if not isinstance(options, dict) or set(options) - {"include_usage", "continuous_usage_stats"}:
+            raise BadRequest(400, "stream_options", "stream_options takes include_usage (a boolean)")
+        include_usage = options.get("include_usage", False)
+        if not isinstance(include_usage, bool):
+            raise BadRequest(400, "stream_options.include_usage", "include_usage must be a boolean")
+    user = data.get("user")
+    if user is not None and not isinstance(user, str):
+        raise BadRequest(400, "user", "user must be a string")
+    seed_value = None if seed is None else int(seed) % (2**63)
+    return Sampling(max_tokens, float(temperature), float(top_p), seed_value, stops, stream, include_usage, user,
+                    model or limits.model_name)
 
 
-def check_context(prompt_tokens: int, max_tokens: int, context_len: int) -> None:
+def completion_params(data: dict[str, Any], limits: Limits, *, vocab_size: int, allow_stream: bool = True,
+                      strict: bool = True) -> CompletionParams:
+    """`strict`: OpenAI's route refuses fields it does not know; the plain routes take what they use."""
+    if strict:
+        _check_fields(data, COMPLETION_FIELDS)
+    prompt = data.get("prompt")
+    if prompt is None:
+        raise BadRequest(400, "prompt", "prompt is required")
+    prompts = _prompts(prompt, vocab_size)
+    if not strict and len(prompts) != 1:
+        raise BadRequest(400, "prompt", "prompt must be a string")
+    return CompletionParams(prompts, sampling(data, limits, default_max_tokens=limits.default_max_tokens,
+                                              allow_stream=allow_stream))
+
+
+def _prompts(prompt: object, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
+    if isinstance(prompt, str):
+        items: list[object] = [prompt]
+    elif isinstance(prompt, list) and prompt and all(_is_int(t) for t in prompt):
+        items = [prompt]
+    elif isinstance(prompt, list):
+        items = list(prompt)
+    else:
+        raise BadRequest(400, "prompt", "prompt must be a string, a list of strings, or token ids")
+    if not items:
+        raise BadRequest(400, "prompt", "prompt must not be empty")
+    if len(items) > MAX_PROMPTS:
+        raise BadRequest(400, "prompt", f"at most {MAX_PROMPTS} prompts per request")
+    out: list[str | tuple[int, ...]] = []
+    for i, item in enumerate(items):
+        where = "prompt" if len(items) == 1 else f"prompt[{i}]"
+        if isinstance(item, str):
+            if not item:
+                raise BadRequest(400, where, f"{where} must not be empty")
+            out.append(_text(item, where))
+        elif isinstance(item, list) and item and all(_is_int(t) for t in item):
+            bad = [t for t in item if not 0 <= t < vocab_size]
+            if bad:
+                raise BadRequest(400, where,
+                                 f"{where}: token id {bad[0]} is outside the vocabulary (0..{vocab_size - 1})")
+            out.append(tuple(int(t) for t in item))
+        else:
+            raise BadRequest(400, where, f"{where} must be a non-empty string or a non-empty list of token ids")
+    return tuple(out)
+
+
+def chat_params(data: dict[str, Any], limits: Limits) -> ChatParams:
+    _check_fields(data, CHAT_FIELDS)
+    raw = data.get("messages")
+    if not isinstance(raw, list) or not raw:
+        raise BadRequest(400, "messages", "messages must be a non-empty list")
+    messages: list[Message] = []
+    for i, m in enumerate(raw):
+        where = f"messages[{i}]"
+        if not isinstance(m, dict):
+            raise BadRequest(400, where, f"{where} must be an object with role and content")
+        role = m.get("role")
+        if role not in ROLES:
+            raise BadRequest(400, f"{where}.role", f"{where}.role must be one of {', '.join(ROLES)}")
+        extra = set(m) - {"role", "content", "name", "tool_call_id", "tool_calls", "refusal"}
+        if extra:
+            raise BadRequest(400, f"{where}.{sorted(extra)[0]}", f"{where}.{sorted(extra)[0]}: not supported")
+        for key in ("name", "tool_call_id", "refusal"):
+            if m.get(key) is not None and not isinstance(m[key], str):
+                raise BadRequest(400, f"{where}.{key}", f"{where}.{key} must be a string")
+        if m.get("tool_calls") not in (None, []):
+            raise BadRequest(400, f"{where}.tool_calls", f"{where}.tool_calls: tools are not supported")
+        messages.append(Message(str(role), _content(m.get("content"), where)))
+    params = sampling(data, limits, default_max_tokens=None, token_fields=("max_tokens", "max_completion_tokens"))
+    return ChatParams(tuple(messages), params)
+
+
+def _content(content: object, where: str) -> str:
+    if isinstance(content, str):
+        return _text(content, f"{where}.content")
+    if content is None:
+        return ""
+    if isinstance(content, list):
+        parts: list[str] = []
+        for j, part in enumerate(content):
+            if (not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str)
+                    or set(part) != {"type", "text"}):
+                raise BadRequest(400, f"{where}.content[{j}]",
+                                 f"{where}.content[{j}]: only text parts ({{\"type\": \"text\", \"text\": ...}})"
+                                 " are supported")
+            parts.append(_text(part["text"], f"{where}.content[{j}].text"))
+        return "".join(parts)
+    raise BadRequest(400, f"{where}.content", f"{where}.content must be a string or a list of text parts")
+
+
+def check_context(prompt_tokens: int, max_tokens: int, context_len: int, field: str = "prompt") -> None:
     if prompt_tokens >= context_len:
         raise BadRequest(
-            413, "prompt", f"prompt is {prompt_tokens} tokens; the model's context is {context_len} tokens"
+            413, field, f"{field} is {prompt_tokens} tokens; the model's context is {context_len} tokens"
         )
     if prompt_tokens + max_tokens > context_len:
         raise BadRequest(

@@ -1,3 +1,5 @@
 """gpu-watchdog: the sidecar that keeps a GPU inference process healthy."""
 
-__version__ = "0.1.0"
+from watchdog.contract import VERSION as __version__
+
+__all__ = ["__version__"]

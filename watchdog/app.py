@@ -20,6 +20,7 @@ from watchdog import escalation, idle_memory, ladder, logs, policy, views
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.config import ConfigError, Settings, load, metrics_url
+from watchdog.contract import read_token
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.escalation import CURING_REASONS, Suspect
 from watchdog.ladder import Change
@@ -42,7 +43,6 @@ from watchdog.state import (
     RestartEnded,
     reduce,
 )
-from watchdog.token import read_token
 
 log = logs.get("watchdog")
 

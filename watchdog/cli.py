@@ -50,25 +50,11 @@ def _positive_int(value: str) -> int:
 
 
 def _add_serve_flags(p: argparse.ArgumentParser, for_up: bool = False) -> None:
-    p.add_argument("--model", metavar="DIR", help="local Hugging Face causal-LM directory (default: built-in model)")
-    p.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto")
-    p.add_argument("--host", default="0.0.0.0")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--control-port", type=int, default=8001)
-    p.add_argument("--max-concurrency", type=_concurrency, default=None, metavar="N|auto",
-                   help="admission limit; auto = measured memory budget on CUDA (default: auto)")
-    p.add_argument("--batch-window-ms", type=float, default=50.0)
-    p.add_argument("--max-batch-size", type=_positive_int, default=8)
-    p.add_argument("--queue-timeout", type=float, default=30.0, metavar="S")
-    p.add_argument("--max-queue", type=_positive_int, default=256)
-    p.add_argument("--max-tokens-limit", type=_positive_int, default=512)
-    p.add_argument("--body-timeout", type=float, default=10.0, metavar="S",
-                   help="answer 408 to a client that has not sent its whole body within S seconds")
-    p.add_argument("--memory-fraction", type=float, default=None, metavar="F",
-                   help="cap this process's share of the GPU (workers sharing a card; emulating a smaller one)")
-    p.add_argument("--fault-injection", action="store_true", help="enable POST /control/fault (tests only)")
-    if not for_up:
-        p.add_argument("--token-file", metavar="FILE", help="control token file (GPU_WATCHDOG_TOKEN wins)")
+    try:
+        from inference.settings import add_flags
+    except ImportError:  # pragma: no cover - the package ships both; a broken install says so
+        return
+    add_flags(p, for_up=for_up)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -124,32 +110,21 @@ def _int_list(value: str) -> tuple[int, ...]:
     return items
 
 
-def _serve_settings(args: argparse.Namespace, **extra: object) -> object:
-    from inference.settings import ServeSettings
-
-    return ServeSettings(
-        model=args.model, device=args.device, host=args.host, port=args.port, control_port=args.control_port,
-        max_concurrency=args.max_concurrency, batch_window_ms=args.batch_window_ms,
-        max_batch_size=args.max_batch_size, queue_timeout=args.queue_timeout, max_queue=args.max_queue,
-        max_tokens_limit=args.max_tokens_limit, fault_injection=args.fault_injection,
-        token_file=getattr(args, "token_file", None), memory_fraction=args.memory_fraction,
-        body_timeout_s=args.body_timeout, **extra,  # type: ignore[arg-type]
-    )
-
-
 def _cmd_serve(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     try:
         from inference import main as serve_main
-        from inference.settings import ServeSettings, SettingsError
+        from inference.settings import SettingsError, from_args
     except ImportError as exc:
         parser.error(f"serve needs the inference extra (pip install 'gpu-watchdog[inference]'): {exc}")
     if args.model is not None and not os.path.isdir(args.model):
         parser.error(f"--model {args.model}: not a directory (expected a local Hugging Face model directory)")
     try:
-        settings = _serve_settings(args)
+        settings = from_args(args)
     except SettingsError as exc:
         parser.error(str(exc))
-    assert isinstance(settings, ServeSettings)
+    from watchdog import logs
+
+    logs.configure("inference")
     return serve_main.run(settings)
 
 
@@ -211,7 +186,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_main(args.config)
     if args.command == "bench":
         from watchdog.bench import BenchSettings, bench_main
-        from watchdog.token import read_token
+        from watchdog.contract import read_token
 
         token = read_token(args.token_file) if args.control_url else None
         return bench_main(BenchSettings(
@@ -219,9 +194,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             prompt_len=args.prompt_len, max_tokens=args.max_tokens, max_tries=args.max_tries,
             control_url=args.control_url, token=token, label=args.label), args.out)
     if args.command == "up":
+        from inference.settings import SettingsError, from_args, to_argv
         from watchdog.up import up_main
 
-        return up_main(args, parser)
+        try:
+            child = [sys.executable, "-m", "watchdog", "serve", *to_argv(from_args(args))]
+        except SettingsError as exc:
+            parser.error(str(exc))
+        return up_main(args, child)
     parser.error(f"unknown command {args.command}")
     return 2
 

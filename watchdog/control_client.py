@@ -6,6 +6,8 @@ from typing import Any
 
 import aiohttp
 
+from watchdog import contract
+
 
 class ControlError(Exception):
     """The control API could not be reached or answered something unusable."""
@@ -49,17 +51,17 @@ class ControlClient:
         return data
 
     async def memory(self, timeout: float = 5.0) -> dict[str, Any]:
-        return await self._call("GET", "/control/memory", None, timeout)
+        return await self._call("GET", contract.MEMORY, None, timeout)
 
     async def empty_cache(self, timeout: float = 30.0) -> dict[str, Any]:
-        return await self._call("POST", "/control/empty_cache", {}, timeout)
+        return await self._call("POST", contract.EMPTY_CACHE, {}, timeout)
 
     async def canary(self, timeout: float) -> dict[str, Any]:
         # The server bounds the generation by `timeout`; the HTTP call gets a margin on top.
-        return await self._call("POST", "/control/canary", {"timeout": timeout}, timeout + 2.0)
+        return await self._call("POST", contract.CANARY, {"timeout": timeout}, timeout + 2.0)
 
     async def set_admission(self, limit: int, timeout: float = 10.0) -> dict[str, Any]:
-        return await self._call("POST", "/control/admission", {"limit": limit}, timeout)
+        return await self._call("POST", contract.ADMISSION, {"limit": limit}, timeout)
 
     async def drain(self, timeout: float) -> dict[str, Any]:
-        return await self._call("POST", "/control/drain", {"timeout": timeout}, timeout + 5.0)
+        return await self._call("POST", contract.DRAIN, {"timeout": timeout}, timeout + 5.0)

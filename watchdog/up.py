@@ -8,7 +8,6 @@ import os
 import signal
 import sys
 import uuid
-from typing import Any
 
 import aiohttp
 
@@ -16,7 +15,7 @@ from watchdog import logs
 from watchdog.actions.restart import LocalRestarter
 from watchdog.app import Watchdog
 from watchdog.config import METRICS_AUTO, ConfigError, Settings, from_mapping, read_yaml, replace
-from watchdog.token import ENV_VAR, TokenError, ensure_token
+from watchdog.contract import ENV_VAR, TokenError, ensure_token
 
 log = logs.get("watchdog.up")
 
@@ -119,23 +118,6 @@ class ChildSupervisor:
         await self._terminate()
 
 
-def serve_argv(args: argparse.Namespace) -> list[str]:
-    argv = [sys.executable, "-m", "watchdog", "serve", "--device", args.device, "--host", args.host,
-            "--port", str(args.port), "--control-port", str(args.control_port),
-            "--batch-window-ms", str(args.batch_window_ms), "--max-batch-size", str(args.max_batch_size),
-            "--queue-timeout", str(args.queue_timeout), "--max-queue", str(args.max_queue),
-            "--max-tokens-limit", str(args.max_tokens_limit), "--body-timeout", str(args.body_timeout)]
-    if args.memory_fraction is not None:
-        argv += ["--memory-fraction", str(args.memory_fraction)]
-    if args.max_concurrency is not None:
-        argv += ["--max-concurrency", str(args.max_concurrency)]
-    if args.model:
-        argv += ["--model", args.model]
-    if args.fault_injection:
-        argv.append("--fault-injection")
-    return argv
-
-
 def up_settings(args: argparse.Namespace) -> Settings:
     data = read_yaml(args.config) if args.config else {}
     if isinstance(data, dict) and isinstance(data.get("restart"), dict):
@@ -155,10 +137,11 @@ def up_settings(args: argparse.Namespace) -> Settings:
     return replace(settings, "server", port=args.watchdog_port)
 
 
-async def _up(args: argparse.Namespace, settings: Settings, token: str, token_path: str | None) -> int:
+async def _up(args: argparse.Namespace, serve_argv: list[str], settings: Settings, token: str,
+              token_path: str | None) -> int:
     env = {**os.environ, ENV_VAR: token}
     host = "127.0.0.1" if args.host in ("0.0.0.0", "::") else args.host
-    supervisor = ChildSupervisor(serve_argv(args), env, f"http://{host}:{args.port}/readyz")
+    supervisor = ChildSupervisor(serve_argv, env, f"http://{host}:{args.port}/readyz")
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -176,7 +159,8 @@ async def _up(args: argparse.Namespace, settings: Settings, token: str, token_pa
     await watchdog.start()
     banner = [
         "gpu-watchdog up: both processes are running",
-        f"  inference API  http://{host}:{args.port}   POST /v1/completions /predict /stream, GET /readyz /metrics",
+        f"  inference API  http://{host}:{args.port}   POST /v1/completions /v1/chat/completions,"
+        " GET /v1/models /readyz /metrics",
         f"  control API    http://127.0.0.1:{args.control_port}   bearer token in "
         + (token_path or f"${ENV_VAR}"),
         f"  watchdog       http://{host}:{watchdog.port}   GET /status /readyz /healthz /metrics",
@@ -191,7 +175,8 @@ async def _up(args: argparse.Namespace, settings: Settings, token: str, token_pa
     return 0
 
 
-def up_main(args: argparse.Namespace, parser: Any) -> int:
+def up_main(args: argparse.Namespace, serve_argv: list[str]) -> int:
+    """`serve_argv`: the child's command line, built from the same flags `serve` takes."""
     logs.configure("up")
     try:
         settings = up_settings(args)
@@ -207,7 +192,7 @@ def up_main(args: argparse.Namespace, parser: Any) -> int:
     if path:
         log.info("control_token", token_file=path)
     try:
-        return asyncio.run(_up(args, settings, token, path))
+        return asyncio.run(_up(args, serve_argv, settings, token, path))
     except OSError as exc:
         print(f"gpu-watchdog up: {exc}", file=sys.stderr)
         return 2

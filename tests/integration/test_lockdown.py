@@ -82,7 +82,7 @@ def test_both_processes_run_with_read_only_working_directory_and_code(tmp_path: 
 
 
 def test_sigterm_drains_in_flight_requests_before_exit(tmp_path: Path) -> None:
-    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "1", "--batch-window-ms", "0")
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "1")
     try:
         srv.fault("slow", delay_s=1.5)
         result: dict[str, requests.Response] = {}

@@ -9,16 +9,16 @@ from typing import Any
 
 import aiohttp
 
-from watchdog import logs
+from watchdog import contract, logs
+from watchdog.contract import read_token
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.names import ERROR_CLASSES
 from watchdog.samplers.http_body import read_capped
 from watchdog.samples import CanarySample
-from watchdog.token import read_token
 
 log = logs.get("watchdog.canary")
 
-CONTROL_ROUTE = "/control/canary"
+CONTROL_ROUTE = contract.CANARY
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
 ANSWER_BYTES = 1 << 20  # a one-token answer or a model list is kilobytes

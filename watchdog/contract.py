@@ -1,4 +1,9 @@
-"""The control-API bearer token: `GPU_WATCHDOG_TOKEN` wins, else a token file; generated when absent."""
+"""What the inference process and the sidecar agree on: the control API's routes and its bearer token.
+
+A leaf: it imports nothing else of this project, so the inference package can depend on it (and
+on nothing else of the sidecar's). The token: `GPU_WATCHDOG_TOKEN` wins, else a token file;
+generated when absent.
+"""
 
 from __future__ import annotations
 
@@ -7,7 +12,18 @@ import secrets
 import tempfile
 from pathlib import Path
 
+VERSION = "0.1.0"
+
 ENV_VAR = "GPU_WATCHDOG_TOKEN"
+
+# The control API (pod-local, 127.0.0.1:8001, bearer token).
+MEMORY = "/control/memory"
+EMPTY_CACHE = "/control/empty_cache"
+CANARY = "/control/canary"
+DRAIN = "/control/drain"
+ADMISSION = "/control/admission"
+FAULT = "/control/fault"
+CONTROL_OPENAPI = "/control/openapi.json"
 
 
 class TokenError(RuntimeError):

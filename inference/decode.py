@@ -1,0 +1,440 @@
+"""The decode loop: one thread per device runs every forward pass, one step at a time.
+
+At each step, waiting sequences that the batch-taker admits are prefilled together and stitched
+into the running batch; then every running sequence decodes one token. A sequence leaves the
+moment it finishes, its rows and admission share freed for the next step. Streams are rows like
+any other. Only this thread touches the model, so there is one cuBLAS workspace, not one per
+request thread.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections import deque
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from inference import batch, recovery
+from inference.admission import AdmissionGate, Grant
+from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
+from inference.faults import FaultInjector
+from inference.kv import KVBatch, NotStitchable, prefill_inputs, stitchable
+from inference.model import LoadedModel, StreamDecoder
+from inference.sampling import SamplingParams, StopText, new_generator, sample
+
+
+@dataclass
+class GenRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    on_text: Callable[[str], object] | None = None
+    cancelled: threading.Event = field(default_factory=threading.Event)
+
+    @property
+    def sampling(self) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.seed)
+
+
+@dataclass(frozen=True)
+class GenResult:
+    text: str
+    prompt_tokens: int
+    completion_tokens: int
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class EngineProbe:
+    """What the engine observed itself, independent of the admission gate's own bookkeeping."""
+
+    active_sequences: int
+    peak_active_sequences: int
+    forward_batches: int
+    largest_batch: int
+    # Distinct threads that ran a forward pass: on CUDA each keeps a cuBLAS workspace.
+    threads: int
+    preemptions: int
+
+
+_order = itertools.count()
+
+
+class Seq:
+    """One request's life in the engine: waiting, then rows in the batch, then a result."""
+
+    def __init__(self, request: GenRequest, weight: float, canary: bool, device: torch.device,
+                 decoder: StreamDecoder) -> None:
+        self.request = request
+        self.weight = weight
+        self.canary = canary
+        self.order = next(_order)
+        self.future: Future[GenResult] = Future()
+        self.grant: Grant | None = None
+        self.generated: list[int] = []
+        self.next_id: int | None = None  # sampled, not yet fed to the model
+        self.retried = False
+        self.decoder = decoder
+        self.text = StopText(request.stop)
+        self.sampling = request.sampling
+        self.generator = new_generator(self.sampling, device)
+
+    @property
+    def prefill_ids(self) -> list[int]:
+        # After an OOM a sequence re-enters with what it had generated: it resumes, not restarts.
+        return self.request.prompt_ids + self.generated
+
+
+Outcome = GenResult | BaseException
+
+
+class DecodeLoop:
+    def __init__(
+        self,
+        lm: LoadedModel,
+        gate: AdmissionGate,
+        *,
+        max_rows: int,
+        faults: FaultInjector | None = None,
+        on_tokens: Callable[[int], object] | None = None,
+        on_step: Callable[[int], object] | None = None,
+        on_oom: Callable[[BaseException], object] | None = None,
+        on_fatal: Callable[[str], object] | None = None,
+        after_release: Callable[[], object] | None = None,
+    ) -> None:
+        self.lm = lm
+        self.gate = gate
+        self.max_rows = max_rows
+        self.faults = faults
+        # Called with each step's new tokens: a watcher reads the counter as proof of progress,
+        # and a long generation must not look like a stalled one.
+        self.on_tokens = on_tokens
+        self.on_step = on_step
+        self.on_oom = on_oom
+        self.on_fatal = on_fatal
+        self.after_release = after_release
+        self.poisoned: str | None = None
+        self._cond = threading.Condition()
+        self._waiting: deque[Seq] = deque()
+        self._rows: list[Seq] = []
+        # Admitted and being prefilled: neither waiting nor rows yet, but in flight all the same.
+        self._joining: list[Seq] = []
+        self._kv: KVBatch | None = None
+        self._stitchable = True
+        self._ceiling: int | None = None
+        self._ceiling_holders: set[int] = set()
+        self._stopping = False
+        self._forwards = 0
+        self._largest = 0
+        self._peak = 0
+        self._preemptions = 0
+        self._threads: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
+
+    # -- called from other threads ----------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+
+    def new_sequence(self, request: GenRequest, weight: float, canary: bool = False) -> Seq:
+        return Seq(request, weight, canary, self.lm.device, self.lm.codec.decoder())
+
+    def enqueue(self, seq: Seq) -> None:
+        with self._cond:
+            if self.poisoned is not None:
+                raise FatalCudaError(self.poisoned)
+            if seq.canary:
+                self._waiting.appendleft(seq)
+            else:
+                self._waiting.append(seq)
+            self._cond.notify_all()
+
+    def withdraw(self, seq: Seq) -> bool:
+        """Take a sequence out of the queue if it is still waiting there (timeout, client gone)."""
+        with self._cond:
+            try:
+                self._waiting.remove(seq)
+            except ValueError:
+                return False
+        self._release(seq)
+        return True
+
+    @property
+    def waiting(self) -> int:
+        return len(self._waiting)
+
+    @property
+    def running(self) -> int:
+        return sum(1 for s in (*self._rows, *self._joining) if not s.canary)
+
+    def probe(self) -> EngineProbe:
+        return EngineProbe(len(self._rows), self._peak, self._forwards, self._largest, len(self._threads),
+                           self._preemptions)
+
+    def reset_peak(self) -> None:
+        self._peak = len(self._rows)
+
+    def poison(self, reason: str) -> None:
+        """A sticky error was seen (or injected from outside): every later kernel would fail."""
+        with self._cond:
+            if self.poisoned is not None:
+                return
+            self.poisoned = reason
+            queued = list(self._waiting)
+            self._waiting.clear()
+            self._cond.notify_all()
+        for seq in queued:
+            self._finish(seq, FatalCudaError(reason))
+        if self.on_fatal is not None:
+            self.on_fatal(reason)
+
+    # -- the loop thread --------------------------------------------------------------------
+
+    def _run(self) -> None:
+        with torch.inference_mode():
+            while True:
+                with self._cond:
+                    while not self._stopping and not self._rows and not self._waiting:
+                        self._cond.wait()
+                    if self._stopping:
+                        return
+                    joiners = self._take()
+                if not joiners and not self._rows:
+                    # Waiting sequences that cannot join yet (the budget was just lowered).
+                    with self._cond:
+                        self._cond.wait(0.01)
+                    continue
+                self._step(joiners)
+
+    def _take(self) -> list[Seq]:
+        """Called with the lock held."""
+        alive: deque[Seq] = deque()
+        for seq in self._waiting:
+            if seq.request.cancelled.is_set():
+                self._finish(seq, _cancelled(seq))
+            else:
+                alive.append(seq)
+        self._waiting = alive
+        if not alive:
+            return []
+        stats = self.gate.stats()
+        limit = self.max_rows if self._ceiling is None else min(self.max_rows, self._ceiling)
+        room = batch.Room(rows=len(self._rows), max_rows=limit, in_use=stats.in_use, capacity=stats.capacity,
+                          can_join_running=self._stitchable)
+        chosen = batch.take([batch.Candidate(s.weight, s.canary, s.grant is not None) for s in alive], room)
+        joiners: list[Seq] = []
+        for i in chosen:
+            seq = alive[i]
+            if not seq.canary and seq.grant is None:
+                seq.grant = self.gate.try_acquire(seq.weight)
+                if seq.grant is None:
+                    break  # the budget moved under us (the control API): try again next step
+            joiners.append(seq)
+        for seq in joiners:
+            self._waiting.remove(seq)
+        self._joining = joiners
+        return joiners
+
+    def _step(self, joiners: list[Seq]) -> None:
+        width = None
+        pending = joiners  # admitted, not yet rows: their prefill has not succeeded
+        try:
+            if joiners:
+                if self.faults is not None:
+                    self.faults.before_forward(len(self._rows) + len(joiners))
+                self._prefill(joiners)
+            pending = []
+            if self._rows:
+                if self.faults is not None:
+                    self.faults.during_forward(len(self._rows))
+                assert self._kv is not None
+                width = self._kv.width
+                self._decode()
+        except BaseException as exc:  # every failure is classified and answered in _failed
+            lost: list[Seq] = []
+            if width is not None and self._kv is not None:
+                try:
+                    self._kv.rollback(width)
+                except NotStitchable:
+                    # A sliding window cannot be rolled back: the rows lose their cache and are
+                    # prefilled again from their prompt and what they generated.
+                    lost, self._rows, self._kv = self._rows, [], None
+                    for seq in lost:
+                        seq.next_id = None
+            self._failed(exc, [*lost, *pending])
+        finally:
+            self._joining = []
+
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+        lm = self.lm
+        self._forwards += 1
+        self._largest = max(self._largest, int(ids.shape[0]))
+        self._threads.add(threading.get_ident())
+        if self.on_step is not None:
+            self.on_step(int(ids.shape[0]))
+        return lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                        **{lm.cache_kwarg: cache}, **lm.forward_extra)
+
+    def _logits(self, out: Any) -> torch.Tensor:
+        logits = out.logits[:, -1, :].float()
+        allowed = self.lm.allowed_tokens
+        if allowed is not None:
+            logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
+        return logits
+
+    def _prefill(self, joiners: list[Seq]) -> None:
+        lm = self.lm
+        ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
+        out = self._forward(ids, mask, positions, None)
+        cache = _cache_of(out)
+        tokens = sample(self._logits(out), [s.sampling for s in joiners], [s.generator for s in joiners])
+        group = KVBatch(cache, mask)
+        if self._kv is None or not self._rows:
+            self._stitchable = stitchable(cache)
+            self._kv, self._rows = group, list(joiners)
+        else:
+            self._kv.stitch(group)
+            self._rows = [*self._rows, *joiners]
+        self._joining = []
+        self._peak = max(self._peak, len(self._rows))
+        self._emit(tokens, first=len(self._rows) - len(joiners))
+
+    def _decode(self) -> None:
+        kv = self._kv
+        assert kv is not None
+        positions = kv.next_positions()
+        kv.grow()
+        ids = torch.tensor([[s.next_id] for s in self._rows], dtype=torch.long, device=self.lm.device)
+        out = self._forward(ids, kv.mask, positions, kv.cache)
+        tokens = sample(self._logits(out), [s.sampling for s in self._rows], [s.generator for s in self._rows])
+        self._emit(tokens, first=0)
+
+    def _emit(self, tokens: list[int], first: int) -> None:
+        """Hand each row its new token (rows from `first` on), then let finished rows leave."""
+        eos = self.lm.codec.eos_id
+        produced = 0
+        finished: list[tuple[Seq, str]] = []
+        for seq, tok in zip(self._rows[first:], tokens, strict=True):
+            if eos is not None and tok == eos:
+                finished.append((seq, "stop"))
+                continue
+            seq.generated.append(tok)
+            produced += 1
+            piece = seq.text.feed(seq.decoder.feed([tok]))
+            if piece and seq.request.on_text is not None:
+                seq.request.on_text(piece)
+            if seq.text.stopped:
+                finished.append((seq, "stop"))
+            elif len(seq.generated) >= seq.request.max_tokens:
+                finished.append((seq, "length"))
+            elif seq.request.cancelled.is_set():
+                finished.append((seq, "cancelled"))
+            else:
+                seq.next_id = tok
+        if produced and self.on_tokens is not None:
+            self.on_tokens(produced)
+        if finished:
+            gone = {id(seq) for seq, _ in finished}
+            self._leave(gone)
+            for seq, reason in finished:
+                rest = seq.text.flush()
+                if rest and seq.request.on_text is not None:
+                    seq.request.on_text(rest)
+                self._finish(seq, GenResult(seq.text.text, len(seq.request.prompt_ids), len(seq.generated),
+                                            reason))
+
+    def _leave(self, gone: set[int]) -> None:
+        """Cut these sequences' rows out of the batch."""
+        keep = [i for i, s in enumerate(self._rows) if id(s) not in gone]
+        self._rows = [self._rows[i] for i in keep]
+        if not self._rows:
+            self._kv = None
+        elif self._kv is not None:
+            self._kv.keep(keep)
+
+    def _finish(self, seq: Seq, outcome: Outcome) -> None:
+        self._release(seq)
+        self._ceiling_holders.discard(seq.order)
+        if self._ceiling is not None and not self._ceiling_holders:
+            self._ceiling = None
+        if seq.future.done():
+            return
+        if isinstance(outcome, BaseException):
+            seq.future.set_exception(outcome)
+        else:
+            seq.future.set_result(outcome)
+
+    def _release(self, seq: Seq) -> None:
+        if seq.grant is not None:
+            self.gate.release(seq.grant)
+            seq.grant = None
+            if self.after_release is not None:
+                self.after_release()
+
+    # -- failures ---------------------------------------------------------------------------
+
+    def _failed(self, exc: BaseException, pending: list[Seq]) -> None:
+        """`pending`: admitted in this step, their prefill failed (so they are not rows)."""
+        involved = [*self._rows, *pending]
+        if is_oom(exc):
+            if self.on_oom is not None:
+                self.on_oom(exc)
+            self._recover(involved, exc)
+            return
+        if is_fatal_cuda(exc):
+            reason = str(exc) or type(exc).__name__
+            rows, self._rows, self._kv = involved, [], None
+            self.poison(reason)
+            for seq in rows:
+                self._finish(seq, FatalCudaError(reason))
+            return
+        # Anything else fails the sequences of the failed forward and only them; the engine goes on.
+        failed = pending if pending else involved
+        if not pending:
+            self._rows, self._kv = [], None
+        for seq in failed:
+            self._finish(seq, exc)
+
+    def _recover(self, involved: list[Seq], exc: BaseException) -> None:
+        involved.sort(key=lambda s: s.order)
+        decision = recovery.plan([recovery.Row(s.retried, s.canary) for s in involved])
+        out = {id(involved[i]) for i in (*decision.preempt, *decision.fail)}
+        self._leave(out)
+        self._ceiling = decision.ceiling
+        self._ceiling_holders |= {s.order for s in involved}
+        for i in decision.preempt:
+            involved[i].retried = True
+        self._preemptions += len(decision.preempt)
+        failed = {id(involved[i]) for i in decision.fail}
+        rows = {id(s) for s in self._rows}
+        # Back to the head of the queue, oldest first: the preempted, and joiners whose prefill
+        # failed through no fault of their own size.
+        back = [s for s in involved if id(s) not in rows and id(s) not in failed]
+        for seq in back:
+            seq.next_id = None
+        with self._cond:
+            self._waiting.extendleft(reversed(back))
+        for i in decision.fail:
+            self._finish(involved[i], InferenceOOM(str(exc)))
+
+
+def _cache_of(out: Any) -> Any:
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def _cancelled(seq: Seq) -> GenResult:
+    return GenResult(seq.text.text, len(seq.request.prompt_ids), len(seq.generated), "cancelled")

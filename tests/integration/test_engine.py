@@ -1,0 +1,194 @@
+"""The engine itself, in process on CPU with the built-in model: continuous batching as a user would observe it."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from inference import model as model_mod
+from inference.admission import AdmissionGate
+from inference.decode import GenRequest, GenResult
+from inference.engine import Engine
+from inference.errors import InferenceOOM
+from inference.faults import FaultInjector
+
+PROMPTS = [("the first prompt", 24), ("a second, rather longer prompt about memory", 9), ("x", 31),
+           ("four", 17), ("prompt number five is here", 5), ("six", 40), ("seven sevens", 12)]
+
+
+@pytest.fixture(scope="module")
+def lm() -> model_mod.LoadedModel:
+    return model_mod.load(None, torch.device("cpu"))
+
+
+@pytest.fixture
+def engine(lm: model_mod.LoadedModel) -> Iterator[Engine]:
+    e = Engine(lm)
+    yield e
+    e.stop()
+
+
+def solo(engine: Engine, prompt: str, n: int) -> str:
+    [r] = engine.generate([GenRequest(engine.lm.codec.encode(prompt), n)])
+    return r.text
+
+
+def test_greedy_answers_equal_solo_runs_when_requests_join_and_leave_mid_batch(engine: Engine) -> None:
+    alone = [solo(engine, p, n) for p, n in PROMPTS]
+    codec = engine.lm.codec
+    started = threading.Event()
+    first = [engine._sequence(GenRequest(codec.encode(p), n, on_text=lambda _: started.set()))
+             for p, n in PROMPTS[:3]]
+    for seq in first:
+        engine._loop.enqueue(seq)
+    # The others arrive while the first ones are decoding: they join the running batch.
+    assert started.wait(30)
+    rest = [engine._sequence(GenRequest(codec.encode(p), n)) for p, n in PROMPTS[3:]]
+    for seq in rest:
+        engine._loop.enqueue(seq)
+    together = [seq.future.result(timeout=60).text for seq in first + rest]
+    assert together == alone
+    probe = engine.probe()
+    assert probe.largest_batch >= 4
+    # Fewer forward passes than tokens: the steps were shared.
+    assert probe.threads == 1
+
+
+def test_a_stream_and_plain_requests_decode_in_the_same_steps(engine: Engine) -> None:
+    pieces: list[str] = []
+    before = engine.probe().forward_batches
+    requests = [GenRequest(engine.lm.codec.encode(p), n) for p, n in PROMPTS]
+    requests[0] = GenRequest(requests[0].prompt_ids, requests[0].max_tokens, on_text=pieces.append)
+    results = engine.generate(requests)
+    steps = engine.probe().forward_batches - before
+    assert "".join(pieces) == results[0].text
+    assert steps < sum(n for _, n in PROMPTS) // 3
+    assert max(n for _, n in PROMPTS) <= steps
+
+
+def test_admission_by_weight_is_never_exceeded_under_a_burst_of_mixed_lengths(lm: model_mod.LoadedModel) -> None:
+    capacity = 120.0
+    gate = AdmissionGate(capacity)
+    seen: list[tuple[float, int]] = []
+    e = Engine(lm, gate=gate, cost=float)  # weight = prompt + max_tokens, in tokens
+    loop = e._loop
+    loop.on_step = lambda rows: seen.append((gate.stats().in_use, rows))
+    try:
+        codec = lm.codec
+        streamed: list[str] = []
+        mix = [(f"burst {i} " + "y" * (i % 7) * 5, 4 + (i * 13) % 40) for i in range(24)]
+        requests = [GenRequest(codec.encode(p), n, on_text=streamed.append if i % 3 == 0 else None)
+                    for i, (p, n) in enumerate(mix)]
+        heavy = GenRequest(codec.encode("heavier than the whole budget " * 4), 60)
+        results = e.generate([*requests, heavy])
+    finally:
+        e.stop()
+    assert [r.completion_tokens for r in results[:-1]] == [n for _, n in mix]
+    assert results[-1].completion_tokens == 60
+    assert max(in_use for in_use, _ in seen) <= capacity
+    assert max(rows for _, rows in seen) > 1
+    assert gate.stats().in_use == 0 and gate.stats().holders == 0
+
+
+def test_an_oom_shrinks_the_batch_and_the_retried_sequences_resume_where_they_were(
+        lm: model_mod.LoadedModel) -> None:
+    faults = FaultInjector()
+    e = Engine(lm, faults=faults)
+    try:
+        alone = [solo(e, p, n) for p, n in PROMPTS]
+        # A card that holds three sequences: more in one step runs out of memory.
+        faults.inject("memory_cap", {"sequences": 3})
+        results = e.generate([GenRequest(lm.codec.encode(p), n) for p, n in PROMPTS])
+    finally:
+        e.stop()
+    assert [r.text for r in results] == alone
+    assert e.oom_count >= 1
+    assert e.probe().preemptions >= 1
+
+
+def test_a_second_oom_answers_with_a_clean_error_and_the_engine_serves_on(lm: model_mod.LoadedModel) -> None:
+    faults = FaultInjector()
+    e = Engine(lm, faults=faults)
+    try:
+        faults.inject("oom", {"count": 3})
+        seqs = [e._sequence(GenRequest(lm.codec.encode(p), 5)) for p in ("one", "two")]
+        for seq in seqs:
+            e._loop.enqueue(seq)
+        outcomes = [seq.future.exception(timeout=30) for seq in seqs]
+        assert all(isinstance(o, InferenceOOM) for o in outcomes)
+        [after] = e.generate([GenRequest(lm.codec.encode("fine again"), 4)])
+        assert after.completion_tokens == 4
+    finally:
+        e.stop()
+
+
+def test_the_canary_is_answered_at_the_next_step_under_full_load(lm: model_mod.LoadedModel) -> None:
+    e = Engine(lm, gate=AdmissionGate(2.0))
+    try:
+        async def scenario() -> tuple[bool, list[bool], int]:
+            codec = lm.codec
+            long = [asyncio.ensure_future(e.submit(GenRequest(codec.encode(f"long {i}"), 400), 60))
+                    for i in range(6)]
+            while e.inflight < 2:
+                await asyncio.sleep(0.01)
+            waiting = e.queued
+            result = await e.canary(timeout=30)
+            done = [t.done() for t in long]
+            for t in long:
+                t.cancel()
+            await asyncio.gather(*long, return_exceptions=True)
+            return result.ok, done, waiting
+
+        ok, done, waiting = asyncio.run(scenario())
+    finally:
+        e.stop()
+    assert ok
+    assert waiting == 4
+    # Neither the running generations nor the queue had to finish first.
+    assert not any(done)
+
+
+def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(engine: Engine) -> None:
+    codec = engine.lm.codec
+    seeded = GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=42)
+    [alone] = engine.generate([seeded])
+    batch = engine.generate([GenRequest(codec.encode(p), n, temperature=1.0) for p, n in PROMPTS[:4]]
+                            + [GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=42)])
+    assert batch[-1].text == alone.text
+    [other] = engine.generate([GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=43)])
+    assert other.text != alone.text
+
+
+def test_stop_strings_end_generation_early(engine: Engine) -> None:
+    full = solo(engine, "stop test", 40)
+    stop = full[10:13]
+    [r] = engine.generate([GenRequest(engine.lm.codec.encode("stop test"), 40, stop=(stop,))])
+    assert r.finish_reason == "stop"
+    assert r.text == full[: full.index(stop)]
+    assert r.completion_tokens < 40
+
+
+def test_a_model_whose_cache_cannot_be_stitched_is_still_served_correctly() -> None:
+    from transformers import MistralConfig, MistralForCausalLM
+
+    config = MistralConfig(vocab_size=258, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=4, sliding_window=8,
+                           max_position_embeddings=256, pad_token_id=256, bos_token_id=257, eos_token_id=None)
+    torch.manual_seed(0)
+    model = MistralForCausalLM(config).eval()
+    printable = torch.zeros(258, dtype=torch.bool)
+    printable[32:127] = True  # one character per token, so texts compare token for token
+    lm = model_mod.LoadedModel("sliding", model, model_mod.ByteCodec(), torch.device("cpu"), torch.float32, 256,
+                               printable, model_mod.last_logits_only(model), model_mod.cache_keyword(model))
+    e = Engine(lm)
+    try:
+        prompts = [("a sliding window", 20), ("b", 12), ("c is longer than the window", 16)]
+        results: list[GenResult] = e.generate([GenRequest(lm.codec.encode(p), n) for p, n in prompts])
+        for (p, n), r in zip(prompts, results, strict=True):
+            assert [ord(c) for c in r.text] == model_mod.greedy_without_cache(lm, p, n)
+    finally:
+        e.stop()
