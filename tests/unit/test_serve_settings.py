@@ -1,0 +1,47 @@
+"""Serve flags are defined once: the parser, the settings and the argv `up` gives its child agree."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from inference.settings import ServeSettings, SettingsError, add_flags, from_args, to_argv
+
+
+def parse(argv: list[str], for_up: bool = False) -> argparse.Namespace:
+    p = argparse.ArgumentParser(exit_on_error=False)
+    add_flags(p, for_up=for_up)
+    return p.parse_args(argv)
+
+
+def test_every_flag_round_trips_through_the_childs_argv() -> None:
+    argv = ["--model", "/models/m", "--served-model-name", "llama", "--device", "cpu", "--port", "9000",
+            "--control-port", "9001", "--max-concurrency", "6", "--max-batch-size", "12", "--queue-timeout", "2.5",
+            "--max-queue", "9", "--max-tokens-limit", "64", "--body-timeout", "3", "--memory-fraction", "0.5",
+            "--fault-injection"]
+    settings = from_args(parse(argv, for_up=True))
+    assert settings.served_model_name == "llama" and settings.max_batch_size == 12 and settings.fault_injection
+    child = from_args(parse(to_argv(settings)))
+    assert child == settings
+
+
+def test_defaults_need_no_flags_and_auto_stays_auto() -> None:
+    settings = from_args(parse([]))
+    assert settings == ServeSettings()
+    assert to_argv(settings) == []
+    assert from_args(parse(["--max-concurrency", "auto"])).max_concurrency is None
+
+
+def test_up_leaves_out_the_flags_it_sets_itself() -> None:
+    with pytest.raises(SystemExit):
+        parse(["--token-file", "/tmp/t"], for_up=True)
+
+
+def test_a_value_out_of_range_names_the_flag() -> None:
+    with pytest.raises(SettingsError, match="--memory-fraction"):
+        from_args(parse(["--memory-fraction", "1.5"]))
+    with pytest.raises(SettingsError, match="--served-model-name"):
+        from_args(parse(["--served-model-name", " "]))
+    with pytest.raises(argparse.ArgumentError, match="max-batch-size"):
+        parse(["--max-batch-size", "0"])
