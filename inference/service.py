@@ -89,6 +89,9 @@ class InferenceService:
         self.metrics.admission_limit.set(self.admission.limit)
         log.info("admission", mode=self.admission.mode, limit=self.admission.limit,
                  capacity=self.admission.capacity, source=self.admission.source, max_batch_size=s.max_batch_size)
+        if s.batch_window_ms is not None:
+            log.warning("deprecated_flag", flag="--batch-window-ms", value=s.batch_window_ms,
+                        note="ignored: requests join the running batch at the next step")
         self.ready = True
         log.info("ready", instance_id=self.instance_id)
 

@@ -67,6 +67,11 @@ class ServeSettings:
     max_batch_size: int = field(default=256, metadata=flag(
         "--max-batch-size", "most sequences decoding together; admission by memory usually binds first"
         " (default: 256; 1 = no batching)", parse=_positive_int))
+    # Kept so that existing command lines still start: there is no window any more, a request
+    # joins the running batch at the next step. Warned about at start.
+    batch_window_ms: float | None = field(default=None, metadata=flag(
+        "--batch-window-ms", "ignored (deprecated): requests join the running batch at the next step",
+        parse=float, metavar="MS"))
     queue_timeout: float = field(default=30.0, metadata=flag(
         "--queue-timeout", "seconds a request may wait for admission before a 503", parse=float, metavar="S"))
     max_queue: int = field(default=256, metadata=flag("--max-queue", parse=_positive_int))

@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 import requests
 
-from tests.helpers import Server, start_server
+from tests.helpers import Server, json_lines, start_server
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    # --batch-window-ms: a retired flag that existing command lines still carry.
     srv = start_server(tmp_path_factory.mktemp("serve"), "--fault-injection", "--max-concurrency", "4",
-                       "--max-tokens-limit", "512")
+                       "--max-tokens-limit", "512", "--batch-window-ms", "20")
     yield srv
     srv.proc.stop()
 
@@ -48,6 +49,12 @@ def test_completion_has_exactly_max_tokens_and_usage(server: Server) -> None:
     assert body["usage"]["completion_tokens"] == 12
     assert body["usage"]["prompt_tokens"] == len("The GPU said") + 1
     assert r.headers["X-Request-Id"]
+
+
+def test_a_retired_flag_still_starts_the_server_and_says_it_is_ignored(server: Server) -> None:
+    lines = [e for e in json_lines(server.proc.log()) if e.get("event") == "deprecated_flag"]
+    assert [e["flag"] for e in lines] == ["--batch-window-ms"]
+    assert "ignored" in lines[0]["note"]
 
 
 def test_greedy_generation_is_deterministic(server: Server) -> None:

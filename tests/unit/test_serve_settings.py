@@ -33,6 +33,12 @@ def test_defaults_need_no_flags_and_auto_stays_auto() -> None:
     assert from_args(parse(["--max-concurrency", "auto"])).max_concurrency is None
 
 
+def test_the_retired_batch_window_flag_still_parses() -> None:
+    settings = from_args(parse(["--batch-window-ms", "50"]))
+    assert settings.batch_window_ms == 50.0
+    assert to_argv(settings) == ["--batch-window-ms", "50.0"]
+
+
 def test_up_leaves_out_the_flags_it_sets_itself() -> None:
     with pytest.raises(SystemExit):
         parse(["--token-file", "/tmp/t"], for_up=True)
