@@ -165,8 +165,10 @@ class Engine:
         """
         loop = asyncio.get_running_loop()
         start = loop.time()
-        if not self.gate.acquire_canary(timeout=0):
-            return CanaryResult(False, 0.0, "timeout", "the previous canary has not finished")
+        # One canary at a time: wait (off the event loop) for an earlier one still in the engine.
+        if not await asyncio.to_thread(self.gate.acquire_canary, timeout):
+            return CanaryResult(False, loop.time() - start, "timeout", "the previous canary has not finished")
+        timeout = max(0.0, timeout - (loop.time() - start))
         try:
             seq = self._loop.new_sequence(GenRequest(self.lm.codec.encode(CANARY_PROMPT), max_tokens=1), 0.0,
                                           canary=True)
