@@ -168,7 +168,11 @@ def test_the_limit_settles_on_the_card_and_climbs_back_after_clear(up: Up, tmp_p
     assert downs >= 2  # 16 -> 8 -> 4 (or lower)
     # OOMs become rare: a few per failed probe, probes at least recover_after (3 s) apart.
     assert ooms_after <= 7 * 3, (ooms_after, changes)
-    assert after["rate_503"] < before["rate_503"] / 3, (before, after)
+    # The engine absorbs most OOMs itself (shrink and retry), so clients see few 503s even before the
+    # limit settles; what settling changes is how often the card runs out of memory at all.
+    oom_rate_before = ooms_before / max(0.1, settled_at - t0)
+    assert ooms_after / 20.0 < oom_rate_before / 3, (ooms_before, ooms_after, settled_at - t0)
+    assert after["rate_503"] < 0.05, (before, after)
     print(f"\nsettled in {settled_at - t0:.1f} s; limits over the next 20 s: {sorted(set(limits))}; before:"
           f" {before}; after: {after}; OOMs: {ooms_before:g} in the {settled_at - t0:.1f} s before settling,"
           f" {ooms_after:g} in the 20 s after")
