@@ -11,18 +11,6 @@ from watchdog import __version__
 from watchdog.units import format_bytes, parse_ratio, parse_size
 
 
-def _concurrency(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'")
-    return n
-
-
 def _size(value: str) -> int:
     try:
         return parse_size(value)
