@@ -15,6 +15,7 @@ from typing import Any
 import structlog
 import torch
 
+from inference import allocator
 from inference.admission import AdmissionGate
 from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
@@ -213,11 +214,7 @@ class Engine:
 
     def empty_cache(self) -> int:
         """Return cached blocks to the driver; the bytes freed (0 on CPU)."""
-        freed = 0
-        if self.is_cuda:
-            before = torch.cuda.memory_reserved(self.lm.device)
-            torch.cuda.empty_cache()
-            freed = max(0, int(before - torch.cuda.memory_reserved(self.lm.device)))
+        freed = allocator.empty_cache(self.lm.device)
         if self.faults is not None:
             self.faults.on_empty_cache()
         self.empty_cache_count += 1
@@ -233,39 +230,4 @@ class Engine:
 
     def memory(self) -> dict[str, Any]:
         """Allocator figures; honest zeros on CPU, where there is no CUDA allocator."""
-        lm = self.lm
-        figures: dict[str, Any] = {
-            "device": lm.device.type,
-            "device_name": "cpu",
-            "uuid": None,
-            "total_bytes": 0,
-            "allocated_bytes": 0,
-            "reserved_bytes": 0,
-            "active_bytes": 0,
-            "inactive_split_bytes": 0,
-            "alloc_retries": 0,
-            "num_ooms": 0,
-        }
-        if self.is_cuda:
-            idx = lm.device.index if lm.device.index is not None else torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(idx)
-            stats = torch.cuda.memory_stats(idx)
-            uuid = getattr(props, "uuid", None)
-            figures.update(
-                device_name=props.name,
-                uuid=None if uuid is None else _format_uuid(uuid),
-                total_bytes=int(props.total_memory),
-                allocated_bytes=int(stats.get("allocated_bytes.all.current", 0)),
-                reserved_bytes=int(stats.get("reserved_bytes.all.current", 0)),
-                active_bytes=int(stats.get("active_bytes.all.current", 0)),
-                inactive_split_bytes=int(stats.get("inactive_split_bytes.all.current", 0)),
-                alloc_retries=int(stats.get("num_alloc_retries", 0)),
-                num_ooms=int(stats.get("num_ooms", 0)),
-            )
-        return figures
-
-
-def _format_uuid(uuid: object) -> str:
-    text = str(uuid)
-    return text if text.startswith("GPU-") else f"GPU-{text}"
-
+        return allocator.figures(self.lm.device)

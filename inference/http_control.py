@@ -1,18 +1,21 @@
-"""The pod-local control API (127.0.0.1:8001, bearer token) that the watchdog drives."""
+"""The pod-local control API (127.0.0.1:8001, bearer token) that the watchdog drives.
+
+One implementation for every process the watchdog talks to: `serve`'s inference service and the
+in-process agent of a user's own service both satisfy `ControlTarget`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import hmac
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, Protocol
 
 import structlog
 from aiohttp import web
 
-from inference.faults import FaultError
+from inference.faults import FaultError, FaultInjector
 from inference.openapi import control_spec
-from inference.service import InferenceService
 from inference.validation import BadRequest, parse_json_object
 from watchdog import contract
 
@@ -57,8 +60,45 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(value)
 
 
+class CanaryAnswer(Protocol):
+    @property
+    def ok(self) -> bool: ...
+    @property
+    def latency_s(self) -> float: ...
+    @property
+    def error_class(self) -> str | None: ...
+    @property
+    def error(self) -> str | None: ...
+
+
+class ControlTarget(Protocol):
+    """What the control API drives. `memory_report` and `empty_cache` run in a worker thread."""
+
+    instance_id: str
+    faults: FaultInjector | None
+    # Set once the poisoned state was reported through the control API (to the watchdog).
+    poison_reported: asyncio.Event
+
+    @property
+    def started(self) -> bool: ...
+    @property
+    def poisoned(self) -> bool: ...
+    @property
+    def inflight(self) -> int: ...
+    @property
+    def queued(self) -> int: ...
+    @property
+    def admission_capacity(self) -> float: ...
+
+    def memory_report(self) -> dict[str, Any]: ...
+    def empty_cache(self) -> int: ...
+    async def canary(self, timeout: float) -> CanaryAnswer: ...
+    def begin_drain(self) -> None: ...
+    def set_admission_limit(self, limit: int) -> None: ...
+
+
 class ControlAPI:
-    def __init__(self, service: InferenceService, token: str) -> None:
+    def __init__(self, service: ControlTarget, token: str) -> None:
         self.service = service
         self.token = token
 
@@ -78,7 +118,7 @@ class ControlAPI:
         return web.json_response(control_spec())
 
     def _require_started(self) -> None:
-        if self.service.engine is None or not self.service.ready:
+        if not self.service.started:
             raise web.HTTPServiceUnavailable(text='{"error": {"message": "model still loading"}}',
                                              content_type="application/json")
 
@@ -91,20 +131,18 @@ class ControlAPI:
 
     async def empty_cache(self, request: web.Request) -> web.Response:
         self._require_started()
-        assert self.service.engine is not None
-        freed = await asyncio.to_thread(self.service.engine.empty_cache)
+        freed = await asyncio.to_thread(self.service.empty_cache)
         log.info("empty_cache", freed_bytes=freed, source="control")
         return web.json_response({"freed_bytes": freed})
 
     async def canary(self, request: web.Request) -> web.Response:
         self._require_started()
-        assert self.service.engine is not None
         try:
             body = await _optional_body(request)
             timeout = _number(body, "timeout", 10.0, 0.01, 600.0)
         except BadRequest as exc:
             return _bad(exc)
-        result = await self.service.engine.canary(timeout)
+        result = await self.service.canary(timeout)
         log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
         if self.service.poisoned:
             self.service.poison_reported.set()
@@ -114,14 +152,13 @@ class ControlAPI:
     async def drain(self, request: web.Request) -> web.Response:
         """Stop admitting (readyz turns 503) and wait, bounded, for in-flight work to finish."""
         self._require_started()
-        sched = self.service.engine
-        assert sched is not None
+        sched = self.service
         try:
             body = await _optional_body(request)
             timeout = _number(body, "timeout", 30.0, 0.0, 3600.0)
         except BadRequest as exc:
             return _bad(exc)
-        sched.draining = True
+        sched.begin_drain()
         log.info("drain_started", inflight=sched.inflight, queued=sched.queued, timeout_s=timeout)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
@@ -141,8 +178,7 @@ class ControlAPI:
         except BadRequest as exc:
             return _bad(exc)
         self.service.set_admission_limit(limit)
-        assert self.service.gate is not None
-        return web.json_response({"limit": limit, "capacity": self.service.gate.capacity})
+        return web.json_response({"limit": limit, "capacity": self.service.admission_capacity})
 
     async def fault(self, request: web.Request) -> web.Response:
         faults = self.service.faults

@@ -12,13 +12,13 @@ from aiohttp import web
 
 from inference.http_control import ControlAPI
 from inference.http_public import PublicAPI
+from inference.poison import EXIT_POISONED
 from inference.service import InferenceService
 from inference.settings import ServeSettings
 from watchdog.contract import TokenError, ensure_token
 
 log = structlog.get_logger(__name__)
 
-EXIT_POISONED = 3
 
 
 async def _serve(settings: ServeSettings) -> int:

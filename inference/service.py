@@ -13,20 +13,20 @@ from typing import Any
 import structlog
 import torch
 
+from inference import allocator
 from inference import model as model_mod
 from inference.admission import AdmissionGate
 from inference.decode import GenRequest
-from inference.engine import Engine
+from inference.engine import CanaryResult, Engine
 from inference.faults import FaultInjector
 from inference.measure import filler, measure
 from inference.metrics import InferenceMetrics
 from inference.model import BUILTIN_NAME
 from inference.planner import CostModel, Plan, plan
+from inference.poison import write_termination_log
 from inference.settings import ServeSettings
 
 log = structlog.get_logger(__name__)
-
-TERMINATION_LOG = os.environ.get("GPU_WATCHDOG_TERMINATION_LOG", "/dev/termination-log")
 
 
 @dataclass(frozen=True)
@@ -156,6 +156,36 @@ class InferenceService:
     def is_ready(self) -> bool:
         return self.ready and not self.poisoned and not self.draining
 
+    # -- what the control API drives (inference.http_control.ControlTarget) -------------------
+
+    @property
+    def started(self) -> bool:
+        return self.engine is not None and self.ready
+
+    @property
+    def inflight(self) -> int:
+        return 0 if self.engine is None else self.engine.inflight
+
+    @property
+    def queued(self) -> int:
+        return 0 if self.engine is None else self.engine.queued
+
+    @property
+    def admission_capacity(self) -> float:
+        return 0.0 if self.gate is None else self.gate.capacity
+
+    def empty_cache(self) -> int:
+        assert self.engine is not None
+        return self.engine.empty_cache()
+
+    async def canary(self, timeout: float) -> CanaryResult:
+        assert self.engine is not None
+        return await self.engine.canary(timeout)
+
+    def begin_drain(self) -> None:
+        assert self.engine is not None
+        self.engine.draining = True
+
     def set_admission_limit(self, limit: int) -> None:
         assert self.gate is not None and self.admission is not None
         self.gate.set_capacity(self.admission.capacity_for(limit))
@@ -172,38 +202,17 @@ class InferenceService:
         if self.fatal_event.is_set():
             return
         log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id)
-        try:
-            path = Path(TERMINATION_LOG)
-            # Kubernetes mounts /dev/termination-log; elsewhere only an explicitly named file is written.
-            if path.exists() or "GPU_WATCHDOG_TERMINATION_LOG" in os.environ:
-                path.write_text(f"gpu-watchdog inference: CUDA context poisoned: {reason}\n", encoding="utf-8")
-        except OSError:
-            pass
+        write_termination_log(reason)
         self.fatal_event.set()
 
     def memory_report(self) -> dict[str, Any]:
         assert self.engine is not None and self.gate is not None
         assert self.admission is not None
-        figures = self.engine.memory()
-        injected = False
-        frag = self.faults.fragmentation if self.faults is not None else None
-        if frag is not None:
-            # Labelled as injected: these are not measurements.
-            reserved = figures["reserved_bytes"] or (1 << 30)
-            figures["reserved_bytes"] = reserved
-            figures["allocated_bytes"] = int(reserved * (1 - frag.ratio))
-            figures["active_bytes"] = figures["allocated_bytes"]
-            figures["inactive_split_bytes"] = int(reserved * frag.ratio)
-            figures["alloc_retries"] = figures["alloc_retries"] + 1
-            injected = True
-        reserved = figures["reserved_bytes"]
-        figures["fragmentation_ratio"] = (
-            (reserved - figures["allocated_bytes"]) / reserved if reserved > 0 else 0.0
-        )
+        figures = allocator.with_fragmentation(self.engine.memory(),
+                                               None if self.faults is None else self.faults.fragmentation)
         stats = self.gate.stats()
         probe = self.engine.probe()
         figures.update(
-            injected=injected,
             ooms_caught=self.engine.oom_count,
             empty_cache_count=self.engine.empty_cache_count,
             uptime_s=round(self.uptime(), 3),

@@ -1,0 +1,68 @@
+"""The agent in a FastAPI or Starlette app: `install(app, agent)`, one line.
+
+Adds the `gpu_inference_` request metrics (route template and status code), `GET /metrics`, and
+the answers of `serve`: 503 + Retry-After for a queue timeout, a full queue, draining or an OOM
+the cache flush did not cure; 500 for a poisoned context.
+"""
+
+from __future__ import annotations
+
+import time
+
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from inference.agent import METRICS_CONTENT_TYPE, Agent
+from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from inference.http_public import error_response
+
+ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
+
+
+class _Observe:
+    """Pure ASGI (no request objects built): counts each answer by its route template and code."""
+
+    def __init__(self, app: ASGIApp, agent: Agent) -> None:
+        self.app = app
+        self.agent = agent
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        status = 500
+
+        async def sending(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            # The template, not the path: a scan of random paths must not grow the label set.
+            name = getattr(route, "path", None) or "other"
+            self.agent.observe(name, status, time.perf_counter() - start)
+
+
+def install(app: Starlette, agent: Agent, metrics_path: str = "/metrics") -> None:
+    retry_after = agent.settings.retry_after_s
+
+    async def answer(request: Request, exc: Exception) -> Response:
+        resp = error_response(exc, retry_after)
+        headers = {k: v for k, v in resp.headers.items() if k == "Retry-After"}
+        return Response(content=resp.body, status_code=resp.status, headers=headers,  # type: ignore[arg-type]
+                        media_type="application/json")
+
+    async def metrics(request: Request) -> Response:
+        return Response(content=agent.metrics_page(), media_type=METRICS_CONTENT_TYPE)
+
+    for exc_type in ANSWERED:
+        app.add_exception_handler(exc_type, answer)
+    app.add_route(metrics_path, metrics, methods=["GET"], include_in_schema=False)
+    app.add_middleware(_Observe, agent=agent)
