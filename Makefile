@@ -21,7 +21,7 @@ OFFLINE_WHEELS ?= .gpu-wheels-ci
 # made by debootstrap (kept between runs), the machine's CA bundle and its local torch wheel.
 CI_BASE := localhost/gpu-watchdog-base:bookworm
 
-.PHONY: install up test lint tools vllm offline images push images-ci clean chart-files
+.PHONY: install up test lint tools vllm offline images push images-ci clean chart-files chart-schema
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -106,5 +106,9 @@ images-ci:
 	  WHEELS=$$( [ -d /opt/wheels ] && echo /opt/wheels ) bash docker/build.sh build
 
 # The chart packages the dashboard and the rules from dashboards/ (the tests check they match).
-chart-files:
+chart-files: chart-schema
 	cp dashboards/alerts.yaml dashboards/gpu-watchdog.json helm/gpu-watchdog/files/
+
+# The chart's schema of watchdog.config, generated from the settings in watchdog/config.py.
+chart-schema:
+	$(PY) -m watchdog.config_schema

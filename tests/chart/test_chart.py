@@ -16,6 +16,7 @@ from watchdog.config import from_mapping
 CHART = ROOT / "helm" / "gpu-watchdog"
 K8S_VERSION = "1.30.0"
 ALL_ON: dict[str, Any] = {
+    "prometheusRelease": "kube-prometheus-stack",
     "serviceMonitor": {"enabled": True},
     "prometheusRule": {"enabled": True},
     "dashboard": {"enabled": True},
@@ -201,7 +202,7 @@ def test_watchdog_config_from_values_is_valid(monkeypatch: pytest.MonkeyPatch) -
         ({"inference": {"admission": {"maxConcurrency": 0}}}, "maxConcurrency"),
         ({"inference": {"admission": {"maxConcurrency": "lots"}}}, "maxConcurrency"),
         ({"watchdog": {"config": {"restart": {"strategy": "reboot"}}}}, "strategy"),
-        ({"watchdog": {"config": {"canary": {"interval": 30}}}}, "interval"),
+        ({"watchdog": {"config": {"canary": {"interval": "thirty"}}}}, "interval"),
         ({"service": {"port": "http"}}, "port"),
         ({"inference": {"gpus": "one"}}, "gpus"),
         ({"unknownTopLevel": True}, "unknownTopLevel"),
@@ -232,19 +233,16 @@ def test_vllm_mode_puts_the_sidecar_next_to_vllm(monkeypatch: pytest.MonkeyPatch
         assert inf[probe]["httpGet"] == {"path": "/health", "port": "http"}
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in inf["volumeMounts"]
-    # No control API, so no token anywhere; the kubelet's PodResources folder, read-only.
+    # No control API, so no token anywhere; no hostPath under the default PodSecurity level.
     pod = by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]
     volumes = {v["name"]: v for v in pod["volumes"]}
-    assert "control-token" not in volumes
-    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
-    assert {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True} in wd[
-        "volumeMounts"]
+    assert "control-token" not in volumes and "pod-resources" not in volumes
     assert wd["securityContext"]["runAsNonRoot"] is True and "runAsUser" not in wd["securityContext"]
     settings = watchdog_config(VLLM, monkeypatch)
     assert settings.target.openai_url == "http://127.0.0.1:8000/v1"
     assert settings.target.metrics_url == "http://127.0.0.1:8000/metrics"
     assert settings.target.openai_model == "llama" and settings.target.api_key_file is None
-    assert settings.kubernetes.pod_resources_socket == "/var/lib/kubelet/pod-resources/kubelet.sock"
+    assert settings.kubernetes.pod_resources_socket is None
 
 
 def test_vllm_api_key_reaches_both_containers_from_one_secret(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -268,7 +266,15 @@ def test_external_mode_and_a_server_without_metrics(monkeypatch: pytest.MonkeyPa
 
 
 def test_pod_resources_root_only_by_opt_in_and_off_for_bundled(monkeypatch: pytest.MonkeyPatch) -> None:
-    wd = containers(render({**VLLM, "watchdog": {"podResources": {"runAsRoot": True}}}))["watchdog"]
+    privileged = {**VLLM, "podSecurityLevel": "privileged", "watchdog": {"podResources": {"runAsRoot": True}}}
+    docs = render(privileged)
+    wd = containers(docs)["watchdog"]
+    volumes = {v["name"]: v for v in by_kind(docs, "Deployment")[0]["spec"]["template"]["spec"]["volumes"]}
+    assert volumes["pod-resources"]["hostPath"] == {"path": "/var/lib/kubelet/pod-resources", "type": "Directory"}
+    assert {"name": "pod-resources", "mountPath": "/var/lib/kubelet/pod-resources", "readOnly": True} in wd[
+        "volumeMounts"]
+    assert watchdog_config(privileged, monkeypatch).kubernetes.pod_resources_socket == (
+        "/var/lib/kubelet/pod-resources/kubelet.sock")
     assert wd["securityContext"]["runAsUser"] == 0 and wd["securityContext"]["runAsNonRoot"] is False
     assert wd["securityContext"]["readOnlyRootFilesystem"] is True and wd["securityContext"]["capabilities"] == {
         "drop": ["ALL"]}

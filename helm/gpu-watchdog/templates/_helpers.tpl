@@ -48,18 +48,66 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if eq $engine "vllm" -}}{{ .Values.vllm.apiKeySecret.name }}{{- else if eq $engine "external" -}}{{ .Values.external.apiKeySecret.name }}{{- end -}}
 {{- end -}}
 
-{{/* "true" when the sidecar asks the kubelet which GPUs are the pod's. */}}
+{{/* The PodSecurity level the release's namespace enforces (values: podSecurityLevel). */}}
+{{- define "gpu-watchdog.podSecurityLevel" -}}
+{{- .Values.podSecurityLevel | default "restricted" -}}
+{{- end -}}
+
+{{/*
+"true" when the sidecar asks the kubelet which GPUs are the pod's. It needs a hostPath (refused by
+PodSecurity baseline and restricted) and root (the kubelet's socket is root-only), so null turns it
+on only where both are allowed, and true where they are not stops the install with what to change.
+*/}}
 {{- define "gpu-watchdog.podResources" -}}
-{{- $on := .Values.watchdog.podResources.enabled -}}
-{{- if kindIs "invalid" $on -}}{{- $on = ne (include "gpu-watchdog.engine" .) "bundled" -}}{{- end -}}
+{{- $pr := .Values.watchdog.podResources -}}
+{{- $level := include "gpu-watchdog.podSecurityLevel" . -}}
+{{- $possible := and (eq $level "privileged") $pr.runAsRoot -}}
+{{- $on := $pr.enabled -}}
+{{- if kindIs "invalid" $on -}}
+{{- $on = and $possible (ne (include "gpu-watchdog.engine" .) "bundled") -}}
+{{- else if and $on (ne $level "privileged") -}}
+{{- fail (printf "watchdog.podResources.enabled: the kubelet's PodResources socket is a hostPath volume, which PodSecurity %q rejects (the ReplicaSet would report FailedCreate and no pod would start). Label the namespace pod-security.kubernetes.io/enforce=privileged and set podSecurityLevel=privileged, or leave watchdog.podResources.enabled null" $level) -}}
+{{- else if and $on (not $pr.runAsRoot) -}}
+{{- fail "watchdog.podResources.enabled: the kubelet's socket (/var/lib/kubelet/pod-resources/kubelet.sock) is owned by root and not writable by others, so a non-root sidecar cannot connect; set watchdog.podResources.runAsRoot=true, or leave watchdog.podResources.enabled null" -}}
+{{- end -}}
 {{- if $on -}}true{{- end -}}
+{{- end -}}
+
+{{/* Seconds from a duration as the watchdog's config writes it: 30s, 10m, 24h, 250ms, or a number. */}}
+{{- define "gpu-watchdog.seconds" -}}
+{{- $v := toString . | trim -}}
+{{- $re := "^([0-9]+(\\.[0-9]+)?)\\s*(ms|s|m|h|d)?$" -}}
+{{- if not (regexMatch $re $v) -}}{{- fail (printf "not a duration: %q (expected 30s, 10m, 24h or a number of seconds)" $v) -}}{{- end -}}
+{{- $n := regexReplaceAll $re $v "${1}" | float64 -}}
+{{- $unit := regexReplaceAll $re $v "${3}" | default "s" -}}
+{{- $factor := get (dict "ms" 0.001 "s" 1.0 "m" 60.0 "h" 3600.0 "d" 86400.0) $unit -}}
+{{- mulf $n $factor -}}
+{{- end -}}
+
+{{/* The inference container's startup probe failures: enough to outlast policy.startup_timeout. */}}
+{{- define "gpu-watchdog.startupFailureThreshold" -}}
+{{- $probe := .Values.inference.startupProbe -}}
+{{- $period := $probe.periodSeconds | default 5 -}}
+{{- $timeout := include "gpu-watchdog.seconds" (dig "policy" "startup_timeout" "30m" .Values.watchdog.config) | float64 -}}
+{{- /* A minute beyond the watchdog's own limit: its restart (with an Event naming startup_timeout) comes first. */ -}}
+{{- $needed := ceil (divf (addf $timeout 60.0) $period) | int -}}
+{{- if kindIs "invalid" $probe.failureThreshold -}}
+{{- $needed -}}
+{{- else if lt (mulf $probe.failureThreshold $period) $timeout -}}
+{{- fail (printf "inference.startupProbe: %v failures x %vs is %vs, shorter than watchdog.config.policy.startup_timeout (%vs): the kubelet would kill a model still loading before the watchdog's limit. Leave failureThreshold null (it is derived) or raise it to at least %d" $probe.failureThreshold $period (mul $probe.failureThreshold $period) $timeout $needed) -}}
+{{- else -}}
+{{- $probe.failureThreshold -}}
+{{- end -}}
 {{- end -}}
 
 {{- define "gpu-watchdog.watchdogConfig" -}}
 {{- $cfg := deepCopy .Values.watchdog.config -}}
 {{- $engine := include "gpu-watchdog.engine" . -}}
+{{- /* Keys the chart owns win; the rest of the user's target and kubernetes sections stays. */ -}}
+{{- $userTarget := deepCopy ($cfg.target | default dict) -}}
+{{- $userKube := deepCopy ($cfg.kubernetes | default dict) -}}
 {{- if eq $engine "bundled" -}}
-{{- $_ := set $cfg "target" (dict "control_url" "http://127.0.0.1:8001" "token_file" "/var/run/gpu-watchdog/token") -}}
+{{- $_ := set $cfg "target" (merge (dict "control_url" "http://127.0.0.1:8001" "token_file" "/var/run/gpu-watchdog/token") $userTarget) -}}
 {{- else -}}
 {{- $port := include "gpu-watchdog.servingPort" . -}}
 {{- $metricsPath := ternary .Values.external.metricsPath "/metrics" (eq $engine "external") -}}
@@ -67,13 +115,13 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $_ := set $target "metrics_url" (ternary (printf "http://127.0.0.1:%s%s" $port $metricsPath) nil (ne $metricsPath "")) -}}
 {{- if eq $engine "vllm" -}}{{- with .Values.vllm.servedModelName -}}{{- $_ := set $target "openai_model" . -}}{{- end -}}{{- end -}}
 {{- if include "gpu-watchdog.apiKeySecret" . -}}{{- $_ := set $target "api_key_file" "/var/run/gpu-watchdog-api-key/key" -}}{{- end -}}
-{{- $_ := set $cfg "target" $target -}}
+{{- $_ := set $cfg "target" (merge $target $userTarget) -}}
 {{- end -}}
 {{- $kube := dict "pod_name" "${POD_NAME}" "namespace" "${POD_NAMESPACE}" "node_name" "${NODE_NAME}" -}}
 {{- if include "gpu-watchdog.podResources" . -}}
 {{- $_ := set $kube "pod_resources_socket" "/var/lib/kubelet/pod-resources/kubelet.sock" -}}
 {{- end -}}
-{{- $_ := set $cfg "kubernetes" $kube -}}
+{{- $_ := set $cfg "kubernetes" (merge $kube $userKube) -}}
 {{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" 9402) -}}
 {{- toYaml $cfg -}}
 {{- end -}}
@@ -83,4 +131,16 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- $img := index . 0 -}}{{- $key := index . 1 -}}
 {{- $msg := printf "%s.repository is not set: build and push the images first (make images; make push REGISTRY=...; README, section Kubernetes), then --set %s.repository=REGISTRY/gpu-watchdog-%s" $key $key (ternary "inference" "watchdog" (hasPrefix "inference" $key)) -}}
 {{- printf "%s:%s" (required $msg $img.repository) $img.tag -}}
+{{- end -}}
+
+{{/* Labels of a Prometheus Operator object; refuses one that no Prometheus would select. */}}
+{{- define "gpu-watchdog.monitoringLabels" -}}
+{{- $root := index . 0 -}}{{- $key := index . 1 -}}
+{{- $extra := deepCopy ((index $root.Values $key).labels | default dict) -}}
+{{- with $root.Values.prometheusRelease -}}{{- $_ := set $extra "release" . -}}{{- end -}}
+{{- if not $extra -}}
+{{- fail (printf "%s.enabled: kube-prometheus-stack's Prometheus selects %s objects by the label release=<its Helm release name>; set prometheusRelease to that name (or %s.labels to what your Prometheus selects), otherwise nothing is scraped" $key (ternary "ServiceMonitor" "PrometheusRule" (eq $key "serviceMonitor")) $key) -}}
+{{- end -}}
+{{ include "gpu-watchdog.labels" $root }}
+{{ toYaml $extra }}
 {{- end -}}
