@@ -17,9 +17,11 @@ import torch
 
 from inference import allocator
 from inference.admission import AdmissionGate
+from inference.batch_loop import BatchLoop, Job
 from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
 from inference.faults import FaultInjector
+from inference.handler import RequestHandler, item_cost
 from inference.metrics import InferenceMetrics
 from inference.model import LoadedModel
 
@@ -33,6 +35,14 @@ DEFAULT_MAX_ROWS = 256
 
 
 @dataclass(frozen=True)
+class Batching:
+    """How a request-level handler's items are batched (the causal LM batches by decode steps)."""
+
+    max_tokens: int = 16384  # padded tokens in one forward pass
+    window_s: float = 0.0  # how long the oldest queued item waits for company
+
+
+@dataclass(frozen=True)
 class CanaryResult:
     ok: bool
     latency_s: float
@@ -43,8 +53,11 @@ class CanaryResult:
 class Engine:
     def __init__(
         self,
-        lm: LoadedModel,
+        lm: LoadedModel | None,
         *,
+        handler: RequestHandler | None = None,
+        device: torch.device | None = None,
+        batching: Batching = Batching(),
         gate: AdmissionGate | None = None,
         cost: Callable[[int], float] = lambda tokens: 1.0,
         metrics: InferenceMetrics | None = None,
@@ -54,7 +67,9 @@ class Engine:
         memory_watermark: float = 0.85,
         on_fatal: Callable[[str], object] | None = None,
     ) -> None:
-        self.lm = lm
+        self._lm = lm
+        self.handler = handler
+        self.device = lm.device if lm is not None else device if device is not None else torch.device("cpu")
         self.gate = gate if gate is not None else AdmissionGate(float(1 << 30))
         self.cost = cost
         self.metrics = metrics
@@ -66,13 +81,47 @@ class Engine:
         self.empty_cache_count = 0
         self._on_fatal = on_fatal
         m = metrics
-        self._loop = DecodeLoop(
-            lm, self.gate, max_rows=max_rows, faults=faults,
-            on_tokens=None if m is None else m.tokens.inc,
-            on_step=None if m is None else m.batch_size.observe,
-            on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
-        )
+        self._loop: DecodeLoop | BatchLoop
+        if handler is None:
+            assert lm is not None, "the causal LM engine needs a loaded model"
+            self._loop = DecodeLoop(
+                lm, self.gate, max_rows=max_rows, faults=faults,
+                on_tokens=None if m is None else m.tokens.inc,
+                on_step=None if m is None else m.batch_size.observe,
+                on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
+            )
+        else:
+            self._loop = BatchLoop(
+                handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens, window_s=batching.window_s,
+                faults=faults, on_items=None if m is None else m.tokens.inc,
+                on_step=None if m is None else m.batch_size.observe,
+                on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
+            )
         self._loop.start()
+
+    @property
+    def lm(self) -> LoadedModel:
+        """The causal LM; only the decode routes ask, and they are served only where it runs."""
+        if self._lm is None:
+            raise RuntimeError("this engine serves a request-level handler, not a causal LM")
+        return self._lm
+
+    @property
+    def context_len(self) -> int:
+        """The longest input the model takes, in tokens."""
+        if self._lm is not None:
+            return self._lm.context_len
+        return int(getattr(self.handler, "max_tokens", 0) or 0)
+
+    @property
+    def _decode(self) -> DecodeLoop:
+        assert isinstance(self._loop, DecodeLoop), "a causal-LM call on a request-level engine"
+        return self._loop
+
+    @property
+    def _items(self) -> BatchLoop:
+        assert isinstance(self._loop, BatchLoop), "a request-level call on the causal-LM engine"
+        return self._loop
 
     # -- state -------------------------------------------------------------------------------
 
@@ -82,7 +131,7 @@ class Engine:
 
     @property
     def is_cuda(self) -> bool:
-        return self.lm.device.type == "cuda"
+        return self.device.type == "cuda"
 
     @property
     def queued(self) -> int:
@@ -114,7 +163,7 @@ class Engine:
         if self.poisoned is not None:
             raise FatalCudaError(self.poisoned)
         weight = self.cost(len(request.prompt_ids) + request.max_tokens)
-        return self._loop.new_sequence(request, weight)
+        return self._decode.new_sequence(request, weight)
 
     async def submit(self, request: GenRequest, timeout: float) -> GenResult:
         """Queue a request; its result once generated. `timeout` bounds the wait for admission only."""
@@ -125,12 +174,12 @@ class Engine:
         if self._loop.waiting >= self.max_queue:
             raise QueueFull(f"{self._loop.waiting} requests already waiting")
         seq = self._sequence(request)
-        self._loop.enqueue(seq)
+        self._decode.enqueue(seq)
         self._gauges()
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
-            if self._loop.withdraw(seq):
+            if self._decode.withdraw(seq):
                 seq.future.set_exception(AdmissionTimeout("no admission slot within the queue timeout"))
                 self._gauges()
 
@@ -140,7 +189,7 @@ class Engine:
         except asyncio.CancelledError:
             # The client went away: out of the queue now, or out of the batch at the next step.
             request.cancelled.set()
-            self._loop.withdraw(seq)
+            self._decode.withdraw(seq)
             raise
         finally:
             timer.cancel()
@@ -150,8 +199,71 @@ class Engine:
         """Run requests to completion from a plain thread (warm-up, measuring, checks)."""
         seqs = [self._sequence(r) for r in requests]
         for seq in seqs:
-            self._loop.enqueue(seq)
+            self._decode.enqueue(seq)
         return [seq.future.result() for seq in seqs]
+
+    async def predict(self, items: list[Any], timeout: float) -> list[Any]:
+        """A request-level handler's outputs for one request's items, batched with everyone else's.
+
+        `timeout` bounds the wait for admission only; the request waits for all its items.
+        """
+        if self.poisoned is not None:
+            raise FatalCudaError(self.poisoned)
+        if self.draining:
+            raise Draining("the server is draining")
+        loop_ = self._items
+        if loop_.waiting + len(items) > self.max_queue:
+            raise QueueFull(f"{loop_.waiting} items already waiting")
+        jobs = self._jobs(items)
+        loop_.enqueue(jobs)
+        self._gauges()
+        loop = asyncio.get_running_loop()
+
+        def expire() -> None:
+            gone = [j for j in jobs if loop_.withdraw(j)]
+            for job in gone:
+                if not job.future.done():
+                    job.future.set_exception(AdmissionTimeout("no admission slot within the queue timeout"))
+            if gone:
+                self._gauges()
+
+        timer = loop.call_later(timeout, expire)
+        try:
+            return list(await asyncio.gather(*(asyncio.shield(asyncio.wrap_future(j.future)) for j in jobs)))
+        except BaseException:
+            # A failed item or a client gone: the others leave the queue (those running finish).
+            for job in jobs:
+                loop_.withdraw(job)
+            raise
+        finally:
+            timer.cancel()
+            self._gauges()
+
+    def predict_now(self, items: list[Any]) -> list[Any]:
+        """Run items to completion from a plain thread (warm-up, measuring, checks)."""
+        jobs = self._jobs(items)
+        self._items.enqueue(jobs)
+        return [job.future.result() for job in jobs]
+
+    def _jobs(self, items: list[Any], canary: bool = False) -> list[Job]:
+        assert self.handler is not None
+        tokens = item_cost(self.handler)
+        jobs = []
+        for item in items:
+            n = tokens(item)
+            jobs.append(self._items.new_job(item, n, 0.0 if canary else self.cost(n), canary=canary))
+        return jobs
+
+    def _canary_job(self) -> Seq | Job:
+        """The canary's one item, queued at the head: a one-token generation, or the handler's sample."""
+        if self.handler is None:
+            seq = self._decode.new_sequence(GenRequest(self.lm.codec.encode(CANARY_PROMPT), max_tokens=1), 0.0,
+                                            canary=True)
+            self._decode.enqueue(seq)
+            return seq
+        [job] = self._jobs([self.handler.sample()], canary=True)
+        self._items.enqueue([job])
+        return job
 
     def _gauges(self) -> None:
         if self.metrics is not None:
@@ -171,9 +283,7 @@ class Engine:
             return CanaryResult(False, loop.time() - start, "timeout", "the previous canary has not finished")
         timeout = max(0.0, timeout - (loop.time() - start))
         try:
-            seq = self._loop.new_sequence(GenRequest(self.lm.codec.encode(CANARY_PROMPT), max_tokens=1), 0.0,
-                                          canary=True)
-            self._loop.enqueue(seq)
+            seq = self._canary_job()
         except BaseException as exc:
             self.gate.release_canary()
             return CanaryResult(False, loop.time() - start, classify(exc), str(exc)[:300] or type(exc).__name__)
@@ -214,7 +324,7 @@ class Engine:
 
     def empty_cache(self) -> int:
         """Return cached blocks to the driver; the bytes freed (0 on CPU)."""
-        freed = allocator.empty_cache(self.lm.device)
+        freed = allocator.empty_cache(self.device)
         if self.faults is not None:
             self.faults.on_empty_cache()
         self.empty_cache_count += 1
@@ -225,9 +335,9 @@ class Engine:
     def reserved_ratio(self) -> float:
         if not self.is_cuda:
             return 0.0
-        total = torch.cuda.get_device_properties(self.lm.device).total_memory
-        return float(torch.cuda.memory_reserved(self.lm.device)) / float(total)
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        return float(torch.cuda.memory_reserved(self.device)) / float(total)
 
     def memory(self) -> dict[str, Any]:
         """Allocator figures; honest zeros on CPU, where there is no CUDA allocator."""
-        return allocator.figures(self.lm.device)
+        return allocator.figures(self.device)

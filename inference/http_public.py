@@ -16,6 +16,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from inference.decode import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from inference.http_handlers import HandlerRoutes
 from inference.model import NoChatTemplate
 from inference.openapi import public_spec
 from inference.service import InferenceService
@@ -124,10 +125,11 @@ class PublicAPI:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", make_aiohttp_handler(self.service.metrics.registry))
         app.router.add_get("/openapi.json", self.openapi)
+        HandlerRoutes(self.service, self._fail).add_to(app)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
-        ctx = self.service.engine.lm.context_len if self.service.engine is not None else 0
+        ctx = self.service.engine.context_len if self.service.engine is not None else 0
         return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx, self.service.model_name))
 
     # -- probes and models -------------------------------------------------------------------
@@ -148,7 +150,7 @@ class PublicAPI:
         card: dict[str, Any] = {"id": self.service.model_name, "object": "model", "created": self.created,
                                 "owned_by": "gpu-watchdog"}
         if engine is not None:
-            card["max_model_len"] = engine.lm.context_len
+            card["max_model_len"] = engine.context_len
         return card
 
     async def models(self, request: web.Request) -> web.Response:

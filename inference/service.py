@@ -14,11 +14,14 @@ import structlog
 import torch
 
 from inference import allocator
+from inference import handler as handler_mod
 from inference import model as model_mod
 from inference.admission import AdmissionGate
 from inference.decode import GenRequest
-from inference.engine import CanaryResult, Engine
+from inference.engine import Batching, CanaryResult, Engine
 from inference.faults import FaultInjector
+from inference.handler import Handler, RequestHandler
+from inference.handlers.causal_lm import CausalLM
 from inference.measure import filler, measure
 from inference.metrics import InferenceMetrics
 from inference.model import BUILTIN_NAME
@@ -63,6 +66,7 @@ class InferenceService:
         self.admission: Admission | None = None
         self._started = 0.0
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.handler: Handler | None = None
 
     # -- start -------------------------------------------------------------------------------
 
@@ -74,7 +78,13 @@ class InferenceService:
         if s.memory_fraction is not None and device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
         t0 = self._loop.time()
-        lm = await asyncio.to_thread(model_mod.load, s.model, device)
+        # Resolving may import the user's own module: off the event loop, like the load.
+        self.handler = await asyncio.to_thread(handler_mod.resolve, s.handler)
+        if not isinstance(self.handler, CausalLM):
+            await self._start_request_level(device)
+            return
+        await asyncio.to_thread(self.handler.load, s.model, device)
+        lm = self.handler.lm
         # The gate opens wide for the warm-up and the measuring runs; sizing closes it to the budget.
         self.gate = AdmissionGate(float(1 << 30))
         self.engine = Engine(lm, gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
@@ -92,6 +102,38 @@ class InferenceService:
         if s.batch_window_ms is not None:
             log.warning("deprecated_flag", flag="--batch-window-ms", value=s.batch_window_ms,
                         note="ignored: requests join the running batch at the next step")
+        self.ready = True
+        log.info("ready", instance_id=self.instance_id)
+
+    async def _start_request_level(self, device: torch.device) -> None:
+        """Start a request-level handler (embeddings, classifier, one's own): the batch loop, then admission."""
+        assert self._loop is not None and self.handler is not None
+        s = self.settings
+        handler = self.handler
+        if not isinstance(handler, RequestHandler):
+            raise handler_mod.HandlerError(f"--handler {s.handler}: needs decode, predict and encode")
+        t0 = self._loop.time()
+        await asyncio.to_thread(handler.load, s.model, device)
+        self.gate = AdmissionGate(float(1 << 30))
+        window = (s.batch_window_ms or 0.0) / 1000.0
+        self.engine = Engine(None, handler=handler, device=device, batching=Batching(s.max_batch_tokens, window),
+                             gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
+                             max_queue=s.max_queue, memory_watermark=s.memory_watermark,
+                             on_fatal=self._on_fatal_threadsafe)
+        log.info("model_loaded", handler=s.handler, served_model_name=self.model_name, device=str(device),
+                 capabilities=sorted(handler.capabilities), max_tokens=self.engine.context_len,
+                 seconds=round(self._loop.time() - t0, 3))
+        # Warm up on the canary's item (kernels, allocator), then size admission: one slot per item.
+        await asyncio.to_thread(self.engine.predict_now, [handler.sample()])
+        if s.max_concurrency is not None:
+            limit, source = s.max_concurrency, "--max-concurrency"
+        else:
+            limit, source = s.cpu_default_concurrency, "default slots (per-item memory is not measured)"
+        self.admission = Admission("slots", float(limit), limit, None, self.engine.context_len, None, source)
+        self.gate.set_capacity(self.admission.capacity)
+        self.metrics.admission_limit.set(limit)
+        log.info("admission", mode="slots", limit=limit, source=source, max_batch_size=s.max_batch_size,
+                 max_batch_tokens=s.max_batch_tokens, batch_window_ms=s.batch_window_ms or 0.0)
         self.ready = True
         log.info("ready", instance_id=self.instance_id)
 
@@ -139,6 +181,8 @@ class InferenceService:
         """The id clients use (`model` in requests, `GET /v1/models`)."""
         if self.settings.served_model_name:
             return self.settings.served_model_name
+        if not self.settings.model and self.settings.handler != "causal-lm":
+            return self.settings.handler.rpartition(":")[2]
         return Path(self.settings.model).name if self.settings.model else BUILTIN_NAME
 
     @property

@@ -37,6 +37,14 @@ def _concurrency(value: str) -> int | None:
         raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
 
 
+BUILTIN_HANDLERS = ("causal-lm", "embeddings", "classifier")
+
+
+def _module_attr(spec: str) -> bool:
+    module, _, attr = spec.partition(":")
+    return all(part.isidentifier() for part in module.split(".")) and attr.isidentifier()
+
+
 def _show_concurrency(value: object) -> str:
     return "auto" if value is None else str(value)
 
@@ -52,7 +60,10 @@ def flag(name: str, help: str | None = None, *, parse: Callable[[str], Any] | No
 @dataclass(frozen=True)
 class ServeSettings:
     model: str | None = field(default=None, metadata=flag(
-        "--model", "local Hugging Face causal-LM directory (default: built-in model)", metavar="DIR"))
+        "--model", "local Hugging Face model directory (default: built-in model)", metavar="DIR"))
+    handler: str = field(default="causal-lm", metadata=flag(
+        "--handler", "what the model does: causal-lm, embeddings, classifier, or module:attr (your own"
+        " handler class) (default: causal-lm)", metavar="NAME|module:attr"))
     served_model_name: str | None = field(default=None, metadata=flag(
         "--served-model-name", "the model id clients send and GET /v1/models lists (default: the model"
         " directory's name, or the built-in model's)", metavar="NAME"))
@@ -67,11 +78,14 @@ class ServeSettings:
     max_batch_size: int = field(default=256, metadata=flag(
         "--max-batch-size", "most sequences decoding together; admission by memory usually binds first"
         " (default: 256; 1 = no batching)", parse=_positive_int))
-    # Kept so that existing command lines still start: there is no window any more, a request
-    # joins the running batch at the next step. Warned about at start.
+    # The causal LM has no window (a request joins the running batch at the next step) and warns
+    # when given one; request-level handlers wait this long for more items (None = 0: never wait).
     batch_window_ms: float | None = field(default=None, metadata=flag(
-        "--batch-window-ms", "ignored (deprecated): requests join the running batch at the next step",
-        parse=float, metavar="MS"))
+        "--batch-window-ms", "request-level handlers: how long the first queued item waits for more"
+        " (default 0: take what is queued, never wait); the causal LM ignores it", parse=float, metavar="MS"))
+    max_batch_tokens: int = field(default=16384, metadata=flag(
+        "--max-batch-tokens", "request-level handlers: padded tokens in one forward pass (default: 16384)",
+        parse=_positive_int))
     queue_timeout: float = field(default=30.0, metadata=flag(
         "--queue-timeout", "seconds a request may wait for admission before a 503", parse=float, metavar="S"))
     max_queue: int = field(default=256, metadata=flag("--max-queue", parse=_positive_int))
@@ -112,6 +126,12 @@ class ServeSettings:
             (self.memory_fraction is None or 0 < self.memory_fraction <= 1, "--memory-fraction must be in (0, 1]"),
             (self.served_model_name is None or bool(self.served_model_name.strip()),
              "--served-model-name must not be empty"),
+            (self.handler in BUILTIN_HANDLERS or _module_attr(self.handler),
+             f"--handler must be one of {', '.join(BUILTIN_HANDLERS)} or module:attr"),
+            (self.handler in ("causal-lm",) or ":" in self.handler or self.model is not None,
+             f"--handler {self.handler} needs --model DIR (a local Hugging Face directory)"),
+            (self.batch_window_ms is None or 0 <= self.batch_window_ms <= 10_000,
+             "--batch-window-ms must be between 0 and 10000"),
         ]
         for ok, message in checks:
             if not ok:
