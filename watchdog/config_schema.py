@@ -27,7 +27,7 @@ from typing import Any
 from watchdog import config
 
 CHART_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "gpu-watchdog" / "values.schema.json"
-REGENERATE = "python -m watchdog.config_schema (or make chart-schema)"
+REGENERATE = "`python -m watchdog.config_schema` (or `make chart-schema`)"
 
 # Keys the chart fills in from its own values (ports, paths, the downward API); a value set for
 # them under watchdog.config would be overwritten, so the chart refuses it instead.
@@ -135,7 +135,7 @@ def settings_schema() -> dict[str, Any]:
 def chart_schema() -> dict[str, Any]:
     """`watchdog.config` in the chart's values: the config less what the chart fills in itself."""
     schema = dataclass_schema(config.Settings, excluded=CHART_EXCLUDED_CHOICES, omit=CHART_OWNED)
-    schema["$comment"] = f"Generated from watchdog/config.py by `{REGENERATE}`; do not edit by hand."
+    schema["$comment"] = f"Generated from watchdog/config.py by {REGENERATE}; do not edit by hand."
     return schema
 
 
@@ -148,6 +148,25 @@ def embedded(values_schema: Mapping[str, Any]) -> tuple[Any, dict[str, Any]]:
 
 def is_stale(values_schema: Mapping[str, Any]) -> bool:
     return embedded(values_schema) != (chart_schema(), DEFINITIONS)
+
+
+def _keys(schema: Any, prefix: str = "") -> dict[str, Any]:
+    """Every config key path in an object schema, with its schema."""
+    out: dict[str, Any] = {}
+    for name, sub in ((schema or {}).get("properties") or {}).items():
+        path = f"{prefix}{name}"
+        out[path] = sub
+        if isinstance(sub, dict) and "properties" in sub:
+            out.update(_keys(sub, path + "."))
+    return out
+
+
+def stale_keys(values_schema: Mapping[str, Any]) -> list[str]:
+    """What the chart's copy lacks, has extra, or has differently: `+key`, `-key`, `~key`."""
+    held, fresh = _keys(embedded(values_schema)[0]), _keys(chart_schema())
+    leaves = {k for k, v in {**held, **fresh}.items() if not (isinstance(v, dict) and "properties" in v)}
+    return sorted([f"+{k}" for k in fresh.keys() - held.keys()] + [f"-{k}" for k in held.keys() - fresh.keys()]
+                  + [f"~{k}" for k in leaves & held.keys() & fresh.keys() if held[k] != fresh[k]])
 
 
 def write(path: Path = CHART_SCHEMA) -> bool:
@@ -173,7 +192,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.check:
         stale = is_stale(json.loads(args.chart_schema.read_text()))
         if stale:
-            print(f"{args.chart_schema}: watchdog.config schema is stale; run `{REGENERATE}`", file=sys.stderr)
+            what = ", ".join(stale_keys(json.loads(args.chart_schema.read_text()))) or "definitions"
+            print(f"{args.chart_schema}: watchdog.config schema is stale ({what}); run {REGENERATE}", file=sys.stderr)
         return 1 if stale else 0
     changed = write(args.chart_schema)
     print(f"{args.chart_schema}: {'updated' if changed else 'up to date'}")

@@ -188,6 +188,10 @@ def test_pod_resources_is_off_unless_the_namespace_admits_it(engine_values: dict
      ["root", "runAsRoot=true"]),
     ({"inference": {"model": {"source": "hostPath", "hostPath": {"path": "/models"}}}},
      ["inference.model.source=hostPath", "restricted"]),
+    ({"securityContext": {"allowPrivilegeEscalation": True}}, ["restricted", "allowPrivilegeEscalation: false"]),
+    ({"podSecurityContext": {"seccompProfile": None}}, ["restricted", "seccompProfile.type: RuntimeDefault"]),
+    ({"securityContext": {"capabilities": {"drop": ["NET_RAW"]}}}, ["capabilities.drop: [ALL]"]),
+    ({"podSecurityLevel": "baseline", "securityContext": {"privileged": True}}, ["privileged", "baseline"]),
 ])
 def test_a_pod_the_cluster_would_refuse_fails_the_install_saying_why(values: dict[str, Any],
                                                                      words: list[str]) -> None:
@@ -252,8 +256,9 @@ def test_the_charts_config_schema_is_the_one_generated_from_the_settings() -> No
     doc = json.loads((CHART / "values.schema.json").read_text())
     held, definitions = config_schema.embedded(doc)
     assert (held, definitions) == (config_schema.chart_schema(), config_schema.DEFINITIONS), (
-        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/config.py:"
-        f" run `{config_schema.REGENERATE}` and commit the result")
+        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/config.py"
+        f" ({', '.join(config_schema.stale_keys(doc)) or 'definitions'}): run {config_schema.REGENERATE}"
+        " and commit helm/gpu-watchdog/values.schema.json")
 
 
 def test_the_check_command_says_stale_and_how_to_regenerate(tmp_path: Path,
