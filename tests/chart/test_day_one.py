@@ -67,6 +67,27 @@ def mount_of(container: dict[str, Any], path: str) -> dict[str, Any] | None:
     return best
 
 
+PRIVILEGED_PR: dict[str, Any] = {**VLLM, "podSecurityLevel": "privileged",
+                                 "watchdog": {"podResources": {"runAsRoot": True}}}
+NEW_VALUES = [
+    HF_VLLM, PRIVILEGED_PR, {"strategy": {"type": "Recreate"}},
+    {**HF_VLLM, "inference": {"engine": "vllm", "cache": {"pvc": {"claimName": "cache"}}}},
+    {**EXTERNAL, "external": {**EXTERNAL["external"], "apiKeySecret": {"name": "k"}, "metricsPath": "/prom"},
+     "prometheusRelease": "kps", "serviceMonitor": {"enabled": True}, "prometheusRule": {"enabled": True}},
+    {"imagePullSecrets": [{"name": "r"}], "runtimeClassName": "nvidia", "priorityClassName": "p",
+     "podDisruptionBudget": {"unhealthyPodEvictionPolicy": "IfHealthyBudget"}, "inference": {"gpus": 2}},
+]
+
+
+@pytest.mark.parametrize("values", NEW_VALUES)
+def test_new_values_lint_clean_and_validate_against_kubernetes(values: dict[str, Any]) -> None:
+    report = helm.lint(str(CHART), with_images(values), strict=True, kube_version=f"v{K8S_VERSION}")
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] >= 2] == [], report
+    for doc in render(values):
+        if not doc["apiVersion"].startswith("monitoring.coreos.com/"):
+            kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
+
+
 # --- 2. model downloads and compile caches ------------------------------------------------------
 
 CACHE_ENV = ("HOME", "XDG_CACHE_HOME", "HF_HOME", "VLLM_CACHE_ROOT", "TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
@@ -157,7 +178,7 @@ def test_a_startup_probe_shorter_than_the_startup_timeout_is_refused() -> None:
 ADMITTED = [
     ("restricted", {}), ("restricted", ALL_ON), ("restricted", VLLM), ("restricted", HF_VLLM),
     ("restricted", EXTERNAL), ("baseline", VLLM),
-    ("privileged", {**VLLM, "podSecurityLevel": "privileged", "watchdog": {"podResources": {"runAsRoot": True}}}),
+    ("privileged", PRIVILEGED_PR),
 ]
 
 
