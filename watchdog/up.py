@@ -157,14 +157,14 @@ async def _up(args: argparse.Namespace, serve_argv: list[str], settings: Setting
         return 1
     watchdog = Watchdog(settings, LocalRestarter(supervisor), token=token)
     await watchdog.start()
+    routes, example = _routes(getattr(args, "handler", "causal-lm"))
     banner = [
         "gpu-watchdog up: both processes are running",
-        f"  inference API  http://{host}:{args.port}   POST /v1/completions /v1/chat/completions,"
-        " GET /v1/models /readyz /metrics",
+        f"  inference API  http://{host}:{args.port}   {routes}, GET /v1/models /readyz /metrics",
         f"  control API    http://127.0.0.1:{args.control_port}   bearer token in "
         + (token_path or f"${ENV_VAR}"),
         f"  watchdog       http://{host}:{watchdog.port}   GET /status /readyz /healthz /metrics",
-        f"  try: curl -s localhost:{args.port}/v1/completions -d '{{\"prompt\": \"hello\", \"max_tokens\": 16}}'",
+        f"  try: curl -s localhost:{args.port}{example}",
         "  Ctrl-C stops both.",
     ]
     print("\n".join(banner), file=sys.stderr, flush=True)
@@ -173,6 +173,18 @@ async def _up(args: argparse.Namespace, serve_argv: list[str], settings: Setting
     await watchdog.stop()
     await supervisor.stop()
     return 0
+
+
+def _routes(handler: str) -> tuple[str, str]:
+    """What the child serves, for the banner: its routes and a request to try."""
+    if handler == "embeddings":
+        return "POST /v1/embeddings", """/v1/embeddings -d '{"input": "hello"}'"""
+    if handler == "classifier":
+        return "POST /v1/classify", """/v1/classify -d '{"input": "hello"}'"""
+    if handler != "causal-lm":
+        return "POST /predict", "/predict -d '{...}'"
+    return ("POST /v1/completions /v1/chat/completions",
+            """/v1/completions -d '{"prompt": "hello", "max_tokens": 16}'""")
 
 
 def up_main(args: argparse.Namespace, serve_argv: list[str]) -> int:

@@ -256,3 +256,13 @@ def test_a_handler_of_ones_own_serves_predict_and_answers_the_canary(tmp_path: P
     assert [m["id"] for m in models_["data"]] == ["Doubler"]
     assert embed.status_code == 404
     assert canary["ok"] is True
+
+
+def test_a_sticky_cuda_error_poisons_the_process_which_exits_3(bert: Server) -> None:
+    # Last of the tests on this server: it does not come back.
+    bert.fault("context_loss")
+    r = requests.post(bert.url + "/v1/embeddings", json={"input": "ok"}, timeout=30)
+    assert r.status_code == 500 and r.json()["error"]["type"] == "fatal_cuda"
+    assert requests.get(bert.url + "/readyz", timeout=10).status_code == 503
+    assert bert.ctl("GET", "/control/memory").json()["poisoned"] is True  # reported: no need to linger
+    assert bert.proc.proc.wait(timeout=30) == 3
