@@ -384,3 +384,15 @@ def test_the_chart_readme_lists_every_value() -> None:
 
     documented = set(re.findall(r"^\| `([^`]+)` \|", (CHART / "README.md").read_text(), re.MULTILINE))
     assert documented == leaves(values), (sorted(leaves(values) - documented), sorted(documented - leaves(values)))
+
+
+def test_the_handler_value_reaches_the_servers_flags() -> None:
+    default = containers(render())["inference"]["args"]
+    assert not any(a.startswith("--handler") for a in default)  # causal-lm, the server's own default
+    values = {"inference": {"handler": "embeddings", "model": {"source": "pvc", "pvc": {"claimName": "models"}}}}
+    args = containers(render(values))["inference"]["args"]
+    assert "--handler=embeddings" in args and "--model=/models/model" in args
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError, match="handler"):
+        chart.render(with_images({"inference": {"handler": "no such thing"}}), name="demo", namespace="serving",
+                     is_install=True)
