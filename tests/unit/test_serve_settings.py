@@ -51,3 +51,15 @@ def test_a_value_out_of_range_names_the_flag() -> None:
         from_args(parse(["--served-model-name", " "]))
     with pytest.raises(argparse.ArgumentError, match="max-batch-size"):
         parse(["--max-batch-size", "0"])
+
+
+def test_the_handler_flags_round_trip_and_a_bad_handler_names_the_flag() -> None:
+    argv = ["--handler", "embeddings", "--model", "/models/e5", "--batch-window-ms", "10", "--max-batch-tokens", "8192"]
+    settings = from_args(parse(argv, for_up=True))
+    assert settings.handler == "embeddings" and settings.max_batch_tokens == 8192
+    assert from_args(parse(to_argv(settings))) == settings
+    assert from_args(parse(["--handler", "my_pkg.models:Detector"])).handler == "my_pkg.models:Detector"
+    for bad, words in ((["--handler", "reranker"], "--handler must be"), (["--handler", "classifier"], "--model DIR"),
+                       (["--handler", "x:1y"], "--handler must be")):
+        with pytest.raises(SettingsError, match=words):
+            from_args(parse(bad))
