@@ -27,11 +27,13 @@ from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision
 from watchdog.samplers.allocator import AllocatorSampler
-from watchdog.samplers.canary import CanarySampler, OpenAICanary
+from watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
+from watchdog.samplers.http_canary import HttpCanary
 from watchdog.samplers.nvml import NvmlBackend, NvmlSampler, PynvmlBackend
 from watchdog.samplers.pod_resources import list_pod_gpus
 from watchdog.samplers.server_metrics import ServerMetricsSampler
 from watchdog.samples import History, TorchSample, XidEvent
+from watchdog.selector import parse as parse_selector
 from watchdog.server import build_app
 from watchdog.state import (
     AdmissionAnswered,
@@ -93,7 +95,7 @@ class Watchdog:
         self.nvml: NvmlSampler | None = None
         self.control: ControlClient | None = None
         self.allocator: AllocatorSampler | None = None
-        self.canary: CanarySampler | OpenAICanary | None = None
+        self.canary: Canary | None = None
         self.server_metrics: ServerMetricsSampler | None = None
         self.port: int | None = None
 
@@ -107,7 +109,9 @@ class Watchdog:
         self.history = History(started_at=now, epoch=now, jitter=self._jitter())
         self._last_tick = now
         self._session = aiohttp.ClientSession()
-        if s.target.openai_url is None:
+        if s.target.http is not None:
+            self.canary = HttpCanary(s.target.http, self._session, self.clock, s.canary.timeout)
+        elif s.target.openai_url is None:
             token = self._token or self._read_token()
             self.control = ControlClient(s.target.control_url, token, self._session)
             self.allocator = AllocatorSampler(self.control, self.clock)
@@ -116,10 +120,11 @@ class Watchdog:
             self.canary = OpenAICanary(s.target.openai_url, s.target.openai_model, s.target.api_key_file,
                                        self._session, self.clock, s.canary.timeout)
         if self.server_metrics_url is not None:
-            headers = self.canary.headers if isinstance(self.canary, OpenAICanary) else dict
+            headers = self.canary.headers if isinstance(self.canary, OpenAICanary | HttpCanary) else dict
+            progress = None if s.target.progress_metric is None else parse_selector(s.target.progress_metric)
             self.server_metrics = ServerMetricsSampler(self.server_metrics_url, self._session, self.clock,
                                                        timeout=min(5.0, s.sampling.server_interval + 1.0),
-                                                       headers=headers)
+                                                       headers=headers, progress=progress)
         self.nvml = NvmlSampler(self._nvml_backend, self.clock)
         await asyncio.to_thread(self.nvml.open)
         self.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))

@@ -19,9 +19,11 @@ from typing import Any
 
 import yaml
 
+from watchdog import selector
 from watchdog.units import parse_duration, parse_ratio
 
 STRATEGIES = ("evict", "delete", "local", "none")
+HTTP_METHODS = ("GET", "POST", "PUT")
 METRICS_AUTO = "auto"
 BUNDLED_METRICS_URL = "http://127.0.0.1:8000/metrics"  # the inference container's public port
 _ENV_REF = re.compile(r"\$\{([A-Za-z_][A-Za-z0-9_]*)\}")
@@ -42,6 +44,20 @@ def _ratio() -> dict[str, Any]:
 
 
 @dataclass(frozen=True)
+class HttpTargetSettings:
+    """A canary for any HTTP model server: one request, judged by its status and, optionally, a key."""
+
+    url: str = ""
+    method: str = field(default="POST", metadata={"choices": HTTP_METHODS})
+    body: Any = field(default=None, metadata={"kind": "json"})  # sent as JSON
+    body_file: str | None = None  # sent as it is (JSON or not), read once at start
+    headers: dict[str, str] = field(default_factory=dict)
+    api_key_file: str | None = None  # sent as a Bearer token
+    expect_status: int = 200
+    expect_json: str | None = None  # a key path that must be in the answer: `outputs.0.data`
+
+
+@dataclass(frozen=True)
 class TargetSettings:
     control_url: str = "http://127.0.0.1:8001"
     token_file: str | None = "/var/run/gpu-watchdog/token"
@@ -52,6 +68,11 @@ class TargetSettings:
     # The target's Prometheus page. "auto": the openai_url's origin + /metrics, or the bundled
     # server's public port on this pod; null: none (canary timeouts alone decide a hang).
     metrics_url: str | None = METRICS_AUTO
+    # Any HTTP model server (Triton, TorchServe, LitServe, TEI, one's own): canary by this request.
+    http: HttpTargetSettings | None = None
+    # The target's counter of finished work on its metrics page (`name` or `name{label="v"}`):
+    # canary timeouts while it advances mean saturated, not hung.
+    progress_metric: str | None = None
 
 
 @dataclass(frozen=True)
@@ -192,7 +213,15 @@ def _substitute(value: str) -> str:
 
 
 def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, errors: list[str]) -> Any:
+    if meta.get("kind") == "json":
+        return value  # any JSON value, sent as it is
     origin = typing.get_origin(tp)
+    if origin is dict:
+        if not isinstance(value, Mapping) or not all(isinstance(k, str) and isinstance(v, str)
+                                                     for k, v in value.items()):
+            errors.append(f"{path}: expected a mapping of strings to strings")
+            return None
+        return {k: _substitute(v) for k, v in value.items()}
     if origin in (typing.Union, types.UnionType):
         args = [a for a in typing.get_args(tp) if a is not type(None)]
         if value is None:
@@ -327,16 +356,45 @@ def _check(s: Settings, errors: list[str]) -> None:
     for key, url in urls:
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
             errors.append(f"{key}: expected an http(s) URL, got {url!r}")
+    _check_http_target(s.target, errors)
 
 
 def metrics_url(target: TargetSettings) -> str | None:
     """Where the target's own Prometheus page is, with "auto" resolved."""
     if target.metrics_url != METRICS_AUTO:
         return target.metrics_url
-    if target.openai_url is None:
+    served = target.http.url if target.http is not None else target.openai_url
+    if served is None:
         return BUNDLED_METRICS_URL
-    m = re.match(r"^(https?://[^/\s]+)", target.openai_url)
-    return (m.group(1) if m else target.openai_url.rstrip("/")) + "/metrics"
+    m = re.match(r"^(https?://[^/\s]+)", served)
+    return (m.group(1) if m else served.rstrip("/")) + "/metrics"
+
+
+def _check_http_target(t: TargetSettings, errors: list[str]) -> None:
+    if t.progress_metric is not None:
+        try:
+            selector.parse(t.progress_metric)
+        except ValueError as exc:
+            errors.append(f"target.progress_metric: {exc}")
+    h = t.http
+    if h is None:
+        return
+    if t.openai_url is not None:
+        errors.append("target.http: cannot be combined with target.openai_url (one canary per target)")
+    if not h.url:
+        errors.append("target.http.url: required (the URL the canary request goes to)")
+    elif not re.match(r"^https?://[^/\s]+", h.url):
+        errors.append(f"target.http.url: expected an http(s) URL, got {h.url!r}")
+    if h.body is not None and h.body_file is not None:
+        errors.append("target.http.body_file: give body or body_file, not both")
+    if h.body is not None and h.method == "GET":
+        errors.append("target.http.body: a GET request carries no body (use method POST)")
+    if h.body_file is not None and not os.path.isfile(h.body_file):
+        errors.append(f"target.http.body_file: no such file {h.body_file!r}")
+    if not 100 <= h.expect_status <= 599:
+        errors.append(f"target.http.expect_status: expected an HTTP status (100-599), got {h.expect_status}")
+    if h.expect_json is not None and (not h.expect_json or any(not part for part in h.expect_json.split("."))):
+        errors.append(f"target.http.expect_json: expected a key path like outputs.0.data, got {h.expect_json!r}")
 
 
 def from_mapping(data: Any) -> Settings:

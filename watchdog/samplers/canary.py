@@ -1,11 +1,15 @@
-"""The canary: a real one-token inference, through the control API or any OpenAI-compatible server."""
+"""The canary: a real one-token inference, through the control API or any OpenAI-compatible server.
+
+Every canary (these two, and `http_canary.HttpCanary` for any HTTP model server) answers to
+`Canary` and reports the same `CanarySample`; config chooses one.
+"""
 
 from __future__ import annotations
 
 import json
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, Protocol
 
 import aiohttp
 
@@ -21,7 +25,17 @@ log = logs.get("watchdog.canary")
 CONTROL_ROUTE = contract.CANARY
 COMPLETIONS = "/v1/completions"
 CHAT = "/v1/chat/completions"
+EMBEDDINGS = "/v1/embeddings"
 ANSWER_BYTES = 1 << 20  # a one-token answer or a model list is kilobytes
+
+
+class Canary(Protocol):
+    route: str
+
+    async def sample(self) -> CanarySample: ...
+    def describe(self) -> dict[str, Any]: ...
+    def forget(self) -> None:
+        """After a restart: drop what was learnt about the old process."""
 
 
 class CanarySampler:
@@ -132,12 +146,14 @@ class OpenAICanary:
         if status == 404 and self.configured_model is None and "model" in body.lower():
             self.model = None  # the server was restarted with another model: ask again next time
         if self.route == COMPLETIONS and status in (400, 404, 405, 501):
-            # A server that serves only chat; if chat fails too, the completions answer is reported.
-            chat_status, _ = await self._post(CHAT, start)
-            if chat_status == 200:
-                log.info("canary_route", route=CHAT, because=f"{COMPLETIONS} answered {status}")
-                self.route = CHAT
-                return True, None, None
+            # A server that serves only chat, or only embedding models (vLLM's pooling runner, ours
+            # with the embeddings handler); if those fail too, the completions answer is reported.
+            for route in (CHAT, EMBEDDINGS):
+                other_status, _ = await self._post(route, start)
+                if other_status == 200:
+                    log.info("canary_route", route=route, because=f"{COMPLETIONS} answered {status}")
+                    self.route = route
+                    return True, None, None
         return False, classify(status, body), f"{status}: {body[:300]}"
 
     async def _discover(self, start: float) -> tuple[bool, str | None, str | None] | None:
@@ -160,6 +176,8 @@ class OpenAICanary:
         return None
 
     def _body(self, route: str) -> dict[str, Any]:
+        if route == EMBEDDINGS:
+            return {"input": "ping", **({"model": self.model} if self.model else {})}
         body: dict[str, Any] = {"max_tokens": 1, "temperature": 0}
         if route == CHAT:
             body["messages"] = [{"role": "user", "content": "ping"}]

@@ -7,6 +7,7 @@ hangs or names nothing we know is reported in the sample, never raised.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
@@ -15,6 +16,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from watchdog.samplers.http_body import read_capped
 from watchdog.samples import ServerSample
+from watchdog.selector import Selector
 
 MAX_PAGE_BYTES = 8 * 2**20  # a metrics page is kilobytes; more is not a metrics page
 
@@ -89,10 +91,31 @@ def parse(text: str, at: float) -> ServerSample:
     return ServerSample(at=at, reachable=True, server="unknown")
 
 
+def progress_of(text: str, selector: Selector) -> float | None:
+    """The sum of the series `target.progress_metric` names (None when the page has none of them).
+
+    Only the lines of that name are parsed: a busy server's page is mostly histogram buckets.
+    """
+    names = (selector.name, selector.name + "_total", selector.name.removesuffix("_total"))
+    lines = [line for line in text.splitlines()
+             if line[:1] not in ("#", "") and line.split("{", 1)[0].split(" ", 1)[0] in names]
+    total: float | None = None
+    try:
+        for family in text_string_to_metric_families("\n".join(lines) + "\n"):
+            for s in family.samples:
+                if selector.matches(s.name, s.labels):
+                    total = (total or 0.0) + float(s.value)
+    except Exception:  # a garbled line: no reading, never a crash
+        return None
+    return total
+
+
 class ServerMetricsSampler:
     def __init__(self, url: str, session: aiohttp.ClientSession, clock: Callable[[], float], timeout: float,
-                 headers: Callable[[], dict[str, str]] = dict) -> None:
+                 headers: Callable[[], dict[str, str]] = dict, progress: Selector | None = None) -> None:
         self.url = url
+        # A counter of finished work named in config replaces the dialect's own.
+        self.progress = progress
         self.session = session
         self.clock = clock
         self.timeout = timeout
@@ -112,4 +135,10 @@ class ServerMetricsSampler:
             return ServerSample(at=self.clock(), reachable=False, error=f"unreachable: {exc}"[:300])
         if len(body) > MAX_PAGE_BYTES:
             return ServerSample(at=self.clock(), reachable=False, error="bad_response: page over 8 MiB")
-        return parse(body.decode("utf-8", errors="replace"), self.clock())
+        text = body.decode("utf-8", errors="replace")
+        return self._with_progress(parse(text, self.clock()), text)
+
+    def _with_progress(self, sample: ServerSample, text: str) -> ServerSample:
+        if self.progress is None or not sample.reachable:
+            return sample
+        return dataclasses.replace(sample, progress=progress_of(text, self.progress))
