@@ -9,6 +9,7 @@ request thread.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import threading
 from collections import deque
@@ -25,7 +26,15 @@ from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from inference.faults import FaultInjector
 from inference.kv import KVBatch, NotStitchable, prefill_inputs, stitchable
 from inference.model import LoadedModel, StreamDecoder
-from inference.sampling import SamplingParams, StopText, new_generator, sample
+from inference.sampling import (
+    History,
+    SamplingParams,
+    StopText,
+    TokenLogprob,
+    new_generator,
+    sample,
+    token_logprobs,
+)
 
 
 @dataclass
@@ -38,10 +47,21 @@ class GenRequest:
     stop: tuple[str, ...] = ()
     on_text: Callable[[str], object] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
+    # The sampler's other knobs (top-k, min-p, penalties, bias, min_tokens, stop token ids).
+    options: SamplingParams | None = None
+    ignore_eos: bool = False
+    include_stop_str: bool = False
+    skip_special_tokens: bool = True
+    # How many alternatives to report per generated / prompt token; None: no log-probabilities.
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
+    # Called before the text of the same tokens: (entries, whether they are the prompt's).
+    on_logprobs: Callable[[list[TokenLogprob | None], bool], object] | None = None
 
     @property
     def sampling(self) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_p, self.seed)
+        return dataclasses.replace(self.options or SamplingParams(), temperature=self.temperature,
+                                   top_p=self.top_p, seed=self.seed)
 
 
 @dataclass(frozen=True)
@@ -50,6 +70,11 @@ class GenResult:
     prompt_tokens: int
     completion_tokens: int
     finish_reason: str
+    # Generated ids, the token that ended the sequence (EOS, a stop token id) included.
+    token_ids: tuple[int, ...] = ()
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    # One per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True)
@@ -83,9 +108,22 @@ class Seq:
         self.next_id: int | None = None  # sampled, not yet fed to the model
         self.retried = False
         self.decoder = decoder
-        self.text = StopText(request.stop)
+        self.text = StopText(request.stop, request.include_stop_str)
         self.sampling = request.sampling
         self.generator = new_generator(self.sampling, device)
+        self.logprobs: list[TokenLogprob] = []
+        self.prompt_logprobs: list[TokenLogprob | None] | None = None
+        self.end_token: int | None = None
+
+    def history(self, eos_id: int | None) -> History:
+        return History(self.request.prompt_ids, self.generated, eos_id)
+
+    def result(self, reason: str) -> GenResult:
+        req = self.request
+        ids = (*self.generated, *(() if self.end_token is None else (self.end_token,)))
+        return GenResult(self.text.text, len(req.prompt_ids), len(self.generated), reason, ids,
+                         None if req.logprobs is None else tuple(self.logprobs),
+                         None if self.prompt_logprobs is None else tuple(self.prompt_logprobs))
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -150,7 +188,8 @@ class DecodeLoop:
             self._cond.notify_all()
 
     def new_sequence(self, request: GenRequest, weight: float, canary: bool = False) -> Seq:
-        return Seq(request, weight, canary, self.lm.device, self.lm.codec.decoder())
+        return Seq(request, weight, canary, self.lm.device,
+                   self.lm.codec.decoder(skip_special_tokens=request.skip_special_tokens))
 
     def enqueue(self, seq: Seq) -> None:
         with self._cond:
@@ -278,15 +317,19 @@ class DecodeLoop:
         finally:
             self._joining = []
 
-    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any) -> Any:
+    def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
+                 all_logits: bool = False) -> Any:
         lm = self.lm
+        extra = lm.forward_extra
+        if all_logits and "logits_to_keep" in extra:
+            extra = {**extra, "logits_to_keep": 0}
         self._forwards += 1
         self._largest = max(self._largest, int(ids.shape[0]))
         self._threads.add(threading.get_ident())
         if self.on_step is not None:
             self.on_step(int(ids.shape[0]))
         return lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                        **{lm.cache_kwarg: cache}, **lm.forward_extra)
+                        **{lm.cache_kwarg: cache}, **extra)
 
     def _logits(self, out: Any) -> torch.Tensor:
         logits = out.logits[:, -1, :].float()
@@ -298,9 +341,16 @@ class DecodeLoop:
     def _prefill(self, joiners: list[Seq]) -> None:
         lm = self.lm
         ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
-        out = self._forward(ids, mask, positions, None)
+        scoring = [s for s in joiners if s.request.prompt_logprobs is not None and s.prompt_logprobs is None]
+        # Scoring a prompt needs the logits of every position, not only the last one.
+        out = self._forward(ids, mask, positions, None, all_logits=bool(scoring))
         cache = _cache_of(out)
-        tokens = sample(self._logits(out), [s.sampling for s in joiners], [s.generator for s in joiners])
+        if scoring:
+            self._score_prompts(out.logits, joiners, scoring)
+        logits = self._logits(out)
+        tokens = sample(logits, [s.sampling for s in joiners], [s.generator for s in joiners],
+                        [s.history(lm.codec.eos_id) for s in joiners])
+        self._record_logprobs(logits, joiners, tokens)
         group = KVBatch(cache, mask)
         if self._kv is None or not self._rows:
             self._stitchable = stitchable(cache)
@@ -319,8 +369,43 @@ class DecodeLoop:
         kv.grow()
         ids = torch.tensor([[s.next_id] for s in self._rows], dtype=torch.long, device=self.lm.device)
         out = self._forward(ids, kv.mask, positions, kv.cache)
-        tokens = sample(self._logits(out), [s.sampling for s in self._rows], [s.generator for s in self._rows])
+        logits = self._logits(out)
+        eos = self.lm.codec.eos_id
+        tokens = sample(logits, [s.sampling for s in self._rows], [s.generator for s in self._rows],
+                        [s.history(eos) for s in self._rows])
+        self._record_logprobs(logits, self._rows, tokens)
         self._emit(tokens, first=0)
+
+    def _record_logprobs(self, logits: torch.Tensor, seqs: list[Seq], tokens: list[int]) -> None:
+        """Each asking row's chosen token's log-probability, before `_emit` hands out its text."""
+        asking = [i for i, s in enumerate(seqs) if s.request.logprobs is not None]
+        if not asking:
+            return
+        ks = [int(seqs[i].request.logprobs or 0) for i in asking]
+        rows = logits[torch.tensor(asking, dtype=torch.long, device=logits.device)]
+        for i, entry in zip(asking, token_logprobs(rows, [tokens[i] for i in asking], ks), strict=True):
+            seq = seqs[i]
+            seq.logprobs.append(entry)
+            if seq.request.on_logprobs is not None:
+                seq.request.on_logprobs([entry], False)
+
+    def _score_prompts(self, logits: torch.Tensor, joiners: list[Seq], scoring: list[Seq]) -> None:
+        """Prompt log-probabilities from a prefill's full logits [rows, width, vocab] (left-padded rows)."""
+        allowed = self.lm.allowed_tokens
+        width = int(logits.shape[1])
+        for seq in scoring:
+            row = joiners.index(seq)
+            prompt = seq.request.prompt_ids
+            # Position j's logits predict token j+1; the first token has no prediction.
+            preds = logits[row, width - len(prompt): width - 1].float()
+            if allowed is not None:
+                preds = preds.masked_fill(~allowed[: preds.shape[-1]], float("-inf"))
+            entries: list[TokenLogprob | None] = [None]
+            if len(prompt) > 1:
+                entries += token_logprobs(preds, prompt[1:], int(seq.request.prompt_logprobs or 0))
+            seq.prompt_logprobs = entries
+            if seq.request.on_logprobs is not None:
+                seq.request.on_logprobs(entries, True)
 
     def _emit(self, tokens: list[int], first: int) -> None:
         """Hand each row its new token (rows from `first` on), then let finished rows leave."""
@@ -328,7 +413,8 @@ class DecodeLoop:
         produced = 0
         finished: list[tuple[Seq, str]] = []
         for seq, tok in zip(self._rows[first:], tokens, strict=True):
-            if eos is not None and tok == eos:
+            if (eos is not None and tok == eos and not seq.request.ignore_eos) or tok in seq.sampling.stop_token_ids:
+                seq.end_token = tok
                 finished.append((seq, "stop"))
                 continue
             seq.generated.append(tok)
@@ -353,8 +439,7 @@ class DecodeLoop:
                 rest = seq.text.flush()
                 if rest and seq.request.on_text is not None:
                     seq.request.on_text(rest)
-                self._finish(seq, GenResult(seq.text.text, len(seq.request.prompt_ids), len(seq.generated),
-                                            reason))
+                self._finish(seq, seq.result(reason))
 
     def _leave(self, gone: set[int]) -> None:
         """Cut these sequences' rows out of the batch."""
@@ -437,4 +522,5 @@ def _cache_of(out: Any) -> Any:
 
 
 def _cancelled(seq: Seq) -> GenResult:
-    return GenResult(seq.text.text, len(seq.request.prompt_ids), len(seq.generated), "cancelled")
+    return seq.result("cancelled")
+

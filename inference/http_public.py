@@ -14,10 +14,19 @@ import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
+from inference import http_tokenize
 from inference.decode import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.http_handlers import HandlerRoutes
 from inference.model import NoChatTemplate
+from inference.openai_extras import (
+    StreamedLogprobs,
+    TokenText,
+    chat_logprobs,
+    choice_seed,
+    completion_logprobs,
+    request_options,
+)
 from inference.openapi import public_spec
 from inference.service import InferenceService
 from inference.validation import (
@@ -104,6 +113,9 @@ class _Job:
     index: int
     ids: list[int]
     max_tokens: int
+    # Which prompt of the request, and which of its n choices.
+    prompt: int = 0
+    choice: int = 0
 
 
 class PublicAPI:
@@ -125,6 +137,7 @@ class PublicAPI:
         app.router.add_get("/readyz", self.readyz)
         app.router.add_get("/metrics", make_aiohttp_handler(self.service.metrics.registry))
         app.router.add_get("/openapi.json", self.openapi)
+        http_tokenize.add_routes(app, self.service)
         HandlerRoutes(self.service, self._fail).add_to(app)
         return app
 
@@ -194,8 +207,8 @@ class PublicAPI:
             if max_tokens is None:
                 max_tokens = max(1, min(self.service.settings.max_tokens_limit, ctx - len(ids)))
             check_context(len(ids), max_tokens, ctx, field)
-            jobs.append(_Job(i, ids, max_tokens))
-        request["prompt_tokens"] = sum(len(j.ids) for j in jobs)
+            jobs += [_Job(i * sampling.n + c, ids, max_tokens, i, c) for c in range(sampling.n)]
+        request["prompt_tokens"] = sum(len(j.ids) for j in jobs if j.choice == 0)
         request["user"] = sampling.user
         return jobs
 
@@ -214,17 +227,18 @@ class PublicAPI:
         engine = self.service.engine
         data = await self._body(request)
         assert engine is not None
-        params = chat_params(data, self._limits())
+        params = chat_params(data, self._limits(), vocab_size=engine.lm.vocab_size)
         try:
             ids = engine.lm.codec.chat([{"role": m.role, "content": m.content} for m in params.messages])
         except NoChatTemplate as exc:
             raise BadRequest(400, "messages", str(exc)) from None
         return params, self._jobs(request, [ids], params.sampling)
 
-    def _request(self, job: _Job, sampling: Sampling,
-                 on_text: Callable[[str], object] | None = None) -> GenRequest:
-        return GenRequest(job.ids, job.max_tokens, sampling.temperature, sampling.top_p, sampling.seed,
-                          sampling.stop, on_text=on_text)
+    def _request(self, job: _Job, sampling: Sampling, on_text: Callable[[str], object] | None = None,
+                 on_logprobs: Callable[[list[Any], bool], object] | None = None) -> GenRequest:
+        return GenRequest(job.ids, job.max_tokens, sampling.temperature, sampling.top_p,
+                          choice_seed(sampling.seed, job.choice), sampling.stop, on_text=on_text,
+                          on_logprobs=on_logprobs, **request_options(sampling, prompt_logprobs=sampling.echo))
 
     async def _run(self, request: web.Request, jobs: list[_Job], sampling: Sampling) -> list[GenResult]:
         engine = self.service.engine
@@ -246,8 +260,9 @@ class PublicAPI:
         return error_response(exc, self.service.settings.retry_after_s)
 
     @staticmethod
-    def _usage(results: list[GenResult]) -> dict[str, int]:
-        prompt = sum(r.prompt_tokens for r in results)
+    def _usage(results: list[GenResult], jobs: list[_Job] | None = None) -> dict[str, int]:
+        # A prompt answered n times is counted once, as vLLM and OpenAI count it.
+        prompt = sum(r.prompt_tokens for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0)
         completion = sum(r.completion_tokens for r in results)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
 
@@ -257,7 +272,7 @@ class PublicAPI:
         try:
             params, jobs = await self._completion_jobs(request, strict=True, allow_stream=True)
             if params.sampling.stream:
-                return await self._sse(request, jobs, params.sampling, chat=False)
+                return await self._sse(request, jobs, params.sampling, chat=False, params=params)
             results = await self._run(request, jobs, params.sampling)
         except Exception as exc:
             return self._fail(request, exc)
@@ -266,10 +281,29 @@ class PublicAPI:
             "object": "text_completion",
             "created": int(time.time()),
             "model": params.sampling.model,
-            "choices": [{"text": r.text, "index": i, "logprobs": None, "finish_reason": r.finish_reason}
-                        for i, r in enumerate(results)],
-            "usage": self._usage(results),
+            "choices": [self._completion_choice(params, j, r) for j, r in zip(jobs, results, strict=True)],
+            "usage": self._usage(results, jobs),
         })
+
+    def _echo_text(self, params: CompletionParams, job: _Job) -> str:
+        prompt = params.prompts[job.prompt]
+        if isinstance(prompt, str):
+            return prompt
+        assert self.service.engine is not None
+        return self.service.engine.lm.codec.decode(list(prompt), skip_special_tokens=False)
+
+    def _completion_choice(self, params: CompletionParams, job: _Job, r: GenResult) -> dict[str, Any]:
+        s = params.sampling
+        text = self._echo_text(params, job) + r.text if s.echo else r.text
+        logprobs = None
+        if s.logprobs is not None and r.logprobs is not None:
+            assert self.service.engine is not None
+            ids: list[int] = list(r.token_ids)
+            entries: list[Any] = list(r.logprobs)
+            if s.echo and r.prompt_logprobs is not None:
+                ids, entries = [*job.ids, *ids], [*r.prompt_logprobs, *entries]
+            logprobs = completion_logprobs(TokenText(self.service.engine.lm.codec), ids, entries)
+        return {"text": text, "index": job.index, "logprobs": logprobs, "finish_reason": r.finish_reason}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         try:
@@ -279,15 +313,19 @@ class PublicAPI:
             results = await self._run(request, jobs, params.sampling)
         except Exception as exc:
             return self._fail(request, exc)
-        r = results[0]
+        assert self.service.engine is not None
+        spell = TokenText(self.service.engine.lm.codec)
+        top = params.sampling.logprobs
         return web.json_response({
             "id": f"chatcmpl-{request['rid']}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": params.sampling.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": r.text},
-                         "logprobs": None, "finish_reason": r.finish_reason}],
-            "usage": self._usage(results),
+            "choices": [{"index": j.index, "message": {"role": "assistant", "content": r.text},
+                         "logprobs": None if top is None or r.logprobs is None else
+                         chat_logprobs(spell, r.logprobs, top), "finish_reason": r.finish_reason}
+                        for j, r in zip(jobs, results, strict=True)],
+            "usage": self._usage(results, jobs),
         })
 
     async def predict(self, request: web.Request) -> web.StreamResponse:
@@ -308,37 +346,64 @@ class PublicAPI:
 
     # -- streaming ---------------------------------------------------------------------------
 
-    async def _sse(self, request: web.Request, jobs: list[_Job], sampling: Sampling, chat: bool) -> web.StreamResponse:
+    async def _sse(self, request: web.Request, jobs: list[_Job], sampling: Sampling, chat: bool,
+                   params: CompletionParams | None = None) -> web.StreamResponse:
         cid = f"{'chatcmpl' if chat else 'cmpl'}-{request['rid']}"
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        engine = self.service.engine
+        assert engine is not None
+        streamed = None if sampling.logprobs is None else StreamedLogprobs(TokenText(engine.lm.codec), chat,
+                                                                            sampling.logprobs)
+        echo = params if not chat and sampling.echo else None
+        by_index = {j.index: j for j in jobs}
 
         def event(payload: dict[str, Any]) -> bytes:
             return f"data: {json.dumps(payload)}\n\n".encode()
 
-        def chunk(index: int, text: str, finish: str | None) -> bytes:
+        def choice(index: int, text: str, finish: str | None, logprobs: dict[str, Any] | None) -> bytes:
             if chat:
                 delta: dict[str, Any] = {"content": text} if text or finish is None else {}
-                choice: dict[str, Any] = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish}
+                body: dict[str, Any] = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"text": text, "index": index, "logprobs": None, "finish_reason": finish}
+                body = {"text": text, "index": index, "logprobs": logprobs, "finish_reason": finish}
             return event({"id": cid, "object": kind, "created": created, "model": sampling.model,
-                          "choices": [choice]})
+                          "choices": [body]})
+
+        def chunk(index: int, item: Any, finish: str | None) -> bytes:
+            if isinstance(item, tuple):  # log-probabilities (entries, of the prompt?) ahead of their text
+                entries, of_prompt = item
+                assert streamed is not None
+                if not of_prompt:
+                    streamed.add(index, entries)
+                    return b""
+                if echo is None:
+                    return b""
+                job = by_index[index]
+                return choice(index, self._echo_text(echo, job), None, streamed.prompt(index, job.ids, entries))
+            return choice(index, item, finish, None if streamed is None else streamed.take(index))
 
         def opening() -> bytes:
             # Chat streams announce the role first, as OpenAI's do.
-            return event({"id": cid, "object": kind, "created": created, "model": sampling.model,
-                          "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""},
-                                       "logprobs": None, "finish_reason": None} for j in jobs]}) if chat else b""
+            if chat:
+                return event({"id": cid, "object": kind, "created": created, "model": sampling.model,
+                              "choices": [{"index": j.index, "delta": {"role": "assistant", "content": ""},
+                                           "logprobs": None, "finish_reason": None} for j in jobs]})
+            if echo is not None and streamed is None:  # with logprobs the prompt goes out once scored
+                return b"".join(choice(j.index, self._echo_text(echo, j), None, None) for j in jobs)
+            return b""
 
         def closing(results: list[GenResult]) -> bytes:
-            tail = b"".join(chunk(i, "", r.finish_reason) for i, r in enumerate(results))
+            tail = b""
+            if streamed is not None:
+                tail += b"".join(choice(i, "", None, streamed.take(i)) for i in streamed.waiting())
+            tail += b"".join(choice(j.index, "", r.finish_reason, None) for j, r in zip(jobs, results, strict=True))
             if sampling.include_usage:
                 tail += event({"id": cid, "object": kind, "created": created, "model": sampling.model,
-                               "choices": [], "usage": self._usage(results)})
+                               "choices": [], "usage": self._usage(results, jobs)})
             return tail + b"data: [DONE]\n\n"
 
-        return await self._stream(request, jobs, sampling, lambda i, text, f: chunk(i, text, f),
+        return await self._stream(request, jobs, sampling, chunk,
                                   "text/event-stream", sse=True, opening=opening, closing=closing,
                                   error_event=lambda exc: event({"error": {
                                       "message": str(exc)[:300] or type(exc).__name__,
@@ -346,7 +411,7 @@ class PublicAPI:
 
     async def _stream(
         self, request: web.Request, jobs: list[_Job], sampling: Sampling,
-        render: Callable[[int, str, str | None], bytes], content_type: str, *, sse: bool,
+        render: Callable[[int, Any, str | None], bytes], content_type: str, *, sse: bool,
         opening: Callable[[], bytes] | None = None, closing: Callable[[list[GenResult]], bytes] | None = None,
         error_event: Callable[[BaseException], bytes] | None = None,
     ) -> web.StreamResponse:
@@ -355,11 +420,16 @@ class PublicAPI:
         engine = self.service.engine
         assert engine is not None
         loop = asyncio.get_running_loop()
-        pieces: asyncio.Queue[tuple[int, str] | None] = asyncio.Queue()
+        pieces: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
         def sink(index: int) -> Callable[[str], object]:
             return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
 
-        requests = [self._request(j, sampling, on_text=sink(j.index)) for j in jobs]
+        def logprobs_sink(index: int) -> Callable[[list[Any], bool], object]:
+            return lambda entries, prompt: loop.call_soon_threadsafe(pieces.put_nowait, (index, (entries, prompt)))
+
+        wants = sampling.logprobs is not None
+        requests = [self._request(j, sampling, on_text=sink(j.index),
+                                  on_logprobs=logprobs_sink(j.index) if wants else None) for j in jobs]
         timeout = self.service.settings.queue_timeout
         tasks = [asyncio.ensure_future(engine.submit(r, timeout)) for r in requests]
         whole = asyncio.gather(*tasks)

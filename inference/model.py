@@ -26,13 +26,19 @@ class Codec(Protocol):
     eos_id: int | None
     vocab_size: int
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         """The prompt of a conversation, through the model's chat template, ready for the answer."""
         ...
 
-    def decoder(self) -> StreamDecoder: ...
+    def decoder(self, skip_special_tokens: bool = True) -> StreamDecoder: ...
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str: ...
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        """The vocabulary's own spelling of each id (BPE pieces, byte markers and all)."""
+        ...
 
 
 class StreamDecoder(Protocol):
@@ -47,16 +53,22 @@ class ByteCodec:
     eos_id: int | None = None
     vocab_size = 258
 
-    def encode(self, text: str) -> list[int]:
-        return [self.bos_id, *text.encode("utf-8")]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [self.bos_id, *text.encode("utf-8")] if add_special_tokens else list(text.encode("utf-8"))
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
         # The same plain template as the generated benchmark models: "role: content" lines.
         lines = "".join(f"{m['role']}: {m['content']}\n" for m in messages)
         return self.encode(lines + "assistant: ")
 
-    def decoder(self) -> _ByteDecoder:
+    def decoder(self, skip_special_tokens: bool = True) -> _ByteDecoder:
         return _ByteDecoder()
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        return bytes(t for t in token_ids if 0 <= t < 256).decode("utf-8", errors="replace")
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return [self.decode([t]) for t in token_ids]
 
 
 class _ByteDecoder:
@@ -79,8 +91,8 @@ class HFCodec:
         self.eos_id: int | None = tokenizer.eos_token_id
         self.vocab_size: int = len(tokenizer)
 
-    def encode(self, text: str) -> list[int]:
-        ids: list[int] = self._tok(text, add_special_tokens=True)["input_ids"]
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok(text, add_special_tokens=add_special_tokens)["input_ids"]
         return ids
 
     def chat(self, messages: list[dict[str, str]]) -> list[int]:
@@ -92,19 +104,27 @@ class HFCodec:
         ids: list[int] = self._tok(text, add_special_tokens=False)["input_ids"]
         return ids
 
-    def decoder(self) -> _HFDecoder:
-        return _HFDecoder(self._tok)
+    def decoder(self, skip_special_tokens: bool = True) -> _HFDecoder:
+        return _HFDecoder(self._tok, skip_special_tokens)
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = True) -> str:
+        text: str = self._tok.decode(token_ids, skip_special_tokens=skip_special_tokens)
+        return text
+
+    def token_strs(self, token_ids: list[int]) -> list[str]:
+        return [str(t) for t in self._tok.convert_ids_to_tokens(token_ids)]
 
 
 class _HFDecoder:
-    def __init__(self, tokenizer: Any) -> None:
+    def __init__(self, tokenizer: Any, skip_special_tokens: bool = True) -> None:
         self._tok = tokenizer
+        self._skip = skip_special_tokens
         self._ids: list[int] = []
         self._emitted = ""
 
     def feed(self, token_ids: list[int]) -> str:
         self._ids.extend(token_ids)
-        text: str = self._tok.decode(self._ids, skip_special_tokens=True)
+        text: str = self._tok.decode(self._ids, skip_special_tokens=self._skip)
         if text.endswith("\ufffd"):
             return ""  # an incomplete multi-byte character: wait for the next token
         new = text[len(self._emitted):]

@@ -34,6 +34,31 @@ def _errors(*codes: int) -> dict[str, Any]:
     return out
 
 
+_LOGPROBS = {"type": "object", "nullable": True}
+
+
+def _extras() -> dict[str, Any]:
+    """vLLM's extra sampling parameters and OpenAI's penalties, on both generation routes."""
+    flag = {"type": "boolean", "nullable": True}
+    return {
+        "top_k": {"type": "integer", "minimum": -1, "nullable": True, "description": "-1 or 0: off"},
+        "min_p": {"type": "number", "minimum": 0, "maximum": 1, "nullable": True},
+        "repetition_penalty": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 2,
+                               "nullable": True},
+        "presence_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "frequency_penalty": {"type": "number", "minimum": -2, "maximum": 2, "nullable": True},
+        "min_tokens": {"type": "integer", "minimum": 0, "nullable": True, "description": "at most max_tokens"},
+        "ignore_eos": flag,
+        "stop_token_ids": {"type": "array", "maxItems": 64, "items": {"type": "integer", "minimum": 0},
+                           "nullable": True},
+        "skip_special_tokens": flag,
+        "include_stop_str_in_output": flag,
+        "logit_bias": {"type": "object", "nullable": True, "maxProperties": 300,
+                       "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100},
+                       "description": "token id (as a string) to a bias added to its logit"},
+    }
+
+
 def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dict[str, Any]:
     max_tokens = {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True}
     common: dict[str, Any] = {
@@ -42,13 +67,15 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
         "max_tokens": max_tokens,
         "temperature": {"type": "number", "minimum": 0, "maximum": 2, "nullable": True},
         "top_p": {"type": "number", "minimum": 0, "exclusiveMinimum": True, "maximum": 1, "nullable": True},
-        "n": {"type": "integer", "minimum": 1, "maximum": 1, "nullable": True},
+        "n": {"type": "integer", "minimum": 1, "maximum": 16, "nullable": True,
+              "description": "choices per prompt, generated side by side; prompts x n at most 64"},
         "seed": {"type": "integer", "nullable": True},
         "stop": {"oneOf": [{"type": "string", "minLength": 1},
                            {"type": "array", "maxItems": 4, "items": {"type": "string", "minLength": 1}}],
                  "nullable": True},
         "user": {"type": "string", "nullable": True},
         "stream": {"type": "boolean", "nullable": True},
+        **_extras(),
     }
     token_ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
     request: dict[str, Any] = {
@@ -63,6 +90,10 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
                 {"type": "array", "minItems": 1, "maxItems": 64, "items": token_ids},
             ]},
             **common,
+            "logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True,
+                         "description": "log-probability of each token and of the k most likely alternatives"},
+            "echo": {"type": "boolean", "nullable": True,
+                     "description": "the prompt comes back before the answer; with logprobs, scored"},
         },
     }
     message = {"type": "object", "required": ["role"], "additionalProperties": False, "properties": {
@@ -79,7 +110,10 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
         "required": ["messages"],
         "additionalProperties": False,
         "properties": {"messages": {"type": "array", "minItems": 1, "items": message},
-                       "max_completion_tokens": max_tokens, **common},
+                       "max_completion_tokens": max_tokens, **common,
+                       "logprobs": {"type": "boolean", "nullable": True},
+                       "top_logprobs": {"type": "integer", "minimum": 0, "maximum": 20, "nullable": True,
+                                        "description": "alternatives per token; needs logprobs: true"}},
     }
     plain_request = {"type": "object", "required": ["prompt"], "properties": {
         "prompt": {"type": "string", "minLength": 1}, "max_tokens": max_tokens,
@@ -91,7 +125,7 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
         "model": {"type": "string"},
         "choices": {"type": "array", "items": {"type": "object", "properties": {
-            "text": {"type": "string"}, "index": {"type": "integer"},
+            "text": {"type": "string"}, "index": {"type": "integer"}, "logprobs": _LOGPROBS,
             "finish_reason": {"type": "string", "nullable": True}}}},
         "usage": usage}}
     chat_completion = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
@@ -101,7 +135,7 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
             "index": {"type": "integer"},
             "message": {"type": "object", "properties": {"role": {"type": "string"},
                                                          "content": {"type": "string"}}},
-            "finish_reason": {"type": "string", "nullable": True}}}},
+            "logprobs": _LOGPROBS, "finish_reason": {"type": "string", "nullable": True}}}},
         "usage": usage}}
     model_card = {"type": "object", "required": ["id", "object"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
@@ -151,6 +185,31 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
                 "responses": {"200": {"description": "the generated text, streamed",
                                       "content": {"text/plain": {"schema": {"type": "string"}}}},
                               **_errors(*fails)}}},
+            "/tokenize": {"post": {
+                "operationId": "tokenize",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "additionalProperties": False, "properties": {
+                        "model": common["model"], "prompt": {"type": "string"},
+                        "messages": {"type": "array", "minItems": 1, "items": message},
+                        "add_special_tokens": {"type": "boolean", "nullable": True},
+                        "add_generation_prompt": {"type": "boolean", "nullable": True},
+                        "return_token_strs": {"type": "boolean", "nullable": True}}}}}},
+                "responses": {"200": _json({"type": "object", "required": ["count", "max_model_len", "tokens"],
+                                            "properties": {"count": {"type": "integer"},
+                                                           "max_model_len": {"type": "integer"},
+                                                           "tokens": {"type": "array", "items": {"type": "integer"}},
+                                                           "token_strs": {"type": "array", "nullable": True,
+                                                                          "items": {"type": "string"}}}},
+                                           "the prompt's token ids (vLLM's shape)"), **_errors(400, 404, 413, 503)}}},
+            "/detokenize": {"post": {
+                "operationId": "detokenize",
+                "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                    "type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+                        "model": common["model"],
+                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
+                "responses": {"200": _json({"type": "object", "required": ["prompt"],
+                                            "properties": {"prompt": {"type": "string"}}}, "the text of the ids"),
+                              **_errors(400, 404, 413, 503)}}},
             "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json(probe, "the loop answers")}}},
             "/readyz": {"get": {"operationId": "readyz", "responses": {
                 "200": _json(probe, "warmed up and admitting"), "503": _json(probe, "loading, draining or poisoned")}}},

@@ -3,18 +3,12 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 # Fields of OpenAI's request schemas that change nothing at these values: clients and
 # frameworks send them routinely, so they are accepted; any other value is refused by name.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
-    "presence_penalty": (0, 0.0, None),
-    "frequency_penalty": (0, 0.0, None),
-    "logit_bias": (None,),
-    "logprobs": (None, False),
-    "top_logprobs": (None, 0),
-    "echo": (False, None),
     "best_of": (1, None),
     "suffix": (None, ""),
     "tools": (None,),
@@ -25,7 +19,12 @@ _NEUTRAL: dict[str, tuple[Any, ...]] = {
     "metadata": (None,),
     "service_tier": (None, "auto", "default"),
 }
-_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user"}
+# vLLM's extra sampling parameters, which open-model clients send (LangChain and LiteLLM in extra_body,
+# vLLM's own benchmark client always): honoured, not merely tolerated.
+EXTRA_FIELDS = frozenset({"top_k", "min_p", "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids",
+                          "skip_special_tokens", "include_stop_str_in_output"})
+_COMMON = {"model", "max_tokens", "temperature", "top_p", "n", "stream", "stream_options", "stop", "seed", "user",
+           *EXTRA_FIELDS}
 COMPLETION_FIELDS = frozenset(_COMMON | {"prompt", "echo", "best_of", "suffix", "logprobs", "logit_bias",
                                           "presence_penalty", "frequency_penalty"})
 CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprobs", "top_logprobs", "logit_bias",
@@ -34,6 +33,10 @@ CHAT_FIELDS = frozenset(_COMMON | {"messages", "max_completion_tokens", "logprob
 ROLES = ("system", "developer", "user", "assistant", "tool")
 MAX_STOPS = 4
 MAX_PROMPTS = 64
+MAX_N = 16
+# vLLM's default --max-logprobs.
+MAX_LOGPROBS = 20
+MAX_STOP_TOKEN_IDS = 64
 
 
 class BadRequest(Exception):
@@ -57,8 +60,29 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class Extras:
+    """vLLM's extra sampling parameters and OpenAI's penalties and bias, checked; defaults change nothing."""
+
+    top_k: int = 0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+    skip_special_tokens: bool = True
+    include_stop_str_in_output: bool = False
+
+
+@dataclass(frozen=True)
 class Sampling:
-    """What every generation route shares. `max_tokens` None: as many as the context leaves (chat)."""
+    """What every generation route shares. `max_tokens` None: as many as the context leaves (chat).
+
+    `logprobs`: alternatives per token (None: no log-probabilities); `echo`: the prompt, and with
+    `logprobs` its log-probabilities, come back before the answer (completions only).
+    """
 
     max_tokens: int | None
     temperature: float
@@ -69,6 +93,10 @@ class Sampling:
     include_usage: bool
     user: str | None
     model: str
+    n: int = 1
+    extras: Extras = Extras()
+    logprobs: int | None = None
+    echo: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,12 +152,6 @@ def _check_fields(data: dict[str, Any], allowed: frozenset[str]) -> None:
             raise BadRequest(400, name, f"{name}: not a supported field")
         if name in _NEUTRAL and not _neutral(name, value):
             raise BadRequest(400, name, f"{name}: not supported (only {_NEUTRAL[name][0]!r} or absent)")
-    n = data.get("n")
-    if n is not None:
-        if not _is_int(n) or n < 1:
-            raise BadRequest(400, "n", "n must be a positive integer")
-        if n > 1:
-            raise BadRequest(400, "n", "n > 1 is not supported: send the request n times (or a list of prompts)")
 
 
 def _neutral(name: str, value: object) -> bool:
@@ -151,7 +173,8 @@ def _max_tokens(data: dict[str, Any], name: str, default: int | None, limit: int
 
 
 def sampling(data: dict[str, Any], limits: Limits, *, default_max_tokens: int | None,
-             token_fields: tuple[str, ...] = ("max_tokens",), allow_stream: bool = True) -> Sampling:
+             token_fields: tuple[str, ...] = ("max_tokens",), allow_stream: bool = True,
+             vocab_size: int | None = None) -> Sampling:
     model = data.get("model")
     if model is not None and not isinstance(model, str):
         raise BadRequest(400, "model", "model must be a string")
@@ -212,8 +235,92 @@ def sampling(data: dict[str, Any], limits: Limits, *, default_max_tokens: int | 
     if user is not None and not isinstance(user, str):
         raise BadRequest(400, "user", "user must be a string")
     seed_value = None if seed is None else int(seed) % (2**63)
+    n = data.get("n")
+    if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
+        raise BadRequest(400, "n", f"n must be an integer between 1 and {MAX_N}")
+    extras = _extras(data, vocab_size, max_tokens)
     return Sampling(max_tokens, float(temperature), float(top_p), seed_value, stops, stream, include_usage, user,
-                    model or limits.model_name)
+                    model or limits.model_name, 1 if n is None else int(n), extras)
+
+
+def _number(data: dict[str, Any], name: str, default: float, low: float, high: float, *,
+            open_low: bool = False) -> float:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not _is_number(value) or not (low < value if open_low else low <= value) or not value <= high:
+        where = f"({low:g}, {high:g}]" if open_low else f"[{low:g}, {high:g}]"
+        raise BadRequest(400, name, f"{name} must be a number in {where}")
+    return float(value)
+
+
+def _flag(data: dict[str, Any], name: str, default: bool) -> bool:
+    value = data.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise BadRequest(400, name, f"{name} must be a boolean")
+    return value
+
+
+def _token_id(value: object, where: str, vocab_size: int | None) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 0 or (
+            vocab_size is not None and value >= vocab_size):
+        bound = "" if vocab_size is None else f" (0..{vocab_size - 1})"
+        raise BadRequest(400, where, f"{where} must be a token id in the vocabulary{bound}")
+    return value
+
+
+def _extras(data: dict[str, Any], vocab_size: int | None, max_tokens: int | None) -> Extras:
+    top_k = data.get("top_k")
+    if top_k is None:
+        top_k = 0
+    # vLLM's convention: 0 and -1 both mean every token.
+    if not _is_int(top_k) or top_k < -1:
+        raise BadRequest(400, "top_k", "top_k must be an integer: -1 or 0 (off), or at least 1")
+    min_p = _number(data, "min_p", 0.0, 0.0, 1.0)
+    repetition = _number(data, "repetition_penalty", 1.0, 0.0, 2.0, open_low=True)
+    presence = _number(data, "presence_penalty", 0.0, -2.0, 2.0)
+    frequency = _number(data, "frequency_penalty", 0.0, -2.0, 2.0)
+    min_tokens = data.get("min_tokens")
+    if min_tokens is None:
+        min_tokens = 0
+    if not _is_int(min_tokens) or min_tokens < 0:
+        raise BadRequest(400, "min_tokens", "min_tokens must be a non-negative integer")
+    if max_tokens is not None and min_tokens > max_tokens:
+        raise BadRequest(400, "min_tokens", f"min_tokens ({min_tokens}) exceeds max_tokens ({max_tokens})")
+    raw_ids = data.get("stop_token_ids")
+    if raw_ids is None:
+        raw_ids = []
+    if not isinstance(raw_ids, list) or len(raw_ids) > MAX_STOP_TOKEN_IDS:
+        raise BadRequest(400, "stop_token_ids", f"stop_token_ids must be a list of at most {MAX_STOP_TOKEN_IDS}"
+                         " token ids")
+    stop_ids = tuple(_token_id(t, f"stop_token_ids[{i}]", vocab_size) for i, t in enumerate(raw_ids))
+    bias = data.get("logit_bias")
+    if bias is None:
+        bias = {}
+    if not isinstance(bias, dict) or len(bias) > 300:
+        raise BadRequest(400, "logit_bias", "logit_bias must be an object of at most 300 token ids to numbers")
+    biases: list[tuple[int, float]] = []
+    for key, value in bias.items():
+        where = f"logit_bias.{key}"
+        try:
+            token = int(key)
+        except ValueError:
+            raise BadRequest(400, where, f"{where}: keys must be token ids") from None
+        _token_id(token, where, vocab_size)
+        if not _is_number(value) or not -100.0 <= value <= 100.0:
+            raise BadRequest(400, where, f"{where} must be a number in [-100, 100]")
+        biases.append((token, float(value)))
+    return Extras(int(top_k) if top_k > 0 else 0, min_p, repetition, presence, frequency, tuple(biases),
+                  int(min_tokens), _flag(data, "ignore_eos", False), stop_ids,
+                  _flag(data, "skip_special_tokens", True), _flag(data, "include_stop_str_in_output", False))
+
+
+def _logprobs_k(value: object, name: str) -> int:
+    if not isinstance(value, int) or isinstance(value, bool) or not 0 <= value <= MAX_LOGPROBS:
+        raise BadRequest(400, name, f"{name} must be an integer between 0 and {MAX_LOGPROBS}")
+    return value
 
 
 def completion_params(data: dict[str, Any], limits: Limits, *, vocab_size: int, allow_stream: bool = True,
@@ -227,8 +334,16 @@ def completion_params(data: dict[str, Any], limits: Limits, *, vocab_size: int, 
     prompts = _prompts(prompt, vocab_size)
     if not strict and len(prompts) != 1:
         raise BadRequest(400, "prompt", "prompt must be a string")
-    return CompletionParams(prompts, sampling(data, limits, default_max_tokens=limits.default_max_tokens,
-                                              allow_stream=allow_stream))
+    params = sampling(data, limits, default_max_tokens=limits.default_max_tokens, allow_stream=allow_stream,
+                      vocab_size=vocab_size)
+    if not strict:
+        return CompletionParams(prompts, replace(params, n=1))
+    logprobs = data.get("logprobs")
+    k = None if logprobs is None else _logprobs_k(logprobs, "logprobs")
+    echo = _flag(data, "echo", False)
+    if len(prompts) * params.n > MAX_PROMPTS:
+        raise BadRequest(400, "n", f"prompts x n must be at most {MAX_PROMPTS}")
+    return CompletionParams(prompts, replace(params, logprobs=k, echo=echo))
 
 
 def _prompts(prompt: object, vocab_size: int) -> tuple[str | tuple[int, ...], ...]:
@@ -262,7 +377,7 @@ def _prompts(prompt: object, vocab_size: int) -> tuple[str | tuple[int, ...], ..
     return tuple(out)
 
 
-def chat_params(data: dict[str, Any], limits: Limits) -> ChatParams:
+def chat_params(data: dict[str, Any], limits: Limits, *, vocab_size: int | None = None) -> ChatParams:
     _check_fields(data, CHAT_FIELDS)
     raw = data.get("messages")
     if not isinstance(raw, list) or not raw:
@@ -284,8 +399,15 @@ def chat_params(data: dict[str, Any], limits: Limits) -> ChatParams:
         if m.get("tool_calls") not in (None, []):
             raise BadRequest(400, f"{where}.tool_calls", f"{where}.tool_calls: tools are not supported")
         messages.append(Message(str(role), _content(m.get("content"), where)))
-    params = sampling(data, limits, default_max_tokens=None, token_fields=("max_tokens", "max_completion_tokens"))
-    return ChatParams(tuple(messages), params)
+    params = sampling(data, limits, default_max_tokens=None, token_fields=("max_tokens", "max_completion_tokens"),
+                      vocab_size=vocab_size)
+    wanted = _flag(data, "logprobs", False)
+    top = data.get("top_logprobs")
+    if top is not None:
+        top = _logprobs_k(top, "top_logprobs")
+        if top and not wanted:
+            raise BadRequest(400, "top_logprobs", "top_logprobs needs logprobs: true")
+    return ChatParams(tuple(messages), replace(params, logprobs=int(top or 0) if wanted else None))
 
 
 def _content(content: object, where: str) -> str:

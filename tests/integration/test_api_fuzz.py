@@ -37,7 +37,8 @@ def fuzz(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
 def test_public_api_survives_fuzzing_without_5xx(server: Server) -> None:
     spec = requests.get(server.url + "/openapi.json", timeout=10).json()
     assert set(spec["paths"]) == {"/v1/models", "/v1/models/{model}", "/v1/completions", "/v1/chat/completions",
-                                  "/predict", "/stream", "/healthz", "/readyz", "/metrics"}
+                                  "/predict", "/stream", "/healthz", "/readyz", "/metrics", "/tokenize",
+                                  "/detokenize"}
     out = fuzz(server.url + "/openapi.json")
     assert out.returncode == 0, out.stdout[-6000:]
     assert "passed" in out.stdout

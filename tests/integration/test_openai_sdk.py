@@ -104,12 +104,12 @@ def test_stop_seed_top_p_and_user_are_honoured(client: openai.OpenAI) -> None:
 
 def test_unsupported_requests_name_the_field(client: openai.OpenAI) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model=NAME, prompt="x", max_tokens=2, n=2)
-    assert exc.value.body["param"] == "n"  # type: ignore[index]
+        client.completions.create(model=NAME, prompt="x", max_tokens=2, best_of=2)
+    assert exc.value.body["param"] == "best_of"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as exc:
         client.chat.completions.create(model=NAME, messages=[{"role": "user", "content": "x"}], max_tokens=2,
-                                       logprobs=True)
-    assert exc.value.body["param"] == "logprobs"  # type: ignore[index]
+                                       top_logprobs=2)
+    assert exc.value.body["param"] == "top_logprobs"  # type: ignore[index]
     with pytest.raises(openai.BadRequestError) as exc:
         client.completions.create(model=NAME, prompt="x", max_tokens=2, extra_body={"guided_json": {}})
     assert exc.value.body["param"] == "guided_json"  # type: ignore[index]
