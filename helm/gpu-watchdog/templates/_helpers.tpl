@@ -112,6 +112,11 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- $port := include "gpu-watchdog.servingPort" . -}}
 {{- $metricsPath := ternary .Values.external.metricsPath "/metrics" (eq $engine "external") -}}
 {{- $target := dict "openai_url" (printf "http://127.0.0.1:%s/v1" $port) "token_file" nil -}}
+{{- if eq $engine "external" -}}
+{{- /* Not OpenAI-compatible: the canary is the request given in external.http. */ -}}
+{{- with .Values.external.http -}}{{- $target = dict "http" (deepCopy .) "token_file" nil -}}{{- end -}}
+{{- with .Values.external.progressMetric -}}{{- $_ := set $target "progress_metric" . -}}{{- end -}}
+{{- end -}}
 {{- $_ := set $target "metrics_url" (ternary (printf "http://127.0.0.1:%s%s" $port $metricsPath) nil (ne $metricsPath "")) -}}
 {{- if eq $engine "vllm" -}}{{- with .Values.vllm.servedModelName -}}{{- $_ := set $target "openai_model" . -}}{{- end -}}{{- end -}}
 {{- if include "gpu-watchdog.apiKeySecret" . -}}{{- $_ := set $target "api_key_file" "/var/run/gpu-watchdog-api-key/key" -}}{{- end -}}
