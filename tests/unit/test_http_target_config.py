@@ -80,3 +80,14 @@ def test_key_paths_walk_objects_and_lists() -> None:
     from watchdog.samplers.http_canary import _MISSING
 
     assert lookup(data, "outputs.1") is _MISSING and lookup(data, "outputs.x") is _MISSING
+
+
+@pytest.mark.parametrize("name", ["triton", "torchserve", "litserve", "tei", "fastapi_agent"])
+def test_the_shipped_example_configs_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.helpers import ROOT
+    from watchdog.config import load
+
+    monkeypatch.setenv("POD_NAME", "demo-0")
+    monkeypatch.setenv("POD_NAMESPACE", "serving")
+    s = load(str(ROOT / "examples" / "http_targets" / f"{name}.yaml"))
+    assert s.target.http is not None or s.target.control_url
