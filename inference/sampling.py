@@ -85,7 +85,7 @@ def adjust(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.T
                                 minlength=vocab)[:vocab].to(logits.dtype)
         logits -= p.frequency_penalty * counts + p.presence_penalty * (counts > 0).to(logits.dtype)
     # A vanishing repetition penalty divides by almost nothing: keep the scores orderable.
-    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max)
+    return torch.nan_to_num(logits, nan=float("-inf"), posinf=torch.finfo(logits.dtype).max, neginf=float("-inf"))
 
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
