@@ -23,6 +23,9 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
 
     @web.middleware
     async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+        if request.path == metrics_path:
+            # Scrapes are not requests: counted, they would pass for progress while the model hangs.
+            return await handler(request)
         start = time.perf_counter()
         status = 500
         try:

@@ -24,12 +24,14 @@ ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 class _Observe:
     """Pure ASGI (no request objects built): counts each answer by its route template and code."""
 
-    def __init__(self, app: ASGIApp, agent: Agent) -> None:
+    def __init__(self, app: ASGIApp, agent: Agent, skip: str) -> None:
         self.app = app
         self.agent = agent
+        self.skip = skip
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        # Scrapes are not requests: counted, they would pass for progress while the model hangs.
+        if scope["type"] != "http" or scope["path"] == self.skip:
             await self.app(scope, receive, send)
             return
         start = time.perf_counter()
@@ -65,4 +67,4 @@ def install(app: Starlette, agent: Agent, metrics_path: str = "/metrics") -> Non
     for exc_type in ANSWERED:
         app.add_exception_handler(exc_type, answer)
     app.add_route(metrics_path, metrics, methods=["GET"], include_in_schema=False)
-    app.add_middleware(_Observe, agent=agent)
+    app.add_middleware(_Observe, agent=agent, skip=metrics_path)

@@ -23,6 +23,7 @@ target:
   control_url: http://127.0.0.1:{control_port}
   token_file: null
   metrics_url: http://127.0.0.1:{port}/metrics
+  progress_metric: gpu_inference_requests_total{{route="/predict",code="200"}}
 sampling: {{nvml_interval: 1s, torch_interval: 300ms, server_interval: 500ms}}
 canary: {{interval: 300ms, timeout: 1s}}
 policy:
@@ -114,6 +115,8 @@ def test_repeated_ooms_are_flushed_then_admission_is_lowered(service: Service) -
     assert service.memory()["admission"]["limit"] < 4
     assert service.wd_metric("gpu_watchdog_admission_changes_total", direction="down") >= 1
     assert service.memory()["ooms_caught"] >= 3
+    # The sidecar scrapes /metrics all along: a scrape is not a request (it would pass for progress).
+    assert metric(service.api + "/metrics", "gpu_inference_requests_total", {"route": "/metrics"}) is None
     assert service.predict().status_code == 200  # lowered, not broken
 
 
