@@ -298,11 +298,13 @@ class PublicAPI:
         logprobs = None
         if s.logprobs is not None and r.logprobs is not None:
             assert self.service.engine is not None
-            ids: list[int] = list(r.token_ids)
-            entries: list[Any] = list(r.logprobs)
+            spell = TokenText(self.service.engine.lm.codec)
+            logprobs = completion_logprobs(spell, r.token_ids, r.logprobs)
             if s.echo and r.prompt_logprobs is not None:
-                ids, entries = [*job.ids, *ids], [*r.prompt_logprobs, *entries]
-            logprobs = completion_logprobs(TokenText(self.service.engine.lm.codec), ids, entries)
+                scored = completion_logprobs(spell, job.ids, r.prompt_logprobs)
+                shift = sum(len(t) for t in scored["tokens"])
+                logprobs = {key: scored[key] + ([o + shift for o in logprobs[key]] if key == "text_offset"
+                                                else logprobs[key]) for key in scored}
         return {"text": text, "index": job.index, "logprobs": logprobs, "finish_reason": r.finish_reason}
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
