@@ -6,6 +6,9 @@ PYTHON ?= python3
 
 VLLM_VENV ?= .venv-vllm
 VLLM_STAMP := $(VLLM_VENV)/.installed-stamp
+# lm-evaluation-harness (its local-completions client) lives next to vLLM, pinned to what vLLM installed.
+LMEVAL_STAMP := $(VLLM_VENV)/.lm-eval-stamp
+LMEVAL_VERSION := 0.4.13
 # The peer the sidecar is tested next to: vLLM's CPU build, in a venv of its own.
 VLLM_VERSION := 0.32.0
 
@@ -42,7 +45,12 @@ $(VLLM_STAMP):
 	$(VLLM_VENV)/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec
 	touch $(VLLM_STAMP)
 
-vllm: $(VLLM_STAMP)
+$(LMEVAL_STAMP): $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pip freeze --exclude-editable > $(VLLM_VENV)/constraints.txt
+	$(VLLM_VENV)/bin/python -m pip install -q -c $(VLLM_VENV)/constraints.txt "lm-eval[api]==$(LMEVAL_VERSION)"
+	touch $(LMEVAL_STAMP)
+
+vllm: $(VLLM_STAMP) $(LMEVAL_STAMP)
 
 $(OFFLINE_STAMP):
 	$(PYTHON) -m venv $(OFFLINE_VENV)
