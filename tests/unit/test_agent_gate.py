@@ -109,3 +109,21 @@ def test_agent_queue_timeout_and_limit_change() -> None:
     agent.set_admission_limit(2)
     with agent.admit(), agent.admit():
         assert agent.memory_report()["admission"]["holders"] == 2
+
+
+async def test_the_canary_runs_on_its_reserved_slot_while_the_gate_is_full() -> None:
+    ran: list[int] = []
+    agent = Agent(AgentSettings(limit=1, queue_timeout=0.05, device="cpu"), canary=lambda: ran.append(1))
+    with agent.admit():  # the app's one slot is taken
+        result = await agent.canary(2.0)
+    assert result.ok and ran == [1]
+    assert (await Agent(AgentSettings(device="cpu")).canary(1.0)).error_class == "other"  # none registered
+
+
+async def test_a_canary_that_runs_out_of_memory_says_oom() -> None:
+    def oom() -> None:
+        raise torch.OutOfMemoryError("CUDA out of memory")
+
+    agent = Agent(AgentSettings(device="cpu"), canary=oom)
+    result = await agent.canary(2.0)
+    assert (result.ok, result.error_class) == (False, "oom") and agent.oom_count == 1
