@@ -212,7 +212,8 @@ class Engine:
         if self.draining:
             raise Draining("the server is draining")
         loop_ = self._items
-        if loop_.waiting + len(items) > self.max_queue:
+        # As for generation: refused once the queue is full, so one large request still gets in.
+        if loop_.waiting >= self.max_queue:
             raise QueueFull(f"{loop_.waiting} items already waiting")
         jobs = self._jobs(items)
         loop_.enqueue(jobs)

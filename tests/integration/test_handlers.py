@@ -137,6 +137,14 @@ def test_concurrent_requests_are_batched_and_agree_with_lone_ones(bert: Server) 
     assert 0 < after - before <= 16
 
 
+def test_a_request_larger_than_the_queue_bound_still_gets_in(bert: Server) -> None:
+    # 300 inputs against --max-queue 256 (items): refused only once the queue is full.
+    r = requests.post(bert.url + "/v1/embeddings", json={"input": ["ok"] * 300, "encoding_format": "base64"},
+                      timeout=60)
+    assert r.status_code == 200, r.text
+    assert [d["index"] for d in r.json()["data"]] == list(range(300))
+
+
 def test_bad_inputs_get_400s_naming_the_field(bert: Server) -> None:
     def err(body: Any) -> tuple[int, str | None, str]:
         r = requests.post(bert.url + "/v1/embeddings", json=body, timeout=30)
