@@ -110,7 +110,8 @@ class Watchdog:
         self._last_tick = now
         self._session = aiohttp.ClientSession()
         if s.target.http is not None:
-            self.canary = HttpCanary(s.target.http, self._session, self.clock, s.canary.timeout)
+            self.canary = HttpCanary(s.target.http, self._session, self.clock, s.canary.timeout,
+                                     api_key_file=s.target.api_key_file)
         elif s.target.openai_url is None:
             token = self._token or self._read_token()
             self.control = ControlClient(s.target.control_url, token, self._session)

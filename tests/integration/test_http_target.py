@@ -214,3 +214,20 @@ async def test_an_openai_server_with_only_embedding_models_is_canaried_by_embedd
             assert second.ok and second.route == EMBEDDINGS and seen[-1] == "/v1/embeddings" and len(seen) == 5
     finally:
         await runner.cleanup()
+
+
+async def test_the_api_key_is_sent_from_the_request_or_the_target(service: tuple[str, Predict], tmp_path: Any,
+                                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    url, state = service
+    monkeypatch.setenv("GPU_WATCHDOG_TOKEN", "the-control-token")  # the control API's, never sent here
+    key = tmp_path / "key"
+    key.write_text("s3cret\n")
+    async with aiohttp.ClientSession() as session:
+        cfg = settings(url).target.http
+        assert (await HttpCanary(cfg, session, time.monotonic, 2.0, api_key_file=str(key)).sample()).ok
+        assert state.requests[-1]["auth"] == "Bearer s3cret"
+        own = tmp_path / "own"
+        own.write_text("mine")
+        cfg = settings(url, api_key_file=str(own)).target.http
+        assert (await HttpCanary(cfg, session, time.monotonic, 2.0, api_key_file=str(key)).sample()).ok
+        assert state.requests[-1]["auth"] == "Bearer mine"

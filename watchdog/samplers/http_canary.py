@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -18,7 +19,6 @@ from yarl import URL
 
 from watchdog import logs
 from watchdog.config import HttpTargetSettings
-from watchdog.contract import read_token
 from watchdog.samplers.canary import ANSWER_BYTES, classify
 from watchdog.samplers.http_body import read_capped
 from watchdog.samples import CanarySample
@@ -42,8 +42,10 @@ def lookup(data: Any, path: str) -> Any:
 
 class HttpCanary:
     def __init__(self, settings: HttpTargetSettings, session: aiohttp.ClientSession, clock: Callable[[], float],
-                 timeout: float) -> None:
+                 timeout: float, api_key_file: str | None = None) -> None:
         self.settings = settings
+        # The request's own key file, else the target's (where the chart mounts a server's key).
+        self.api_key_file = settings.api_key_file or api_key_file
         self.session = session
         self.clock = clock
         self.timeout = timeout
@@ -64,12 +66,13 @@ class HttpCanary:
         """After a restart: nothing learnt about the old process to drop."""
 
     def _read_key(self) -> str | None:
-        if self.settings.api_key_file is None:
+        if self.api_key_file is None:
             return None
+        # Not contract.read_token: GPU_WATCHDOG_TOKEN is the control API's, never this server's key.
         try:
-            return read_token(self.settings.api_key_file)
-        except Exception as exc:
-            log.warning("api_key_unreadable", file=self.settings.api_key_file, error=str(exc))
+            return Path(self.api_key_file).read_text(encoding="utf-8").strip() or None
+        except OSError as exc:
+            log.warning("api_key_unreadable", file=self.api_key_file, error=exc.strerror or str(exc))
             return None
 
     def headers(self) -> dict[str, str]:
@@ -102,7 +105,7 @@ class HttpCanary:
             return False, "unreachable", f"{s.method} {s.url}: {exc}"[:300]
         text = raw.decode("utf-8", errors="replace")
         if status != s.expect_status:
-            if status == 401 and s.api_key_file is not None:
+            if status == 401 and self.api_key_file is not None:
                 self._api_key = self._read_key()  # the key may have been rotated
             return False, classify(status, text), f"{status} (expected {s.expect_status}): {text[:300]}"
         if s.expect_json is None:
