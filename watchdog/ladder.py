@@ -2,10 +2,21 @@
 
 The seed plans a concurrency limit from a memory budget before the server starts; reality drifts
 (longer prompts, another process on the card, a fragmented allocator). When OOMs keep coming
-although the cache was flushed, the limit is cut (multiplicative decrease); each quiet
-`recover_after` it grows by one step (additive increase) up to its ceiling — the limit the server
-started with, or the last one an operator set. A grow is a probe: OOMs at the new limit send it
-back to the last limit that held and double the wait before the next probe, so a card that stays
+although the cache was flushed, the limit is cut (multiplicative decrease); after a quiet wait it
+grows by one step (additive increase) up to its ceiling: the limit the server started with, or the
+last one an operator set. Only time with the limit in full use counts as quiet: a limit that no
+load (or the server's own OOM recovery) fills proves nothing.
+
+The limit the ladder reasons about is what the card must hold: the bundled server runs its canary
+in a row of its own beside the admitted sequences, so `limit` sequences put `limit + 1` rows on
+the card whenever a canary coincides. A cut halves those rows, not the limit alone.
+
+A limit that failed is remembered (`Ladder.failed`). A grow is a probe: the new limit is on
+probation, and its first OOM sends it back one step. Probing back to a limit that failed waits
+twice as long as the wait before its last failure (up to `max_wait`), and a probe that holds does
+not erase that memory: a limit that fails only when the canary coincides would otherwise be
+probed again at the shortest wait, forever. Only a quiet period as long as the longest remembered
+wait confirms the limit in force and forgets the failures at or below it. So a card that stays
 too small costs one OOM per probe, with probes ever further apart.
 """
 
@@ -13,28 +24,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any
 
 from watchdog.config import AdmissionSettings
-from watchdog.samples import History, TorchSample
+from watchdog.records import Ladder
+from watchdog.samples import History
 
 SHRINK, GROW = "shrink_admission", "grow_admission"
 
-
-@dataclass(frozen=True)
-class Ladder:
-    """What the watchdog knows of one server process's admission limit."""
-
-    instance_id: str | None
-    mode: str  # slots | bytes
-    ceiling: int
-    limit: int  # what the server runs with now
-    last_good: int  # the highest limit that held
-    probing: bool  # the last change was a grow, not yet confirmed by a quiet wait
-    wait: float  # quiet time before the next grow
-    changed_at: float  # the last change (ours or an operator's), or first sight of this process
-    pending: int | None = None  # a limit asked for, not yet confirmed by the server
+# The bundled server's canary joins the batch in a reserved row, outside the admission limit
+# (inference/admission.py): on the card, `limit` sequences are `limit + CANARY_ROWS` rows.
+CANARY_ROWS = 1
 
 
 @dataclass(frozen=True)
@@ -44,41 +45,50 @@ class Change:
     detail: dict[str, Any]
 
 
-def observe(ladder: Ladder | None, sample: TorchSample, settings: AdmissionSettings) -> Ladder | None:
-    """Fold one allocator sample in: a new process, or an operator's change, sets a new ceiling."""
-    if not sample.reachable or sample.admission_limit <= 0:
-        return ladder
-    limit = sample.admission_limit
-    if ladder is None or ladder.instance_id != sample.instance_id:
-        return Ladder(sample.instance_id, sample.admission_mode or "slots", ceiling=limit, limit=limit,
-                      last_good=limit, probing=False, wait=settings.recover_after, changed_at=sample.at)
-    if ladder.pending is not None:
-        if limit == ladder.pending:
-            return replace(ladder, pending=None)
-        return ladder  # taken before our change landed
-    if limit != ladder.limit and sample.at > ladder.changed_at:
-        # Someone else set it (an operator through the control API): that is the new ceiling.
-        return Ladder(ladder.instance_id, ladder.mode, ceiling=limit, limit=limit, last_good=limit, probing=False,
-                      wait=settings.recover_after, changed_at=sample.at)
-    return ladder
+def step(ladder: Ladder) -> int:
+    """One additive step: a slot, or in bytes mode an eighth of the ceiling."""
+    return max(1, math.ceil(ladder.ceiling / 8)) if ladder.mode == "bytes" else 1
 
 
-def requested(ladder: Ladder, change: Change) -> Ladder:
-    """A change is on its way: decide nothing more until the server confirms it."""
-    return replace(ladder, pending=change.limit)
+def next_up(ladder: Ladder) -> int:
+    return min(ladder.ceiling, ladder.limit + step(ladder))
 
 
-def answered(ladder: Ladder, change: Change, at: float, ok: bool, settings: AdmissionSettings) -> Ladder:
-    """The server's answer to our change."""
-    if not ok:
-        return replace(ladder, pending=None)
-    if change.action == GROW:
-        # The limit grown from held for a whole wait; a probe that held resets the wait.
-        return replace(ladder, limit=change.limit, last_good=ladder.limit, probing=True,
-                       wait=settings.recover_after if ladder.probing else ladder.wait, changed_at=at)
-    # Back from a failed probe: the next one waits twice as long.
-    wait = min(ladder.wait * 2, settings.max_wait) if ladder.probing else ladder.wait
-    return replace(ladder, limit=change.limit, last_good=change.limit, probing=False, wait=wait, changed_at=at)
+def step_below(ladder: Ladder, limit: int) -> int:
+    """The step under `limit` on the ladder that climbs from `base` (never below `base`)."""
+    if limit <= ladder.base:
+        return limit
+    return ladder.base + (limit - ladder.base - 1) // step(ladder) * step(ladder)
+
+
+def wait_for(ladder: Ladder, limit: int, settings: AdmissionSettings) -> float:
+    """Quiet time before growing to `limit`: its remembered wait if it failed, else recover_after."""
+    failure = ladder.remembered(limit)
+    return settings.recover_after if failure is None else max(settings.recover_after, failure.wait)
+
+
+def confirm_after(ladder: Ladder, settings: AdmissionSettings) -> float:
+    """How long the limit in force must stay quiet to be confirmed: the longest remembered wait."""
+    return max([settings.recover_after, *(f.wait for f in ladder.failed)])
+
+
+def cut(limit: int, settings: AdmissionSettings) -> int:
+    """The multiplicative decrease, on the rows the card holds (the canary's included)."""
+    rows = limit + CANARY_ROWS
+    return max(settings.min_limit, math.floor(rows * settings.decrease_factor) - CANARY_ROWS)
+
+
+def _in_force_since(h: History, ladder: Ladder) -> float | None:
+    """When the limit in force became the one the card runs with: after a cut, sequences admitted
+    under the old limit still run until they finish, and their OOMs are the old limit's. None: not
+    yet. In bytes mode a sequence weighs less than the worst case the limit counts, so the number
+    in flight says nothing about the limit, and the change itself is the start."""
+    if ladder.mode == "bytes":
+        return ladder.changed_at
+    for t in h.torch_since_epoch():
+        if t.instance_id == ladder.instance_id and t.at >= ladder.changed_at and t.inflight <= ladder.limit:
+            return t.at
+    return None
 
 
 def _ooms_since(h: History, since: float, instance_id: str | None) -> list[tuple[float, int]]:
@@ -96,28 +106,28 @@ def decide(settings: AdmissionSettings, h: History, now: float) -> Change | None
     ladder = h.ladder
     if not settings.enabled or ladder is None or ladder.pending is not None:
         return None
-    # Only OOMs seen after the last change count against the limit in force.
-    ooms = _ooms_since(h, ladder.changed_at, ladder.instance_id)
+    since = _in_force_since(h, ladder)
+    ooms = [] if since is None else _ooms_since(h, since, ladder.instance_id)
+    figures = {"from": ladder.limit, "rows": ladder.limit + CANARY_ROWS, "base": ladder.base}
+    if ladder.probing and ooms:
+        # On probation: one OOM is enough, and going back a step costs less than another OOM.
+        target = step_below(ladder, ladder.limit)
+        if target < ladder.limit:
+            return Change(SHRINK, target, {
+                **figures, "to": target, "ooms": sum(n for _, n in ooms), "why": "a limit on probation met an OOM",
+                "next_probe_in_s": min(settings.max_wait, 2 * wait_for(ladder, ladder.limit, settings))})
     recent = sum(n for at, n in ooms if now - at < settings.window)
     flushed = any(a.action == "empty_cache" and now - a.at < settings.window for a in h.actions)
     if recent >= settings.oom_threshold and flushed and ladder.limit > settings.min_limit:
-        if ladder.probing:
-            target = max(settings.min_limit, ladder.last_good)
-            why = "the probe failed: back to the last limit that held"
-        else:
-            target = max(settings.min_limit, math.floor(ladder.limit * settings.decrease_factor))
-            why = "OOMs despite a cache flush"
+        target = cut(ladder.limit, settings)
         if target < ladder.limit:
-            return Change(SHRINK, target, {"from": ladder.limit, "to": target, "ooms": recent,
-                                           "window_s": settings.window, "why": why,
-                                           "next_probe_in_s": min(ladder.wait * 2, settings.max_wait)
-                                           if ladder.probing else ladder.wait})
+            return Change(SHRINK, target, {**figures, "to": target, "ooms": recent, "window_s": settings.window,
+                                           "why": "OOMs despite a cache flush"})
     if ladder.limit >= ladder.ceiling:
         return None
-    quiet_since = max([ladder.changed_at, *(at for at, _ in ooms)])
-    if now - quiet_since < ladder.wait:
+    target = next_up(ladder)
+    wait = wait_for(ladder, target, settings)
+    if ladder.used < wait:
         return None
-    step = max(1, math.ceil(ladder.ceiling / 8)) if ladder.mode == "bytes" else 1
-    target = min(ladder.ceiling, ladder.limit + step)
-    return Change(GROW, target, {"from": ladder.limit, "to": target, "quiet_s": round(now - quiet_since, 1),
+    return Change(GROW, target, {**figures, "to": target, "quiet_s": round(ladder.used, 1), "wait_s": wait,
                                  "ceiling": ladder.ceiling, "probe": True})

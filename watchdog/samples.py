@@ -4,10 +4,8 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from watchdog.ladder import Ladder
+from watchdog.records import Ladder
 
 
 @dataclass(frozen=True)

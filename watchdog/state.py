@@ -6,10 +6,11 @@ policy, these take the time as an argument and do no I/O, so traces can drive th
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from watchdog import ladder
 from watchdog.config import AdmissionSettings
+from watchdog.records import Failure, Ladder
 from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
 
 
@@ -80,7 +81,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.server.append(outcome)
     elif isinstance(outcome, TorchSample):
         h.torch.append(outcome)
-        h.ladder = ladder.observe(h.ladder, outcome, admission)
+        h.ladder = observe_ladder(h.ladder, outcome, admission)
     elif isinstance(outcome, GpuReadout):
         h.gpus, h.gpus_visible = outcome.gpus, outcome.visible
     elif isinstance(outcome, XidEvent):
@@ -98,7 +99,73 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, CacheFlushRequested):
         h.actions.append(ActionRecord(outcome.at, "empty_cache", outcome.reason))
     elif isinstance(outcome, AdmissionRequested) and h.ladder is not None:
-        h.ladder = ladder.requested(h.ladder, outcome.change)
+        h.ladder = replace(h.ladder, pending=outcome.change.limit)
     elif isinstance(outcome, AdmissionAnswered) and h.ladder is not None:
-        h.ladder = ladder.answered(h.ladder, outcome.change, outcome.at, outcome.ok, admission)
+        h.ladder = ladder_answered(h.ladder, outcome.change, outcome.at, outcome.ok, admission)
     return h
+
+
+# -- the admission ladder's record ---------------------------------------------------------------
+
+
+def observe_ladder(lad: Ladder | None, sample: TorchSample, settings: AdmissionSettings) -> Ladder | None:
+    """Fold one allocator sample in: a new process, or an operator's change, sets a new ceiling."""
+    if not sample.reachable or sample.admission_limit <= 0:
+        return lad
+    limit = sample.admission_limit
+    if lad is None or lad.instance_id != sample.instance_id:
+        return Ladder(sample.instance_id, sample.admission_mode or "slots", ceiling=limit, limit=limit, base=limit,
+                      wait=settings.recover_after, changed_at=sample.at, ooms=sample.ooms, seen_at=sample.at)
+    elapsed = sample.at - (sample.at if lad.seen_at is None else lad.seen_at)
+    lad = replace(lad, seen_at=sample.at)
+    if sample.ooms > lad.ooms:
+        lad = replace(lad, ooms=sample.ooms, oom_at=sample.at, used=0.0)
+    elif sample.ooms < lad.ooms:
+        lad = replace(lad, ooms=sample.ooms)
+    elif lad.pending is None and limit == lad.limit and _in_full_use(lad, sample):
+        lad = replace(lad, used=lad.used + elapsed)
+    if lad.pending is not None:
+        if limit == lad.pending:
+            return replace(lad, pending=None)
+        return lad  # taken before our change landed
+    if limit != lad.limit and sample.at > lad.changed_at:
+        # Someone else set it (an operator through the control API): that is the new ceiling, and
+        # what failed above or below the old one says nothing about it.
+        return Ladder(lad.instance_id, lad.mode, ceiling=limit, limit=limit, base=limit, wait=settings.recover_after,
+                      changed_at=sample.at, ooms=lad.ooms, oom_at=lad.oom_at, seen_at=sample.at)
+    return _confirmed(lad, settings)
+
+
+def _in_full_use(lad: Ladder, sample: TorchSample) -> bool:
+    """Whether the limit binds: as many sequences in flight as it allows (slots), or requests
+    waiting for budget (bytes, where a sequence weighs less than the worst case the limit counts).
+    Fewer in flight, as while the server's own OOM recovery holds its batch down, is no evidence."""
+    return sample.queued > 0 if lad.mode == "bytes" else sample.inflight >= lad.limit
+
+
+def _confirmed(lad: Ladder, settings: AdmissionSettings) -> Ladder:
+    """A limit in full use and quiet for the longest remembered wait holds: it is the new base, and
+    the failures at or below it are forgiven. A probe that merely held one wait forgives nothing."""
+    if lad.used < ladder.confirm_after(lad, settings):
+        return lad
+    if lad.base == lad.limit and all(f.limit > lad.limit for f in lad.failed):
+        return lad
+    kept = tuple(f for f in lad.failed if f.limit > lad.limit)
+    lad = replace(lad, base=lad.limit, failed=kept)
+    return replace(lad, wait=ladder.wait_for(lad, ladder.next_up(lad), settings))
+
+
+def ladder_answered(lad: Ladder, change: ladder.Change, at: float, ok: bool, settings: AdmissionSettings) -> Ladder:
+    """The server's answer to our change (the sample that shows it in force clears `pending`)."""
+    if not ok:
+        return replace(lad, pending=None)
+    if change.action == ladder.GROW:
+        grown = replace(lad, limit=change.limit, changed_at=at, used=0.0)
+        return replace(grown, wait=ladder.wait_for(grown, ladder.next_up(grown), settings))
+    # The limit in force failed: remember it, and probing back to it waits twice as long as before.
+    wait = min(settings.max_wait, 2 * ladder.wait_for(lad, lad.limit, settings))
+    failed = (*(f for f in lad.failed if f.limit != lad.limit), Failure(lad.limit, wait, at))
+    # A cut starts a new base; a step back from probation stays above the old one.
+    shrunk = replace(lad, limit=change.limit, base=min(lad.base, change.limit), failed=failed, changed_at=at,
+                     used=0.0)
+    return replace(shrunk, wait=ladder.wait_for(shrunk, ladder.next_up(shrunk), settings))

@@ -117,8 +117,9 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
             "growth_ratio": round(x.idle_memory.growth_ratio, 6), "growing": x.idle_memory.growing},
         "admission": None if h.ladder is None else {
             **dataclasses.asdict(h.ladder), "enabled": settings.policy.admission.enabled,
+            # Seconds of the limit in full use (only those count) before the next probe.
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
-            else round(max(0.0, h.ladder.changed_at + h.ladder.wait - now), 1)},
+            else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids}
                         for sp in x.suspects],
         "last_decisions": x.decisions[-20:],
