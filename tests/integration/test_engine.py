@@ -44,12 +44,12 @@ def test_greedy_answers_equal_solo_runs_when_requests_join_and_leave_mid_batch(e
     first = [engine._sequence(GenRequest(codec.encode(p), n, on_text=lambda _: started.set()))
              for p, n in PROMPTS[:3]]
     for seq in first:
-        engine._loop.enqueue(seq)
+        engine._decode.enqueue(seq)
     # The others arrive while the first ones are decoding: they join the running batch.
     assert started.wait(30)
     rest = [engine._sequence(GenRequest(codec.encode(p), n)) for p, n in PROMPTS[3:]]
     for seq in rest:
-        engine._loop.enqueue(seq)
+        engine._decode.enqueue(seq)
     together = [seq.future.result(timeout=60).text for seq in first + rest]
     assert together == alone
     probe = engine.probe()
@@ -117,7 +117,7 @@ def test_a_second_oom_answers_with_a_clean_error_and_the_engine_serves_on(lm: mo
         faults.inject("oom", {"count": 3})
         seqs = [e._sequence(GenRequest(lm.codec.encode(p), 5)) for p in ("one", "two")]
         for seq in seqs:
-            e._loop.enqueue(seq)
+            e._decode.enqueue(seq)
         outcomes = [seq.future.exception(timeout=30) for seq in seqs]
         assert all(isinstance(o, InferenceOOM) for o in outcomes)
         [after] = e.generate([GenRequest(lm.codec.encode("fine again"), 4)])
