@@ -495,3 +495,134 @@ def test_one_answer_to_whether_an_xid_is_ours() -> None:
     assert not gpus_unknown(single) and xid_is_ours(single, OTHER) is True
     known = history(gpus_visible=4, pod_gpus=(UUID,))
     assert (xid_is_ours(known, UUID), xid_is_ours(known, OTHER), xid_is_ours(known, None)) == (True, False, True)
+
+
+# -- settings at other values than their defaults: a rule that hard-coded the default passes the
+# -- tests above, not these ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("window", [20.0, 90.0])
+def test_the_stall_window_is_the_setting(window: float) -> None:
+    from watchdog.config import StallSettings
+
+    s = settings(stall=StallSettings(window=window))
+    h = history()
+    h.canaries.append(ok(0.5))
+    for t in range(0, int(window), 5):
+        h.server.append(work(t, progress=777.0, running=2, waiting=5))
+    assert decide(s, h, window - 4.5) == []  # flat for window - 5 s
+    h.server.append(work(window, progress=777.0, running=2, waiting=5))
+    [d] = decide(s, h, window + 0.5)
+    assert (d.reason, d.detail["evidence"], d.detail["flat_s"]) == (HANG, "stall", window)
+
+
+@pytest.mark.parametrize("n", [2, 5])
+def test_the_hang_threshold_is_the_setting(n: int) -> None:
+    from watchdog.config import HangSettings
+
+    s = settings(hang=HangSettings(consecutive_timeouts=n))
+    h = history()
+    h.canaries.append(ok(0.5))
+    timeouts(h, [float(t) for t in range(1, n)])  # no server metrics: the timeouts alone decide
+    assert decide(s, h, n + 0.5) == []
+    timeouts(h, [float(n)])
+    [d] = decide(s, h, n + 1.5)
+    assert (d.reason, d.detail["consecutive_timeouts"]) == (HANG, n)
+
+
+def test_memory_pressure_ratio_and_cooldown_are_the_settings() -> None:
+    from watchdog.config import MemoryPressureSettings
+
+    s = settings(memory_pressure=MemoryPressureSettings(reserved_ratio=0.5, cooldown=10.0))
+    h = history()
+    h.torch.append(torch(10, reserved=45 * GiB, allocated=44 * GiB))  # 56 % of the card
+    assert decide(settings(), h, 10.1) == []  # under the default 85 %
+    assert actions(decide(s, h, 10.1)) == [("empty_cache", "memory_pressure", True)]
+    h.actions.append(ActionRecord(10.1, "empty_cache", "memory_pressure"))
+    h.torch.append(torch(15, reserved=45 * GiB, allocated=44 * GiB))
+    assert decide(s, h, 15.1) == []  # within the 10 s cooldown
+    h.torch.append(torch(21, reserved=45 * GiB, allocated=44 * GiB))
+    assert actions(decide(s, h, 21.1)) == [("empty_cache", "memory_pressure", True)]
+
+
+def test_fragmentation_ratio_and_attempts_are_the_settings() -> None:
+    from watchdog.config import FragmentationSettings
+
+    h = history()
+    h.torch.append(torch(1, reserved=10 * GiB, allocated=6 * GiB))  # 40 % fragmented
+    assert actions(decide(settings(), h, 1.1)) == [("empty_cache", "fragmentation_drift", True)]
+    lenient = settings(fragmentation=FragmentationSettings(ratio=0.5))
+    assert decide(lenient, h, 1.1) == []
+    s = settings(fragmentation=FragmentationSettings(empty_cache_attempts=2))
+    h = history()
+    decided = []
+    for t in range(1, 10):
+        _drift(h, t, fixed=False)
+        for d in decide(s, h, t + 0.1):
+            decided.append((t, d.action))
+            if d.action == "empty_cache":
+                h.actions.append(ActionRecord(t + 0.1, "empty_cache", d.reason))
+        if decided and decided[-1][1] == "restart":
+            break
+    assert decided == [(1, "empty_cache"), (2, "empty_cache"), (3, "restart")]
+
+
+def test_fragmentation_attempts_count_within_the_window_setting() -> None:
+    from watchdog.config import FragmentationSettings
+
+    def restarted(s: PolicySettings) -> bool:
+        h = history()
+        for t in range(1, 600, 60):  # a drift no flush cures, flushed once a minute
+            _drift(h, t, fixed=False)
+            for d in decide(s, h, t + 0.1):
+                if d.action == "restart":
+                    return True
+                h.actions.append(ActionRecord(t + 0.1, "empty_cache", d.reason))
+        return False
+
+    assert restarted(settings())  # three flushes within the default 10 min
+    assert not restarted(settings(fragmentation=FragmentationSettings(window=100.0)))  # never three in 100 s
+
+
+def test_the_startup_timeout_is_the_setting() -> None:
+    s = settings(startup_timeout=300.0)
+    h = history(served_at=None)
+    for t in range(10, 300, 10):
+        h.canaries.append(failed(t, "timeout"))
+    assert decide(s, h, 290.5) == []
+    h.canaries.append(failed(300, "timeout"))
+    [d] = decide(s, h, 300.5)
+    assert (d.reason, d.detail["startup_timeout_s"]) == (STARTUP_TIMEOUT, 300.0)
+    assert decide(settings(), h, 300.5) == []
+
+
+def test_the_unservable_window_is_the_setting() -> None:
+    from watchdog.config import UnservableSettings
+
+    s = settings(unservable=UnservableSettings(window=120.0))
+    h = history()
+    h.canaries.append(ok(1))
+    for t in range(30, 150, 30):
+        h.canaries.append(failed(t, "other"))
+    assert decide(s, h, 140.5) == []  # failing for 110.5 s
+    h.canaries.append(failed(150, "other"))
+    [d] = decide(s, h, 150.5)
+    assert d.reason == UNSERVABLE
+    assert decide(settings(), h, 150.5) == []
+
+
+def test_the_restart_budget_is_the_setting() -> None:
+    from watchdog.config import RestartBudgetSettings
+
+    s = settings(restart_budget=RestartBudgetSettings(max_restarts=1, window=600.0))
+    h = history()
+    h.canaries.append(failed(1, "fatal_cuda"))
+    [d] = decide(s, h, 1.1)
+    assert d.allowed
+    h.actions.append(ActionRecord(1.2, "restart", "context_loss"))
+    h.epoch = 1.3
+    h.canaries.append(failed(100, "fatal_cuda"))
+    [d] = decide(s, h, 100.1)
+    assert (d.allowed, d.blocked_by) == (False, "restart_budget")  # one restart per window
+    assert budget_remaining(settings(), h, 100.1) == 2
+    assert budget_remaining(s, h, 601.1) == 0 and budget_remaining(s, h, 601.3) == 1  # refilled after 600 s
