@@ -8,7 +8,9 @@ Both ask the same questions of the same engine path, so they cannot disagree on 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -42,29 +44,57 @@ def filler(engine: Engine, tokens: int) -> list[int]:
     return (unit * (tokens // len(unit) + 1))[: max(1, tokens)]
 
 
+def _peak(dev: torch.device, run: Callable[[], object]) -> float:
+    """The most memory `run` allocated above what was allocated before it."""
+    torch.cuda.synchronize(dev)
+    torch.cuda.reset_peak_memory_stats(dev)
+    before = torch.cuda.memory_allocated(dev)
+    run()
+    torch.cuda.synchronize(dev)
+    return float(torch.cuda.max_memory_allocated(dev) - before)
+
+
 def measure(engine: Engine, prompt_tokens: int, new_tokens: int) -> Measurement:
     """Peak memory of one sequence of `prompt_tokens` + `new_tokens`, and the base, on CUDA."""
     if not engine.is_cuda:
         raise MeasureError("no CUDA device to measure on")
-    dev = engine.lm.device
 
     def peak(prompt: int, new: int) -> float:
-        torch.cuda.synchronize(dev)
-        torch.cuda.reset_peak_memory_stats(dev)
-        before = torch.cuda.memory_allocated(dev)
-        engine.generate([GenRequest(prompt_ids=filler(engine, prompt), max_tokens=new)])
-        torch.cuda.synchronize(dev)
-        return float(torch.cuda.max_memory_allocated(dev) - before)
+        return _peak(engine.device, lambda: engine.generate([GenRequest(prompt_ids=filler(engine, prompt),
+                                                                        max_tokens=new)]))
 
     peak(8, 1)  # warm-up: kernels, allocator, cuBLAS workspace
     short = peak(SHORT_PROMPT, 1)
     longest = peak(prompt_tokens, new_tokens)
     cost = CostModel.fit(SHORT_PROMPT + 1, short, prompt_tokens + new_tokens, longest)
+    return _with_base(engine, cost, prompt_tokens + new_tokens)
+
+
+def measure_items(engine: Engine, sized_item: Callable[[int], Any], longest_tokens: int) -> Measurement:
+    """Peak memory of one item of a request-level handler, fitted between a short item and the
+    longest the model takes, and the base, on CUDA: the same questions `measure` asks of a sequence."""
+    if not engine.is_cuda:
+        raise MeasureError("no CUDA device to measure on")
+
+    def peak(tokens: int) -> float:
+        item = sized_item(tokens)
+        return _peak(engine.device, lambda: engine.predict_now([item]))
+
+    peak(8)  # warm-up: kernels, allocator, cuBLAS workspace
+    short = peak(SHORT_PROMPT)
+    longest = peak(longest_tokens)
+    cost = CostModel.fit(SHORT_PROMPT, short, longest_tokens, longest)
+    return _with_base(engine, cost, longest_tokens)
+
+
+def _with_base(engine: Engine, cost: CostModel, longest_tokens: int) -> Measurement:
+    """The base once the measuring runs' blocks are returned; the context and other non-torch use apart."""
+    dev = engine.device
     torch.cuda.empty_cache()
     base = int(torch.cuda.memory_reserved(dev))
     free, total = torch.cuda.mem_get_info(dev)
     context = max(0, int(total - free) - base)
-    return Measurement(int(total), base, context, cost, prompt_tokens + new_tokens)
+    return Measurement(int(total), base, context, cost, longest_tokens)
 
 
 def measure_plan(

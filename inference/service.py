@@ -6,6 +6,7 @@ import asyncio
 import os
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,7 +23,7 @@ from inference.engine import Batching, CanaryResult, Engine
 from inference.faults import FaultInjector
 from inference.handler import Handler, RequestHandler
 from inference.handlers.causal_lm import CausalLM
-from inference.measure import filler, measure
+from inference.measure import SHORT_PROMPT, filler, measure, measure_items
 from inference.metrics import InferenceMetrics
 from inference.model import BUILTIN_NAME
 from inference.planner import CostModel, Plan, plan
@@ -140,19 +141,42 @@ class InferenceService:
         log.info("model_loaded", handler=s.handler, served_model_name=self.model_name, device=str(device),
                  capabilities=sorted(handler.capabilities), max_tokens=self.engine.context_len,
                  seconds=round(self._loop.time() - t0, 3))
-        # Warm up on the canary's item (kernels, allocator), then size admission: one slot per item.
+        # Warm up on the canary's item (kernels, allocator), then size admission.
         await asyncio.to_thread(self.engine.predict_now, [handler.sample()])
+        sized = getattr(handler, "sized_sample", None)
+        longest = self.engine.context_len
         if s.max_concurrency is not None:
-            limit, source = s.max_concurrency, "--max-concurrency"
+            limit = s.max_concurrency
+            self.admission = Admission("slots", float(limit), limit, None, longest, None, "--max-concurrency")
+        elif self.engine.is_cuda and sized is not None and longest > SHORT_PROMPT:
+            self.admission = await asyncio.to_thread(self._measure_items, sized, longest)
         else:
-            limit, source = s.cpu_default_concurrency, "default slots (per-item memory is not measured)"
-        self.admission = Admission("slots", float(limit), limit, None, self.engine.context_len, None, source)
+            # On CPU there is no allocator to measure; a handler that cannot size an item cannot be measured.
+            limit = s.cpu_default_concurrency
+            self.admission = Admission("slots", float(limit), limit, None, longest, None,
+                                       "default slots (per-item memory not measured)")
         self.gate.set_capacity(self.admission.capacity)
-        self.metrics.admission_limit.set(limit)
-        log.info("admission", mode="slots", limit=limit, source=source, max_batch_size=s.max_batch_size,
+        self.engine.cost = self.admission.cost
+        self.metrics.admission_limit.set(self.admission.limit)
+        log.info("admission", mode=self.admission.mode, limit=self.admission.limit,
+                 capacity=self.admission.capacity, source=self.admission.source, max_batch_size=s.max_batch_size,
                  max_batch_tokens=s.max_batch_tokens, batch_window_ms=s.batch_window_ms or 0.0)
         self.ready = True
         log.info("ready", instance_id=self.instance_id)
+
+    def _measure_items(self, sized: Callable[[int], Any], longest: int) -> Admission:
+        """The memory budget in items of a request-level handler: one item's peak at two sizes, on CUDA."""
+        assert self.engine is not None
+        s = self.settings
+        m = measure_items(self.engine, sized, longest)
+        total = m.total_bytes if s.memory_fraction is None else int(m.total_bytes * s.memory_fraction)
+        p = plan(total_bytes=total, base_bytes=m.base_bytes, peak_bytes=m.peak_bytes,
+                 reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
+        log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
+                 reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
+                 per="item", notes=list(p.notes))
+        return Admission("bytes", float(max(p.budget_bytes, m.cost.peak_bytes(longest))), max(1, p.max_concurrency),
+                         m.cost, longest, p, "measured")
 
     def _warm_up(self, tokens: int) -> None:
         assert self.engine is not None

@@ -86,6 +86,12 @@ class Encoder:
     def sample(self) -> list[int]:
         return self.tokenize([SAMPLE_TEXT])[0]
 
+    def sized_sample(self, tokens: int) -> list[int]:
+        """An item of exactly `tokens` tokens (its special tokens kept), for measuring memory."""
+        ids = self.sample()
+        middle = ids[1] if len(ids) > 2 else ids[0]
+        return [ids[0], *[middle] * max(0, tokens - 2), ids[-1]][:max(1, tokens)]
+
     def forward(self, items: list[list[int]]) -> tuple[Any, torch.Tensor]:
         """The model's output on a right-padded batch, and its attention mask."""
         width = max(len(ids) for ids in items)

@@ -274,3 +274,22 @@ def test_a_sticky_cuda_error_poisons_the_process_which_exits_3(bert: Server) -> 
     assert requests.get(bert.url + "/readyz", timeout=10).status_code == 503
     assert bert.ctl("GET", "/control/memory").json()["poisoned"] is True  # reported: no need to linger
     assert bert.proc.proc.wait(timeout=30) == 3
+
+
+def test_items_are_sized_for_measuring_and_measuring_needs_cuda(models: Path) -> None:
+    from inference.engine import Engine
+    from inference.handlers.embeddings import Embeddings
+    from inference.measure import MeasureError, measure_items
+
+    handler = Embeddings()
+    handler.load(str(models / "bert"), torch.device("cpu"))
+    for tokens in (3, 16, handler.max_tokens):
+        item = handler.sized_sample(tokens)
+        assert len(item) == tokens and item[0] == 2 and item[-1] == 3  # [CLS] ... [SEP]
+    engine = Engine(None, handler=handler)
+    try:
+        assert len(engine.predict_now([handler.sized_sample(handler.max_tokens)])[0]) == 64
+        with pytest.raises(MeasureError, match="CUDA"):
+            measure_items(engine, handler.sized_sample, handler.max_tokens)
+    finally:
+        engine.stop()
