@@ -208,6 +208,11 @@ class DecodeLoop:
                 self._waiting.remove(seq)
             except ValueError:
                 return False
+            # One stepped out by an OOM may leave from the queue: the cap it holds goes with it, or
+            # the batch would stay capped for good.
+            self._ceiling_holders.discard(seq.order)
+            if self._ceiling is not None and not self._ceiling_holders:
+                self._ceiling = None
         self._release(seq)
         return True
 

@@ -192,3 +192,35 @@ def test_a_model_whose_cache_cannot_be_stitched_is_still_served_correctly() -> N
             assert [ord(c) for c in r.text] == model_mod.greedy_without_cache(lm, p, n)
     finally:
         e.stop()
+
+
+def test_a_sequence_that_leaves_the_queue_after_an_oom_does_not_keep_the_batch_capped(
+        lm: model_mod.LoadedModel) -> None:
+    faults = FaultInjector()
+    e = Engine(lm, faults=faults)
+    loop = e._decode
+    try:
+        faults.inject("memory_cap", {"sequences": 3})
+        faults.inject("slow", {"delay_s": 0.05})
+        seqs = [e._sequence(GenRequest(lm.codec.encode(p), 12)) for p in ("a", "b", "c", "d", "e", "f")]
+        for seq in seqs:
+            loop.enqueue(seq)
+        # Six in one step on a card of three: the newest three step out and wait, holding the cap.
+        stepped_out = None
+        for _ in range(200):
+            stepped_out = next((s for s in list(loop._waiting) if s.retried), None)
+            if stepped_out is not None:
+                break
+            threading.Event().wait(0.01)
+        assert stepped_out is not None
+        # Its queue timeout (or its client leaving) takes it out of the queue.
+        assert loop.withdraw(stepped_out)
+        faults.inject("clear", {})
+        for seq in seqs:
+            if seq is not stepped_out:
+                seq.future.result(timeout=60)
+        e.reset_peak()
+        e.generate([GenRequest(lm.codec.encode(p), 8) for p in ("g", "h", "i", "j", "k", "l")])
+        assert e.probe().peak_active_sequences > 3
+    finally:
+        e.stop()
