@@ -91,13 +91,16 @@ def _in_force_since(h: History, ladder: Ladder) -> float | None:
     return None
 
 
-def _ooms_since(h: History, since: float, instance_id: str | None) -> list[tuple[float, int]]:
+def _ooms_since(h: History, since: float, instance_id: str | None, grown_to: int | None = None
+                ) -> list[tuple[float, int]]:
     """(when seen, how many) for every rise of the OOM counter between two samples both taken after
-    `since`, this process only: a rise that straddles a change may be the old limit's."""
+    `since`, this process only: a rise that straddles a change may be the old limit's. After a grow
+    (`grown_to`) it is the new one's: the lower limit had held a whole wait."""
     out: list[tuple[float, int]] = []
     samples = [t for t in h.torch_since_epoch() if t.instance_id == instance_id]
     for prev, cur in itertools.pairwise(samples):
-        if prev.at >= since and cur.ooms > prev.ooms:
+        straddles_a_grow = grown_to is not None and cur.at >= since and 0 < prev.admission_limit < grown_to
+        if (prev.at >= since or straddles_a_grow) and cur.ooms > prev.ooms:
             out.append((cur.at, cur.ooms - prev.ooms))
     return out
 
@@ -109,12 +112,14 @@ def decide(settings: AdmissionSettings, h: History, now: float) -> Change | None
     since = _in_force_since(h, ladder)
     ooms = [] if since is None else _ooms_since(h, since, ladder.instance_id)
     figures = {"from": ladder.limit, "rows": ladder.limit + CANARY_ROWS, "base": ladder.base}
-    if ladder.probing and ooms:
+    probe_ooms = [] if since is None else _ooms_since(h, since, ladder.instance_id, grown_to=ladder.limit)
+    if ladder.probing and probe_ooms:
         # On probation: one OOM is enough, and going back a step costs less than another OOM.
         target = step_below(ladder, ladder.limit)
         if target < ladder.limit:
             return Change(SHRINK, target, {
-                **figures, "to": target, "ooms": sum(n for _, n in ooms), "why": "a limit on probation met an OOM",
+                **figures, "to": target, "ooms": sum(n for _, n in probe_ooms),
+                "why": "a limit on probation met an OOM",
                 "next_probe_in_s": min(settings.max_wait, 2 * wait_for(ladder, ladder.limit, settings))})
     recent = sum(n for at, n in ooms if now - at < settings.window)
     flushed = any(a.action == "empty_cache" and now - a.at < settings.window for a in h.actions)

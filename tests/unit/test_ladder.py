@@ -372,3 +372,21 @@ def test_only_time_with_the_limit_in_full_use_counts_as_quiet() -> None:
     # In full use again: one step after recover_after.
     now = t.quiet(1000, 400, until=8)
     assert t.limit == 8 and 1190 <= now <= 1210
+
+
+def test_an_oom_between_a_grow_and_its_first_sample_is_the_probes() -> None:
+    t = Trace(8)
+    t.h.ladder = replace(t.lad, limit=3, base=3, changed_at=0.0)
+    t.limit = 3
+    t.quiet(0.0, 195)
+    t.sample(200.5)
+    grow = ladder.decide(t.settings, t.h, 201.0)
+    assert grow is not None and (grow.action, grow.limit) == (ladder.GROW, 4)
+    reduce(t.h, AdmissionRequested(grow), t.settings)
+    reduce(t.h, AdmissionAnswered(201.0, grow, ok=True), t.settings)
+    t.limit = 4
+    # The first sample at 4 already shows an OOM (a canary coincided). After a cut such a rise,
+    # straddling the change, may be the old limit's; after a grow it is the probe's: 3 had held.
+    t.sample(202.0, new_ooms=1)
+    change = ladder.decide(t.settings, t.h, 202.1)
+    assert change is not None and (change.action, change.limit) == (ladder.SHRINK, 3)
