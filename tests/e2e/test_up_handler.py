@@ -55,5 +55,9 @@ def test_a_poisoned_handler_process_is_restarted_and_serves_again(stack: Stack) 
     stack.fault("context_loss")
     wait_for(lambda: stack.restarts("context_loss") >= 1, 60, "restart for context_loss")
     wait_for(lambda: embeds(stack), 60, "embeddings served again")
-    wait_for(stack.ready, 30, "watchdog ready again")
+    try:
+        wait_for(stack.ready, 30, "watchdog ready again")
+    except AssertionError as exc:
+        status = requests.get(stack.watchdog + "/status", timeout=5).text
+        raise AssertionError(f"{exc}; the watchdog's /status: {status[:3000]}") from None
     assert any(e.get("event") == "fatal_cuda_error" for e in json_lines(stack.proc.log()))
