@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 from benchmarks._procs import ROOT, machine, serve
-from watchdog.bench import BenchSettings, StepResult, markdown_table, ratio_table, run_sweep, write_files
+from benchmarks.loadgen import BenchSettings, StepResult, markdown_table, ratio_table, run_sweep, write_files
 
 
 def modes(slots: int, max_batch: int) -> dict[str, list[str]]:

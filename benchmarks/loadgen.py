@@ -1,4 +1,4 @@
-"""`gpu-watchdog bench`: a load generator against any OpenAI-compatible `/v1/completions`.
+"""`gpu-watchdog bench` (benchmarks/loadgen.py): a load generator against any OpenAI-compatible `/v1/completions`.
 
 Clients retry like the seed recommends (200 ms, 400 ms, 800 ms ..., at most 5 tries, honouring
 `Retry-After`), so a 503 counts as a retry, not a loss. Figures the server cannot give (peak GPU

@@ -25,7 +25,7 @@ import requests
 import yaml
 
 from benchmarks._procs import ROOT, Running, free_port, machine, serve, start, wait_ok
-from watchdog.bench import BenchSettings, run_sweep
+from benchmarks.loadgen import BenchSettings, run_sweep
 
 RATES = {
     "default": {"sampling": {"nvml_interval": "1s", "torch_interval": "5s", "server_interval": "5s"},

@@ -219,12 +219,15 @@ def saturation(server: Vllm, workdir: Path, clients: int, seconds: float, short:
     with watchdog(config, workdir) as (wd, url):
         polls = ready = 0
         saturated_seen = False
+        probe_s: list[float] = []
         with Flood(server.url, clients, max_tokens=64) as flood:
             deadline = time.monotonic() + seconds
             while time.monotonic() < deadline:
                 try:
                     polls += 1
+                    sent = time.monotonic()
                     ready += requests.get(url + "/readyz", timeout=2).status_code == 200
+                    probe_s.append(time.monotonic() - sent)
                     states = requests.get(url + "/status", timeout=2).json()["states"]
                     saturated_seen = saturated_seen or "saturated" in states
                 except requests.RequestException:
@@ -237,7 +240,14 @@ def saturation(server: Vllm, workdir: Path, clients: int, seconds: float, short:
     return {"clients": clients, "seconds": seconds, "requests_ok": flood.ok, "requests_sent": flood.sent,
             "generated_tokens_per_s": round(flood.tokens / seconds, 1), "restart_decisions": len(decisions(wd.log)),
             "ready_share": round(ready / max(1, polls), 4), "canary_timeouts": timeouts,
-            "saturated_seen": saturated_seen, "status_states": status["states"]}
+            "saturated_seen": saturated_seen, "status_states": status["states"],
+            "progress_unknown_seen": bool(_counter(metrics, "gpu_watchdog_progress_unknown_episodes_total")),
+            "loop_lag": status.get("event_loop_lag_s"),
+            "readyz_p99_s": round(sorted(probe_s)[int(0.99 * (len(probe_s) - 1))], 4) if probe_s else None}
+
+
+def _counter(metrics: str, name: str) -> float:
+    return sum(float(line.split()[-1]) for line in metrics.splitlines() if line.startswith(name + " "))
 
 
 def engine_stop(server: Vllm, workdir: Path, short: bool = True, busy: bool = False) -> dict[str, Any]:
@@ -284,6 +294,7 @@ def main() -> None:
     p.add_argument("--defaults", action="store_true", help="also time the engine stop at the default settings")
     p.add_argument("--clients", type=int, default=96)
     p.add_argument("--seconds", type=float, default=40.0)
+    p.add_argument("--runs", type=int, default=5, help="saturation runs in a row")
     a = p.parse_args()
     python = a.vllm_python or vllm_python()
     if python is None:
@@ -293,7 +304,7 @@ def main() -> None:
         model = make_tiny_model(work / "model")
         server = start_vllm(python, model, work / "vllm", max_num_seqs=8)
         try:
-            sat = saturation(server, work / "wd", a.clients, a.seconds)
+            sats = [saturation(server, work / "wd", a.clients, a.seconds) for _ in range(a.runs)]
             idle = engine_stop(server, work / "wd")
             busy = engine_stop(server, work / "wd", busy=True)
             default = engine_stop(server, work / "wd", short=False) if a.defaults else None
@@ -303,12 +314,15 @@ def main() -> None:
         "# The watchdog next to a real vLLM", "",
         f"Machine: {machine()}. vLLM CPU build, tiny generated model, `--max-num-seqs 8`.", "",
         "## Saturation (busy is not hung)", "",
-        f"{sat['clients']} clients for {sat['seconds']:g} s, canary every 2 s with a 1 s timeout, server metrics"
-        " every 1 s:", "",
-        "| restart decisions | /readyz 200 share | canary timeouts | saturated seen | requests ok | tokens/s |",
-        "|---|---|---|---|---|---|",
-        f"| {sat['restart_decisions']} | {sat['ready_share']:.1%} | {sat['canary_timeouts']:g} |"
-        f" {sat['saturated_seen']} | {sat['requests_ok']}/{sat['requests_sent']} | {sat['generated_tokens_per_s']} |",
+        f"{a.clients} clients for {a.seconds:g} s, canary every 2 s with a 1 s timeout, 3 timeouts make a hang,"
+        " server metrics every 1 s; each run a fresh watchdog:", "",
+        "| run | restart decisions | /readyz 200 share | /readyz p99 | loop lag p99 | canary timeouts |"
+        " saturated / progress unknown seen | requests ok | tokens/s |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *[f"| {i + 1} | {sat['restart_decisions']} | {sat['ready_share']:.1%} | {sat['readyz_p99_s']} s |"
+          f" {(sat['loop_lag'] or {}).get('p99_s')} s | {sat['canary_timeouts']:g} |"
+          f" {sat['saturated_seen']} / {sat['progress_unknown_seen']} | {sat['requests_ok']}/{sat['requests_sent']} |"
+          f" {sat['generated_tokens_per_s']} |" for i, sat in enumerate(sats)],
         "", "## Engine stopped (API alive, `/health` 200)", "",
         "| case | canary interval / timeout | decision | seconds from SIGSTOP | /health while stopped |",
         "|---|---|---|---|---|",

@@ -29,7 +29,7 @@ import aiohttp
 import yaml
 
 from benchmarks._procs import ROOT, free_port
-from watchdog.bench import backoff_delay
+from benchmarks.loadgen import backoff_delay
 
 RESTART_FAULTS = {"context_loss": "context_loss", "hang": "hang"}
 SOFT_FAULTS = ("oom", "fragmentation", "slow")

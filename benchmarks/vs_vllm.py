@@ -7,7 +7,7 @@ serves it three times, one after the other so they never compete for the cores:
 - vllm: `vllm.entrypoints.openai.api_server` at its defaults (installed by `make vllm`);
 - ours: `gpu-watchdog serve --model DIR` at its defaults;
 - ours-unbatched: the same with `--max-batch-size 1` (what batching must never be worse than).
-The same client (`watchdog.bench`, greedy 32-token completions) drives each. Writes
+The same client (`benchmarks.loadgen`, greedy 32-token completions) drives each. Writes
 benchmarks/results/vs_vllm.{md,csv,json,png}: generated tokens/s, p50 and p99 per concurrency,
 the ratios ours/vLLM, and each server's idle RSS.
 """
@@ -25,8 +25,8 @@ from pathlib import Path
 import requests
 
 from benchmarks._procs import ROOT, machine, serve
+from benchmarks.loadgen import BenchSettings, StepResult, markdown_table, write_files
 from benchmarks.peer_vllm import make_tiny_model, start_vllm, vllm_python
-from watchdog.bench import BenchSettings, StepResult, markdown_table, write_files
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -74,7 +74,7 @@ def sweep(url: str, label: str, args: argparse.Namespace) -> list[StepResult]:
 
 
 async def _run(s: BenchSettings) -> list[StepResult]:
-    from watchdog.bench import run_sweep
+    from benchmarks.loadgen import run_sweep
 
     return await run_sweep(s, show_progress=False)
 

@@ -90,15 +90,14 @@ def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
 
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:
-    """One sample's value from a /metrics page, or None when absent."""
+    """The sum of the samples of `name` whose labels include `labels` (as PromQL's sum() over a
+    selector), or None when there is none."""
     from prometheus_client.parser import text_string_to_metric_families
 
     text = requests.get(url, timeout=10).text
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items()):
-                return float(s.value)
-    return None
+    values = [float(s.value) for family in text_string_to_metric_families(text) for s in family.samples
+              if s.name == name and all(s.labels.get(k) == v for k, v in (labels or {}).items())]
+    return sum(values) if values else None
 
 
 def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -> Any:

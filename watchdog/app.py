@@ -1,60 +1,69 @@
-"""The watchdog loop: samplers -> policy -> actions, plus its HTTP server."""
+"""The watchdog's loops: samplers produce outcomes, `state.reduce` folds them in, `policy.decide`
+turns the history into decisions, and the executor performs them and returns their outcomes.
+
+Wiring (`watchdog.wiring`) builds the settings' parts; what exists only while running (the HTTP
+session, the samplers, the executor, the HTTP server, the tasks) is built whole in `start`.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
-import functools
 import hashlib
 import random
-import signal
-import sys
 import time
+from collections import deque
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 import aiohttp
 from aiohttp import web
 
-from watchdog import escalation, idle_memory, ladder, logs, policy, views
+from watchdog import idle_memory, ladder, logs, policy, views
 from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import ReportOnlyRestarter, Restarter
-from watchdog.config import ConfigError, Settings, load, metrics_url
+from watchdog.actions.restart import Restarter
+from watchdog.config import Settings, metrics_url
 from watchdog.contract import read_token
-from watchdog.control_client import ControlClient, ControlError
-from watchdog.escalation import CURING_REASONS, Suspect
+from watchdog.escalation import CURING_REASONS
+from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, RestartEvents
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision
-from watchdog.samplers.allocator import AllocatorSampler
-from watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
-from watchdog.samplers.http_canary import HttpCanary
-from watchdog.samplers.nvml import NvmlBackend, NvmlSampler, PynvmlBackend
-from watchdog.samplers.pod_resources import list_pod_gpus
-from watchdog.samplers.server_metrics import ServerMetricsSampler
+from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
+from watchdog.samplers.pod_resources import pod_gpus_reader
+from watchdog.samplers.wiring import Samplers, build_samplers
 from watchdog.samples import History, TorchSample, XidEvent
-from watchdog.selector import parse as parse_selector
 from watchdog.server import build_app
 from watchdog.state import (
-    AdmissionAnswered,
     AdmissionRequested,
     CacheFlushRequested,
     Outcome,
-    PodGpus,
     RestartBegun,
-    RestartEnded,
+    RestartCancelled,
     reduce,
 )
 
 log = logs.get("watchdog")
 
 TICK_S = 0.5
+LAG_PROBE_S = 0.25  # how often the loop measures its own lateness
+BUDGET_READ_S = 60.0  # the workload's restart Events are read again this often (and before a restart)
+
+
+@dataclass
+class Running:
+    """What exists while the watchdog runs, built whole in `start`."""
+
+    session: aiohttp.ClientSession
+    samplers: Samplers
+    executor: Executor
+    runner: web.AppRunner | None
+    port: int | None
+    tasks: list[asyncio.Task[Any]]
 
 
 class Watchdog:
-    """Wiring and loops: samplers produce outcomes, `state.reduce` folds them in, `policy.decide`
-    turns the history into decisions, and the executor methods perform them and report back."""
-
     def __init__(
         self,
         settings: Settings,
@@ -64,40 +73,50 @@ class Watchdog:
         pod_gpus: Callable[[], tuple[str, ...] | None] | None = None,
         node: NodeReporter | None = None,
         wall_clock: Callable[[], float] = time.time,
+        restart_events: RestartEvents | None = None,
+        workload: str | None = None,
     ) -> None:
         self.settings = settings
         self.restarter = restarter
+        self.node = node
+        # Where restarts replace the pod, the budget is the workload's: counted from the restart
+        # Events every generation of its pods wrote, not from this sidecar's memory.
+        self.restart_events = restart_events
+        self.workload = workload
+        self.wall_clock = wall_clock
+        self.server_metrics_url = metrics_url(settings.target)
         self._nvml_backend = nvml_backend or PynvmlBackend()
         self._token = token
-        self._pod_gpus = pod_gpus if pod_gpus is not None else _pod_gpus_reader(settings)
+        self._pod_gpus = pod_gpus if pod_gpus is not None else pod_gpus_reader(settings)
         self.clock: Callable[[], float] = lambda: 0.0
         self.history = History(started_at=0.0)
         self.metrics = WatchdogMetrics(self.snapshot)
         self.decisions: list[dict[str, Any]] = []
-        self.restart_failed: str | None = None
         self.idle_memory: idle_memory.IdleMemory | None = None
-        self.pod_gpus_error: str | None = None
-        self.node = node
-        self.wall_clock = wall_clock  # Events carry wall-clock times
-        self.suspects: dict[str, Suspect] = {}
-        self._escalation_errors: set[str] = set()
-        self._escalation_retry_at = 0.0
-        self._escalation_backoff = 30.0
-        self.server_metrics_url = metrics_url(settings.target)
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
         self._saturated = False
-        self._tasks: list[asyncio.Task[Any]] = []
+        self._progress_unknown = False
+        self._lags: deque[float] = deque(maxlen=1200)
         self._actions: set[asyncio.Task[Any]] = set()
-        self._session: aiohttp.ClientSession | None = None
-        self._runner: web.AppRunner | None = None
         self._eval_lock = asyncio.Lock()
-        self.nvml: NvmlSampler | None = None
-        self.control: ControlClient | None = None
-        self.allocator: AllocatorSampler | None = None
-        self.canary: Canary | None = None
-        self.server_metrics: ServerMetricsSampler | None = None
-        self.port: int | None = None
+        # A restarter that published something the target's recovery makes obsolete (a verdict).
+        self._target_served: Callable[[float], Any] | None = getattr(restarter, "target_served", None)
+        self._run: Running | None = None
+
+    @property
+    def running(self) -> Running:
+        if self._run is None:
+            raise RuntimeError("the watchdog is not running: call start() first")
+        return self._run
+
+    @property
+    def executor(self) -> Executor:
+        return self.running.executor
+
+    @property
+    def port(self) -> int | None:
+        return None if self._run is None else self._run.port
 
     # -- lifecycle ---------------------------------------------------------------------------
 
@@ -108,66 +127,64 @@ class Watchdog:
         s = self.settings
         self.history = History(started_at=now, epoch=now, jitter=self._jitter())
         self._last_tick = now
-        self._session = aiohttp.ClientSession()
-        if s.target.http is not None:
-            self.canary = HttpCanary(s.target.http, self._session, self.clock, s.canary.timeout,
-                                     api_key_file=s.target.api_key_file)
-        elif s.target.openai_url is None:
-            token = self._token or self._read_token()
-            self.control = ControlClient(s.target.control_url, token, self._session)
-            self.allocator = AllocatorSampler(self.control, self.clock)
-            self.canary = CanarySampler(self.control, self.clock, s.canary.timeout)
-        else:
-            self.canary = OpenAICanary(s.target.openai_url, s.target.openai_model, s.target.api_key_file,
-                                       self._session, self.clock, s.canary.timeout)
-        if self.server_metrics_url is not None:
-            headers = self.canary.headers if isinstance(self.canary, OpenAICanary | HttpCanary) else dict
-            progress = None if s.target.progress_metric is None else parse_selector(s.target.progress_metric)
-            self.server_metrics = ServerMetricsSampler(self.server_metrics_url, self._session, self.clock,
-                                                       timeout=min(5.0, s.sampling.server_interval + 1.0),
-                                                       headers=headers, progress=progress)
-        self.nvml = NvmlSampler(self._nvml_backend, self.clock)
-        await asyncio.to_thread(self.nvml.open)
-        self.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
+        session = aiohttp.ClientSession()
+        token = self._token or self._read_token() if s.target.http is None and s.target.openai_url is None else None
+        samplers = build_samplers(s, session, self.clock, token, self._nvml_backend, self.server_metrics_url)
+        executor = Executor(s, self.restarter, self.metrics, self.clock, self.wall_clock, samplers.control,
+                            self.node, self.restart_events, self.workload, self._pod_gpus)
+        await asyncio.to_thread(samplers.nvml.open)
+        samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
+        runner, port = await self._serve_http() if serve_http else (None, None)
+        self._run = run = Running(session, samplers, executor, runner, port, [])
         await self._learn_pod_gpus()
-        if serve_http:
-            app = build_app(self.metrics.registry, self.healthy, self.ready, self.status)
-            self._runner = web.AppRunner(app, handle_signals=False, access_log=None)
-            await self._runner.setup()
-            site = web.TCPSite(self._runner, s.server.host, s.server.port)
-            await site.start()
-            server = getattr(site, "_server", None)
-            sockets = getattr(server, "sockets", None) or []
-            self.port = sockets[0].getsockname()[1] if sockets else s.server.port
-        self._tasks = [
-            loop.create_task(self._periodic("nvml", lambda: s.sampling.nvml_interval, self._sample_nvml)),
-            loop.create_task(self._periodic("canary", self._canary_delay, self._sample_canary)),
-            loop.create_task(self._periodic("tick", lambda: TICK_S, self._tick)),
-        ]
-        if self.allocator is not None:
-            self._tasks.append(loop.create_task(
-                self._periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)))
-        if self.server_metrics is not None:
-            self._tasks.append(loop.create_task(
-                self._periodic("server", lambda: s.sampling.server_interval, self._sample_server)))
+        if self.restart_events is not None:
+            await self._read_budget()
+        def periodic(name: str, interval: Callable[[], float], step: Callable[[], Any]) -> None:
+            run.tasks.append(loop.create_task(self._periodic(name, interval, step)))
+
+        periodic("nvml", lambda: s.sampling.nvml_interval, self._sample_nvml)
+        periodic("canary", self._canary_delay, self._sample_canary)
+        periodic("tick", lambda: TICK_S, self._tick)
+        run.tasks.append(loop.create_task(self._watch_loop_lag()))
+        if self.restart_events is not None:
+            periodic("budget", lambda: BUDGET_READ_S, self._read_budget)
+        if executor.pod_gpus_error is not None:
+            run.tasks.append(loop.create_task(self._retry_pod_gpus()))
+        if samplers.allocator is not None:
+            periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)
+        if samplers.server_metrics is not None:
+            periodic("server", self._server_delay, self._sample_server)
         if self.node is not None:
             self._spawn(self._escalate("start"))
-        log.info("watchdog_started", control_url=s.target.control_url if self.control else None,
+        log.info("watchdog_started", control_url=s.target.control_url if samplers.control else None,
                  openai_url=s.target.openai_url, server_metrics_url=self.server_metrics_url,
-                 strategy=self.restarter.strategy, nvml=self.nvml.available, port=self.port,
+                 strategy=self.restarter.strategy, nvml=samplers.nvml.available, port=port,
                  pod_gpus=self.history.pod_gpus, canary_interval_s=s.canary.interval,
-                 canary_timeout_s=s.canary.timeout)
+                 canary_timeout_s=s.canary.timeout, budget_scope="workload" if self.restart_events else "pod",
+                 workload=self.workload)
+
+    async def _serve_http(self) -> tuple[web.AppRunner, int]:
+        s = self.settings
+        runner = web.AppRunner(build_app(self.metrics.registry, self.healthy, self.ready, self.status),
+                               handle_signals=False, access_log=None)
+        await runner.setup()
+        site = web.TCPSite(runner, s.server.host, s.server.port)
+        await site.start()
+        server = getattr(site, "_server", None)
+        sockets = getattr(server, "sockets", None) or []
+        return runner, sockets[0].getsockname()[1] if sockets else s.server.port
 
     async def stop(self) -> None:
-        for task in [*self._tasks, *self._actions]:
+        run = self._run
+        if run is None:
+            return
+        for task in [*run.tasks, *self._actions]:
             task.cancel()
-        await asyncio.gather(*self._tasks, *self._actions, return_exceptions=True)
-        if self._runner is not None:
-            await self._runner.cleanup()
-        if self._session is not None:
-            await self._session.close()
-        if self.nvml is not None:
-            await asyncio.to_thread(self.nvml.close)
+        await asyncio.gather(*run.tasks, *self._actions, return_exceptions=True)
+        if run.runner is not None:
+            await run.runner.cleanup()
+        await run.session.close()
+        await asyncio.to_thread(run.samplers.nvml.close)
         log.info("watchdog_stopped")
 
     def _jitter(self) -> float:
@@ -181,18 +198,6 @@ class Watchdog:
         except Exception as exc:
             log.warning("token_unreadable", error=str(exc))
             return None
-
-    async def _learn_pod_gpus(self) -> None:
-        try:
-            uuids = await asyncio.to_thread(self._pod_gpus)
-        except Exception as exc:  # the kubelet socket missing, refused, slow: say so, go on without
-            self.pod_gpus_error = str(exc)[:300]
-            log.warning("pod_gpus_unknown", error=self.pod_gpus_error)
-            return
-        self.pod_gpus_error = None
-        if uuids is not None:
-            self._fold(PodGpus(uuids))
-            log.info("pod_gpus", uuids=list(uuids), source="kubelet")
 
     async def _periodic(self, name: str, interval: Callable[[], float], step: Callable[[], Any]) -> None:
         while True:
@@ -211,14 +216,46 @@ class Watchdog:
     def _fold(self, outcome: Outcome) -> None:
         reduce(self.history, outcome, self.settings.policy.admission)
 
-    def _canary_delay(self) -> float:
-        return policy.canary_delay(self.settings.canary, self.settings.policy, self.history)
+    def _spawn(self, coro: Any) -> None:
+        # Keep a reference: the loop holds tasks weakly, and an action must not vanish mid-way.
+        task = asyncio.get_running_loop().create_task(coro)
+        self._actions.add(task)
+        task.add_done_callback(self._actions.discard)
 
-    # -- samplers ----------------------------------------------------------------------------
+    def _canary_delay(self) -> float:
+        return policy.canary_delay(self.settings.canary, self.settings.policy, self.history, self.clock())
+
+    def _server_delay(self) -> float:
+        # A failed or timed-out scrape is tried again at the next tick, not a whole interval later.
+        last = self.history.server[-1] if self.history.server else None
+        return min(TICK_S, self.settings.sampling.server_interval) if last is not None and not last.reachable \
+            else self.settings.sampling.server_interval
+
+    # -- the loop's own health ------------------------------------------------------------------
+
+    async def _watch_loop_lag(self) -> None:
+        while True:
+            before = self.clock()
+            await asyncio.sleep(LAG_PROBE_S)
+            lag = max(0.0, self.clock() - before - LAG_PROBE_S)
+            self._lags.append(lag)
+            self.metrics.event_loop_lag.observe(lag)
+
+    def loop_lag(self) -> dict[str, float] | None:
+        if not self._lags:
+            return None
+        ordered = sorted(self._lags)
+        return {"last_s": round(self._lags[-1], 4), "p99_s": round(ordered[int(0.99 * (len(ordered) - 1))], 4),
+                "max_s": round(ordered[-1], 4), "samples": len(ordered)}
+
+    async def _tick(self) -> None:
+        self._last_tick = self.clock()
+        await self._evaluate()
+
+    # -- samplers ------------------------------------------------------------------------------
 
     async def _sample_nvml(self) -> None:
-        assert self.nvml is not None
-        readout = await self.nvml.sample(policy.our_gpus(self.history))
+        readout = await self.running.samplers.nvml.sample(policy.our_gpus(self.history))
         self._fold(readout)
         for g in readout.gpus:
             if g.lost:
@@ -236,17 +273,19 @@ class Watchdog:
         self._spawn(self._evaluate())
 
     async def _sample_torch(self) -> None:
-        assert self.allocator is not None and self.control is not None
-        sample = await self.allocator.sample()
+        samplers = self.running.samplers
+        assert samplers.allocator is not None and samplers.control is not None
+        sample = await samplers.allocator.sample()
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
-            self.control.set_token(self._read_token())
+            samplers.control.set_token(self._read_token())
         self._fold(sample)
         self._follow_idle_memory(sample)
         await self._evaluate()
 
     async def _sample_server(self) -> None:
-        assert self.server_metrics is not None
-        sample = await self.server_metrics.sample()
+        server_metrics = self.running.samplers.server_metrics
+        assert server_metrics is not None
+        sample = await server_metrics.sample()
         last = self.history.server[-1] if self.history.server else None
         if last is None or last.reachable != sample.reachable or last.server != sample.server:
             if sample.reachable:
@@ -255,6 +294,7 @@ class Watchdog:
             else:
                 log.warning("server_metrics_unavailable", url=self.server_metrics_url, error=sample.error)
         self._fold(sample)
+        self._follow_saturation()
         await self._evaluate()
 
     def _follow_idle_memory(self, sample: TorchSample) -> None:
@@ -276,16 +316,18 @@ class Watchdog:
             log.info("idle_memory_back_to_baseline", **figures)
 
     async def _sample_canary(self) -> None:
-        assert self.canary is not None
+        samplers = self.running.samplers
         if self.history.restart_in_progress:
             return
-        sample = await self.canary.sample()
-        if not sample.ok and self.control is not None and (
+        sample = await samplers.canary.sample()
+        if not sample.ok and samplers.control is not None and (
                 sample.error_class == "unreachable" or "(401)" in (sample.error or "")):
             # The inference container may have (re)written the token file since we last read it.
-            self.control.set_token(self._read_token() or self._token)
+            samplers.control.set_token(self._read_token() or self._token)
         served_before = self.history.served_at is not None
         self._fold(sample)
+        if sample.ok and self._target_served is not None:
+            await self._target_served(self.wall_clock())
         if sample.ok:
             self.metrics.canary_duration.observe(sample.latency_s)
             if not served_before:
@@ -300,25 +342,52 @@ class Watchdog:
 
     def _follow_saturation(self) -> None:
         now_saturated, figures = policy.saturated(self.history)
+        last = self.history.canaries[-1] if self.history.canaries else None
+        ended = None if last is None else ("ok" if last.ok else last.error_class)
         if now_saturated and not self._saturated:
             self.metrics.saturation_episodes.inc()
             # Busy is not hung: no restart, readiness held. Logged once per episode.
             log.warning("saturated", action="none", **figures)
         elif self._saturated and not now_saturated:
-            last = self.history.canaries[-1] if self.history.canaries else None
-            log.info("saturation_ended", canary=None if last is None else ("ok" if last.ok else last.error_class))
+            log.info("saturation_ended", canary=ended)
         self._saturated = now_saturated
+        unknown, figures = policy.progress_unknown(self.settings.policy, self.history, self.clock())
+        if unknown and not self._progress_unknown:
+            self.metrics.progress_unknown_episodes.inc()
+            # No evidence either way: not a hang, readiness held, for at most no_evidence_after.
+            log.warning("progress_unknown", action="none", **figures)
+        elif self._progress_unknown and not unknown:
+            log.info("progress_unknown_ended", canary=ended, state=policy.target_state(
+                self.history, self.settings.policy, self.clock()))
+        self._progress_unknown = unknown
 
-    async def _tick(self) -> None:
-        self._last_tick = self.clock()
-        await self._evaluate()
+    # -- outcomes of the executor's edges ---------------------------------------------------------
+
+    async def _learn_pod_gpus(self) -> None:
+        found = await self.executor.learn_pod_gpus()
+        if found is not None:
+            self._fold(found)
+
+    async def _retry_pod_gpus(self) -> None:
+        """The kubelet may come up after us, or its socket be fixed: ask again, ever less often."""
+        executor = self.executor
+        while executor.pod_gpus_error is not None:
+            await asyncio.sleep(executor.pod_gpus_retry_s)
+            executor.pod_gpus_retry_s = min(executor.pod_gpus_retry_s * 2, POD_GPUS_RETRY_MAX_S)
+            await self._learn_pod_gpus()
+
+    async def _read_budget(self) -> None:
+        self._fold(await self.executor.read_budget())
+
+    async def _escalate(self, why: str) -> None:
+        await self.executor.escalate(why, policy.our_gpus(self.history))
 
     # -- decisions and their effects ---------------------------------------------------------
 
     async def _evaluate(self) -> None:
         async with self._eval_lock:
             now = self.clock()
-            for decision in policy.decide(self.settings.policy, self.history, now):
+            for decision in policy.decide(self.settings.policy, self.history, now, self.restart_events is not None):
                 self._act(decision, now)
 
     def _record(self, decision: Decision, outcome: str, now: float) -> None:
@@ -327,19 +396,14 @@ class Watchdog:
         self.decisions = [*self.decisions[-49:], entry]
         self.metrics.decisions.labels(action=decision.action, reason=decision.reason, outcome=outcome).inc()
 
-    def _spawn(self, coro: Any) -> None:
-        # Keep a reference: the loop holds tasks weakly, and an action must not vanish mid-way.
-        task = asyncio.get_running_loop().create_task(coro)
-        self._actions.add(task)
-        task.add_done_callback(self._actions.discard)
-
     def _act(self, decision: Decision, now: float) -> None:
         if decision.action == "restart" and not decision.allowed:
             if self._blocked_reported != decision.reason:
                 self._blocked_reported = decision.reason
                 self._record(decision, "blocked_by_budget", now)
                 log.error("restart_blocked", reason=decision.reason, blocked_by=decision.blocked_by,
-                          budget_window_s=self.settings.policy.restart_budget.window, detail=decision.detail)
+                          budget_window_s=self.settings.policy.restart_budget.window, detail=decision.detail,
+                          workload=self.workload, budget_read_error=self.executor.budget_read_error)
             return
         if decision.action == "restart":
             self._blocked_reported = None
@@ -349,7 +413,7 @@ class Watchdog:
         elif decision.action == "empty_cache":
             self._fold(CacheFlushRequested(now, decision.reason))
             self._record(decision, "started", now)
-            self._spawn(self._empty_cache(decision))
+            self._spawn(self.executor.empty_cache(decision))
         elif decision.action in (ladder.SHRINK, ladder.GROW):
             change = Change(decision.action, int(decision.detail["limit"]), decision.detail)
             self._fold(AdmissionRequested(change))
@@ -357,123 +421,58 @@ class Watchdog:
             self._spawn(self._set_admission(decision, change))
 
     async def _set_admission(self, decision: Decision, change: Change) -> None:
-        assert self.control is not None
-        try:
-            await self.control.set_admission(change.limit)
-            ok = True
-        except ControlError as exc:
-            ok = False
-            log.warning("admission_change_failed", action=change.action, limit=change.limit, error=str(exc))
-        self._fold(AdmissionAnswered(self.clock(), change, ok))
-        if ok:
-            direction = "down" if change.action == ladder.SHRINK else "up"
-            self.metrics.admission_changes.labels(direction=direction).inc()
+        answered = await self.executor.set_admission(change)
+        self._fold(answered)
+        if answered.ok:
             # Never a restart, and the restart budget is not touched.
             log.warning("decision", action=change.action, reason=decision.reason, limit=change.limit,
                         detail=decision.detail, ladder=dataclasses.asdict(self.history.ladder)
                         if self.history.ladder is not None else None)
 
-    async def _empty_cache(self, decision: Decision) -> None:
-        assert self.control is not None
-        self.metrics.empty_cache.labels(reason=decision.reason).inc()
-        try:
-            result = await self.control.empty_cache()
-            freed = result.get("freed_bytes", 0)
-            freed = freed if isinstance(freed, int) and freed >= 0 else 0
-            self.metrics.empty_cache_freed.inc(freed)
-            log.info("decision", action="empty_cache", reason=decision.reason, freed_bytes=freed,
-                     detail=decision.detail)
-        except ControlError as exc:
-            log.warning("empty_cache_failed", reason=decision.reason, error=str(exc))
-
     async def _restart(self, decision: Decision) -> None:
-        s = self.settings
-        started = self.clock()
+        from_events = self.restart_events is not None
+        if from_events:
+            # Another generation of this workload's pods may have restarted since the last read.
+            await self._read_budget()
+            if policy.budget_remaining(self.settings.policy, self.history, self.clock(), from_events) <= 0:
+                self._fold(RestartCancelled(self.clock()))  # the next evaluation reports it blocked
+                return
         log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
                     drain=decision.drain, detail=decision.detail,
-                    budget_remaining=policy.budget_remaining(s.policy, self.history, started) - 1)
-        done, keep_unready = False, False
-        try:
-            if decision.drain and self.restarter.strategy != "none" and self.control is not None:
-                try:
-                    drained = await self.control.drain(s.restart.drain_timeout)
-                    log.info("drained", **{k: drained.get(k) for k in ("drained", "inflight", "queued")})
-                except ControlError as exc:
-                    log.warning("drain_failed", error=str(exc))
-            outcome = await self.restarter.restart(decision)
-            now = self.clock()
-            done = outcome.done
-            if outcome.done:
-                self.restart_failed = None
-                self.metrics.restarts.labels(reason=decision.reason).inc()
-                keep_unready = self.restarter.strategy in ("evict", "delete")
-            elif not isinstance(self.restarter, ReportOnlyRestarter):
-                self.restart_failed = outcome.detail
-            self._record(decision, "done" if outcome.done else "failed", now)
-            if self.node is not None and decision.reason in CURING_REASONS:
-                self._spawn(self._escalate(decision.reason))
-            log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy,
-                        done=outcome.done, detail=outcome.detail, attempts=outcome.attempts,
-                        seconds=round(now - started, 3))
-        except Exception as exc:
-            self.restart_failed = repr(exc)
-            log.exception("restart_failed", reason=decision.reason, error=repr(exc))
-        finally:
-            self._fold(RestartEnded(self.clock(), decision.reason, done, keep_unready))
-            if self.canary is not None:
-                self.canary.forget()
-            if not keep_unready:
-                # Readiness needs a canary newer than the restart: take one now rather than at the
-                # next interval (30 s by default), so a served-again model is routed to at once.
-                self._spawn(self._sample_canary())
-
-    async def _escalate(self, why: str) -> None:
-        """Read the namespace's restart Events back; report our GPUs that restarts did not cure."""
-        assert self.node is not None
-        if self.clock() < self._escalation_retry_at:
-            return
-        try:
-            records = await asyncio.to_thread(self.node.restart_records)
-        except Exception as exc:  # 403, timeouts, garbage: reported once per kind, retried later
-            self._escalation_failed("list_events", exc)
-            return
-        found = escalation.suspects(self.settings.policy.escalation, records, self.wall_clock(),
-                                    policy.our_gpus(self.history))
-        for suspect in found:
-            if suspect.uuid in self.suspects:
-                continue
-            log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, restarts=len(suspect.restarts),
-                      reasons=suspect.reasons, xids=suspect.xids, action="report", trigger=why,
-                      node_condition=self.node.node_condition)
-            try:
-                await asyncio.to_thread(self.node.report, suspect, self.settings.kubernetes.pod_name)
-            except Exception as exc:
-                self._escalation_failed("report", exc)
-                continue  # not marked: reported again on the next look
-            self.suspects[suspect.uuid] = suspect
-        self._escalation_backoff = 30.0
-
-    def _escalation_failed(self, step: str, exc: BaseException) -> None:
-        status = getattr(exc, "status", None)
-        key = f"{step}:{status or type(exc).__name__}"
-        if key not in self._escalation_errors:
-            self._escalation_errors.add(key)
-            log.warning("escalation_failed", step=step, status=status, error=str(exc)[:300],
-                        retry_in_s=self._escalation_backoff)
-        self._escalation_retry_at = self.clock() + self._escalation_backoff
-        self._escalation_backoff = min(self._escalation_backoff * 2, 3600.0)
+                    budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
+                                                             from_events) - 1)
+        ended, record = await self.executor.restart(decision)
+        self._record(decision, record, ended.at)
+        self._fold(ended)
+        if ended.done:
+            self.running.samplers.canary.forget()
+        if self.node is not None and decision.reason in CURING_REASONS and record != "reported":
+            self._spawn(self._escalate(decision.reason))
+        if ended.done and not ended.keep_unready:
+            # Readiness needs a canary newer than the restart: take one now rather than at the
+            # next interval (30 s by default), so a served-again model is routed to at once.
+            self._spawn(self._sample_canary())
 
     # -- views -------------------------------------------------------------------------------
 
     def _extras(self) -> views.Extras:
+        run = self._run
+        executor = None if run is None else run.executor
         return views.Extras(
-            nvml_available=self.nvml is not None and self.nvml.available,
+            nvml_available=run is not None and run.samplers.nvml.available,
             server_metrics_url=self.server_metrics_url,
-            canary={} if self.canary is None else self.canary.describe(),
-            strategy=self.restarter.strategy, restart_failed=self.restart_failed, decisions=self.decisions,
-            idle_memory=self.idle_memory, pod_gpus_error=self.pod_gpus_error,
-            suspects=tuple(self.suspects.values()),
+            canary={} if run is None else run.samplers.canary.describe(),
+            strategy=self.restarter.strategy,
+            restart_failed=None if executor is None else executor.restart_failed, decisions=self.decisions,
+            idle_memory=self.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
+            suspects=() if executor is None else tuple(executor.suspects.values()),
+            budget_from_events=self.restart_events is not None, workload=self.workload,
+            budget_read_error=None if executor is None else executor.budget_read_error, loop_lag=self.loop_lag(),
         )
+
+    @property
+    def suspects(self) -> dict[str, Any]:
+        return {} if self._run is None else self._run.executor.suspects
 
     def states(self) -> frozenset[str]:
         return views.states(self.settings, self.history, self.clock(), self._extras())
@@ -487,74 +486,7 @@ class Watchdog:
         return ok, {"ok": ok, "last_tick_age_s": round(age, 3)}
 
     def ready(self) -> tuple[bool, dict[str, Any]]:
-        return views.ready(self.history)
+        return views.ready(self.settings, self.history, self.clock())
 
     def status(self) -> dict[str, Any]:
         return views.status(self.settings, self.history, self.clock(), self._extras())
-
-
-def _pod_gpus_reader(settings: Settings) -> Callable[[], tuple[str, ...] | None]:
-    k = settings.kubernetes
-    socket_path = k.pod_resources_socket
-    if socket_path is None:
-        return lambda: None
-    return functools.partial(list_pod_gpus, socket_path, k.pod_name, k.namespace, k.request_timeout)
-
-
-def build_restarter(settings: Settings) -> Restarter:
-    from watchdog.actions.kube import PodActions, load_api_client
-    from watchdog.actions.restart import KubeRestarter
-
-    strategy = settings.restart.strategy
-    if strategy == "none":
-        return ReportOnlyRestarter()
-    if strategy == "local":
-        raise ConfigError(["restart.strategy: local only works under `gpu-watchdog up`, which owns the process"])
-    k = settings.kubernetes
-    api = load_api_client(k.kubeconfig, k.request_timeout)
-    return KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), settings.restart)
-
-
-def build_node_reporter(settings: Settings) -> NodeReporter | None:
-    """Only where restarts go through Kubernetes: the Events to read back are written there."""
-    if settings.restart.strategy not in ("evict", "delete"):
-        return None
-    from watchdog.actions.kube import load_api_client
-
-    k = settings.kubernetes
-    return NodeReporter(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.node_name,
-                        k.request_timeout, settings.policy.escalation.node_condition)
-
-
-async def run_until_signal(watchdog: Watchdog) -> None:
-    loop = asyncio.get_running_loop()
-    stop = asyncio.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await watchdog.start()
-    await stop.wait()
-    # Stopping never acts: no drain, no restart, just leave.
-    await watchdog.stop()
-
-
-def run_main(config_path: str) -> int:
-    logs.configure("watchdog")
-    try:
-        settings = load(config_path)
-        restarter = build_restarter(settings)
-        node = build_node_reporter(settings)
-    except ConfigError as exc:
-        for line in exc.errors:
-            print(f"error: {line}", file=sys.stderr)
-        print(f"gpu-watchdog run: invalid config {config_path}", file=sys.stderr)
-        return 2
-    except Exception as exc:  # kubeconfig missing, refused pod, ...
-        print(f"gpu-watchdog run: {exc}", file=sys.stderr)
-        return 2
-    try:
-        asyncio.run(run_until_signal(Watchdog(settings, restarter, node=node)))
-    except OSError as exc:
-        print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",
-              file=sys.stderr)
-        return 2
-    return 0

@@ -169,11 +169,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return check_config_main(args.file)
     if args.command == "run":
-        from watchdog.app import run_main
+        from watchdog.wiring import run_main
 
         return run_main(args.config)
     if args.command == "bench":
-        from watchdog.bench import BenchSettings, bench_main
+        try:
+            # A load generator, not part of the sidecar: it ships with the source tree, not the images.
+            from benchmarks.loadgen import BenchSettings, bench_main
+        except ImportError:
+            print("gpu-watchdog bench: the load generator (benchmarks/loadgen.py) comes with the source"
+                  " checkout; run it from a clone (make install)", file=sys.stderr)
+            return 2
         from watchdog.contract import read_token
 
         token = read_token(args.token_file) if args.control_url else None

@@ -22,7 +22,10 @@ import yaml
 from watchdog import selector
 from watchdog.units import parse_duration, parse_ratio
 
-STRATEGIES = ("evict", "delete", "local", "none")
+STRATEGIES = ("evict", "delete", "container", "local", "none")
+# Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness
+# probe reads (helm/gpu-watchdog/files/verdict-probe.sh).
+VERDICT_FILE = "/var/run/gpu-watchdog-verdict/restart"
 HTTP_METHODS = ("GET", "POST", "PUT")
 METRICS_AUTO = "auto"
 BUNDLED_METRICS_URL = "http://127.0.0.1:8000/metrics"  # the inference container's public port
@@ -80,6 +83,9 @@ class SamplingSettings:
     nvml_interval: float = field(default=1.0, metadata=_duration())
     torch_interval: float = field(default=5.0, metadata=_duration())
     server_interval: float = field(default=5.0, metadata=_duration())
+    # Its own timeout, not the interval's: a saturated server answers its page late, and a late
+    # reading is evidence where a timed-out one is none. A failed scrape is retried at the next tick.
+    server_timeout: float = field(default=5.0, metadata=_duration())
 
 
 @dataclass(frozen=True)
@@ -107,6 +113,9 @@ class FragmentationSettings:
 @dataclass(frozen=True)
 class HangSettings:
     consecutive_timeouts: int = 3
+    # A server whose work counter was readable and whose page now times out too is not proven
+    # hung: its timeouts decide alone only once no reading has come for this long.
+    no_evidence_after: float = field(default=120.0, metadata=_duration())
 
 
 @dataclass(frozen=True)
@@ -141,6 +150,17 @@ class EscalationSettings:
     restarts: int = 2
     window: float = field(default=86400.0, metadata=_duration())
     node_condition: bool = False  # opt-in: set the Node condition GPUSuspect=True
+    # The Warning Event GPUSuspect on the Node (needs `create events` in `default`). Off: the
+    # suspect is still logged, in /status and in gpu_watchdog_gpu_suspect, and nothing is written.
+    node_event: bool = True
+
+
+@dataclass(frozen=True)
+class InPlaceSettings:
+    """restart.strategy container: in-place restarts for one reason that do not cure escalate to the pod."""
+
+    max_restarts: int = 2  # in-place restarts for the same reason within the window; the next is the pod's
+    window: float = field(default=3600.0, metadata=_duration())
 
 
 @dataclass(frozen=True)
@@ -162,6 +182,7 @@ class PolicySettings:
     max_age: float = field(default=86400.0, metadata=_duration(positive=False))  # 0 = never
     max_age_jitter: float = field(default=0.1, metadata=_ratio())
     restart_budget: RestartBudgetSettings = RestartBudgetSettings()
+    in_place: InPlaceSettings = InPlaceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     escalation: EscalationSettings = EscalationSettings()
 
@@ -174,6 +195,7 @@ class RestartSettings:
     retry_max: float = field(default=30.0, metadata=_duration())
     max_attempts: int = 20
     grace_period: float | None = field(default=None, metadata=_duration(positive=False))
+    verdict_file: str = VERDICT_FILE  # strategy container: the file the liveness probe reads
 
 
 @dataclass(frozen=True)
@@ -186,6 +208,9 @@ class KubernetesSettings:
     pod_resources_socket: str | None = None
     # The node this pod runs on (downward API spec.nodeName): where a suspect GPU is reported.
     node_name: str = "${NODE_NAME}"
+    # The workload whose restart budget this pod shares with every generation of its pods (the
+    # chart sets its Deployment's name). Empty: derived from a Deployment pod's name.
+    workload: str = "${GPU_WATCHDOG_WORKLOAD}"
 
 
 @dataclass(frozen=True)
@@ -343,6 +368,8 @@ def _check(s: Settings, errors: list[str]) -> None:
         errors.append("restart.retry_max: must not be below restart.retry_initial")
     if not 1 <= s.server.port <= 65535 and s.server.port != 0:
         errors.append("server.port: must be between 1 and 65535")
+    if s.policy.in_place.max_restarts < 1:
+        errors.append("policy.in_place.max_restarts: must be at least 1")
     if s.restart.strategy in ("evict", "delete"):
         if not s.kubernetes.pod_name:
             errors.append(f"kubernetes.pod_name: required for restart strategy {s.restart.strategy}"
@@ -357,6 +384,20 @@ def _check(s: Settings, errors: list[str]) -> None:
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
             errors.append(f"{key}: expected an http(s) URL, got {url!r}")
     _check_http_target(s.target, errors)
+
+
+# <deployment>-<pod-template-hash>-<5 characters>: how a Deployment's ReplicaSet names its pods.
+_DEPLOYMENT_POD = re.compile(r"^(?P<workload>.+)-[a-z0-9]{1,10}-[a-z0-9]{5}$")
+
+
+def workload_of(settings: Settings) -> str:
+    """The restart budget's key: `kubernetes.workload`, else the Deployment a pod name belongs to,
+    else the pod itself (a bare pod is its own workload)."""
+    k = settings.kubernetes
+    if k.workload:
+        return k.workload
+    m = _DEPLOYMENT_POD.match(k.pod_name)
+    return m.group("workload") if m else k.pod_name
 
 
 def metrics_url(target: TargetSettings) -> str | None:

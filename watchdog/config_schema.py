@@ -34,7 +34,7 @@ REGENERATE = "`python -m watchdog.config_schema` (or `make chart-schema`)"
 CHART_OWNED = frozenset({
     "server",
     "kubernetes.pod_name", "kubernetes.namespace", "kubernetes.node_name", "kubernetes.kubeconfig",
-    "kubernetes.pod_resources_socket", "kubernetes.workload",
+    "kubernetes.pod_resources_socket", "kubernetes.workload", "policy.escalation.node_event",
     "target.control_url", "target.token_file", "target.openai_url", "target.metrics_url", "target.api_key_file",
 })
 # Choices that cannot work in a pod: `local` restarts a child process only `gpu-watchdog up` owns.

@@ -12,12 +12,14 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 from watchdog.config import EscalationSettings
-from watchdog.names import CONTEXT_LOSS, HANG
+from watchdog.names import CONTEXT_LOSS, HANG, RESTART_REASONS
 
 CURING_REASONS = (CONTEXT_LOSS, HANG)  # restarts meant to cure the GPU's state, not the process's age
 GPUS_ANNOTATION = "gpu-watchdog.io/gpus"
 REASON_ANNOTATION = "gpu-watchdog.io/reason"
 XID_ANNOTATION = "gpu-watchdog.io/xid"
+# The workload (Deployment) whose restart budget a restart Event counts against.
+WORKLOAD_ANNOTATION = "gpu-watchdog.io/workload"
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,7 @@ class RestartRecord:
     gpus: tuple[str, ...]
     pod: str
     xid: int | None = None
+    workload: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,3 +56,10 @@ def suspects(settings: EscalationSettings, records: list[RestartRecord], now: fl
                 by_gpu[uuid].append(r)
     return [Suspect(uuid, tuple(sorted(rs, key=lambda r: r.at))) for uuid, rs in sorted(by_gpu.items())
             if len(rs) >= settings.restarts and (ours is None or uuid in ours)]
+
+
+def workload_restarts(records: list[RestartRecord], workload: str | None) -> tuple[float, ...]:
+    """When the workload's pods were restarted (any generation's, any reason), oldest first."""
+    if not workload:
+        return ()
+    return tuple(sorted(r.at for r in records if r.workload == workload and r.reason in RESTART_REASONS))

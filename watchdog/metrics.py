@@ -14,7 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from watchdog.idle_memory import IdleMemory
-from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, RESTART_REASONS, STATES
+from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, RESTART_REASONS, RUNGS, STATES
 from watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
 
 P = "gpu_watchdog_"
@@ -144,7 +144,8 @@ class WatchdogMetrics:
         self.empty_cache = Counter(P + "empty_cache", "Allocator cache flushes requested", ["reason"], registry=r)
         self.empty_cache_freed = Counter(P + "empty_cache_freed_bytes", "Bytes returned to the driver by flushes",
                                          registry=r)
-        self.restarts = Counter(P + "restarts", "Restarts performed, by reason", ["reason"], registry=r)
+        self.restarts = Counter(P + "restarts", "Restarts performed, by reason and rung (container in place, pod,"
+                                " process)", ["reason", "rung"], registry=r)
         self.xid_errors = Counter(P + "gpu_xid_errors", "Xid events seen by NVML", ["gpu", "uuid", "xid"],
                                   registry=r)
         self.sample_duration = Histogram(P + "sample_duration_seconds", "Time spent taking one sample",
@@ -159,10 +160,19 @@ class WatchdogMetrics:
         self.saturation_episodes = Counter(P + "saturation_episodes",
                                            "Episodes of canary timeouts while the server kept producing tokens",
                                            registry=r)
+        self.progress_unknown_episodes = Counter(
+            P + "progress_unknown_episodes",
+            "Episodes of canary timeouts while the server's work counter, readable before, could not be read",
+            registry=r)
+        # How late the sidecar's own loop runs: a loop that lags answers its probes late.
+        self.event_loop_lag = Histogram(P + "event_loop_lag_seconds", "How late the sidecar's event loop woke up",
+                                        buckets=(0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5),
+                                        registry=r)
         for error_class in ERROR_CLASSES:
             self.canary_failures.labels(error_class=error_class)
         for reason in RESTART_REASONS:
-            self.restarts.labels(reason=reason)
+            for rung in RUNGS:
+                self.restarts.labels(reason=reason, rung=rung)
         for reason in EMPTY_CACHE_REASONS:
             self.empty_cache.labels(reason=reason)
         r.register(SnapshotCollector(snapshot))

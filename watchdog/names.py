@@ -15,6 +15,12 @@ STARTUP_TIMEOUT = "startup_timeout"
 UNSERVABLE = "unservable"
 RESTART_REASONS = (CONTEXT_LOSS, HANG, FRAGMENTATION_DRIFT, MAX_AGE, STARTUP_TIMEOUT, UNSERVABLE)
 
+# How a restart is carried out, cheapest first (`gpu_watchdog_restarts_total{rung}`): the inference
+# container in place (same pod, same GPU, model files in the page cache), the pod (rescheduled), or
+# the child process of `gpu-watchdog up`.
+RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS = "container", "pod", "process"
+RUNGS = (RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS)
+
 # Why the allocator cache is flushed (`gpu_watchdog_empty_cache_total{reason}`).
 MEMORY_PRESSURE = "memory_pressure"
 OOM = "oom"
@@ -29,6 +35,8 @@ ANSWERED_ERRORS = ("oom", "other")
 HEALTHY = "healthy"
 STARTING = "starting"
 SATURATED = "saturated"
+# Canaries time out and the server's work counter, readable before, cannot be read now.
+PROGRESS_UNKNOWN = "progress_unknown"
 CANARY_FAILING = "canary_failing"
 TARGET_UNREACHABLE = "target_unreachable"
 RESTARTING = "restarting"
@@ -37,8 +45,8 @@ NVML_UNAVAILABLE = "nvml_unavailable"
 GPUS_UNKNOWN = "gpus_unknown"
 SERVER_METRICS_UNAVAILABLE = "server_metrics_unavailable"
 GPU_SUSPECT = "gpu_suspect"
-STATES = (HEALTHY, STARTING, SATURATED, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING, BUDGET_EXHAUSTED,
-          NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT)
+STATES = (HEALTHY, STARTING, SATURATED, PROGRESS_UNKNOWN, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING,
+          BUDGET_EXHAUSTED, NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT)
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

@@ -22,12 +22,15 @@ from watchdog.names import (
     MAX_AGE,
     MEMORY_PRESSURE,
     OOM,
+    PROGRESS_UNKNOWN,
+    RUNG_CONTAINER,
+    RUNG_POD,
     SATURATED,
     STARTING,
     STARTUP_TIMEOUT,
     UNSERVABLE,
 )
-from watchdog.samples import CanarySample, History, ServerSample, TorchSample
+from watchdog.samples import RESTART_FAILED, RESTART_REPORTED, CanarySample, History, ServerSample, TorchSample
 
 # Xid classes (NVIDIA Xid catalog). App faults kill the process's context; hardware ones need
 # the GPU reset, which a pod restart also triggers on most setups; warnings never restart.
@@ -38,8 +41,15 @@ XID_CRITICAL = XID_APP_FAULT | XID_ECC | XID_HARDWARE
 XID_WARN_ONLY = frozenset({63, 92})
 
 
-# What the target server's work counter did across a stretch of time.
+# What the target server's work counter did across a stretch of time. NO_METRICS: no reading
+# covers it. UNKNOWN: the counter was readable before and its page has since failed or timed out,
+# which is no evidence of a hang (a saturated server answers its page late too). NO_EVIDENCE:
+# unknown for longer than `hang.no_evidence_after`, after which the timeouts alone decide.
 ADVANCED, FLAT, RESET, UNDECIDED, NO_METRICS = "advanced", "flat", "reset", "undecided", "no_metrics"
+UNKNOWN, NO_EVIDENCE = "unknown", "no_evidence"
+
+# After a restart that failed, the same restart is decided again no sooner than this (doubling).
+RESTART_RETRY_S, RESTART_RETRY_MAX_S = 30.0, 900.0
 
 
 @dataclass(frozen=True)
@@ -51,25 +61,82 @@ class Decision:
     allowed: bool = True
     blocked_by: str | None = None
     instance_id: str | None = None
+    # The cheapest cure that may still work (restart.strategy container honours it; the others
+    # always restart the pod, or the process they own).
+    rung: str = RUNG_CONTAINER
 
 
-def budget_remaining(settings: PolicySettings, history: History, now: float) -> int:
-    used = len(history.restarts_within(now, settings.restart_budget.window))
+def budget_remaining(settings: PolicySettings, history: History, now: float, from_events: bool = False) -> int:
+    """Restarts left in the window. `from_events`: the budget is the workload's, counted across pod
+    generations from the restart Events read back; while they cannot be read it is spent (fail safe)."""
+    window = settings.restart_budget.window
+    if from_events:
+        if history.workload_restarts is None or history.workload_read_at is None:
+            return 0
+        read_at = history.workload_read_at
+        # Read back: every generation's restarts up to the read; ours since are not in it yet.
+        times = [t for t in history.workload_restarts if now - t < window]
+        times += [a.at for a in history.restarts_within(now, window) if a.at > read_at]
+        return max(0, settings.restart_budget.max_restarts - len(times))
+    used = len(history.restarts_within(now, window))
     return max(0, settings.restart_budget.max_restarts - used)
 
 
-def decide(settings: PolicySettings, history: History, now: float) -> list[Decision]:
+def budget_blocker(history: History, from_events: bool) -> str:
+    unknown = from_events and history.workload_restarts is None
+    return "restart_budget_unknown" if unknown else "restart_budget"
+
+
+def decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool = False) -> list[Decision]:
     if history.restart_in_progress:
         return []
     restart = _restart_rule(settings, history, now)
+    if restart is not None and _held_back(history, restart.reason, now):
+        restart = None
     if restart is not None:
-        if budget_remaining(settings, history, now) <= 0:
+        restart = replace(restart, rung=rung_for(settings, history, restart, now))
+        if budget_remaining(settings, history, now, budget_from_events) <= 0:
             restart = Decision(restart.action, restart.reason, restart.detail, restart.drain, allowed=False,
-                               blocked_by="restart_budget", instance_id=restart.instance_id)
+                               blocked_by=budget_blocker(history, budget_from_events),
+                               instance_id=restart.instance_id)
             # A blocked restart must not hide a cache flush or a lower limit that may still help.
             return [restart, *_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
         return [restart]
     return [*_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
+
+
+def rung_for(settings: PolicySettings, h: History, decision: Decision, now: float) -> str:
+    """The container in place first; the pod when in place cannot cure.
+
+    A lost GPU, or an Xid that needs the GPU reset, is not cured by a new process on the same card;
+    and `in_place.max_restarts` in-place restarts for the same reason within its window that did not
+    cure (it came back) send the next one to the pod.
+    """
+    d = decision.detail
+    if d.get("evidence") == "gpu_lost" or (d.get("evidence") == "xid" and d.get("class") in ("hardware", "ecc")):
+        return RUNG_POD
+    window = settings.in_place.window
+    in_place = [a for a in h.actions if a.action == "restart" and a.rung == RUNG_CONTAINER
+                and a.reason == decision.reason and now - a.at < window]
+    return RUNG_POD if len(in_place) >= settings.in_place.max_restarts else RUNG_CONTAINER
+
+
+def _held_back(h: History, reason: str, now: float) -> bool:
+    """A restart for `reason` that was decided and not carried out, in this same episode.
+
+    Reported only (strategy `none`): said once, not again until the target serves again. Failed:
+    tried again after a backoff that doubles with each failure, not at every tick.
+    """
+    served = [c.at for c in h.canaries if c.ok]
+    episode_start = served[-1] if served else float("-inf")
+    misses = [a for a in h.actions if a.reason == reason and a.at > episode_start
+              and a.action in (RESTART_REPORTED, RESTART_FAILED)]
+    if not misses:
+        return False
+    if misses[-1].action == RESTART_REPORTED:
+        return True
+    failures = sum(1 for a in misses if a.action == RESTART_FAILED)
+    return now - misses[-1].at < min(RESTART_RETRY_S * 2 ** (failures - 1), RESTART_RETRY_MAX_S)
 
 
 def _admission_rule(settings: PolicySettings, h: History, now: float) -> list[Decision]:
@@ -107,7 +174,7 @@ def _cure_rule(settings: PolicySettings, h: History, now: float) -> Decision | N
         # whatever its canaries say, until the startup timeout.
         return _startup_timeout(settings, h, now)
     return (
-        _hang(settings, h)
+        _hang(settings, h, now)
         or _stall(settings, h)
         or _unservable(settings, h, now)
         or _fragmentation_restart(settings, h, now)
@@ -149,6 +216,21 @@ def progress_since(h: History, start: float) -> tuple[str, dict[str, Any]]:
     return FLAT, figures
 
 
+def progress_during(settings: PolicySettings, h: History, start: float, now: float) -> tuple[str, dict[str, Any]]:
+    """`progress_since`, with NO_METRICS told apart: a server whose counter was readable before and
+    whose page has failed since is UNKNOWN (no evidence either way), and NO_EVIDENCE once that has
+    lasted `hang.no_evidence_after`. A server that never exposed a counter stays NO_METRICS."""
+    verdict, figures = progress_since(h, start)
+    readings = _work_samples(h)
+    last = readings[-1] if readings else h.last_progress
+    if verdict != NO_METRICS or last is None:
+        return verdict, figures
+    dark_s = now - last.at
+    figures = {"server": last.server, "last_progress": last.progress, "last_reading_s_ago": round(dark_s, 3),
+               "no_evidence_after_s": settings.hang.no_evidence_after}
+    return (NO_EVIDENCE if dark_s >= settings.hang.no_evidence_after else UNKNOWN), figures
+
+
 def _timeout_run(h: History) -> list[CanarySample]:
     """The trailing canaries that timed out, oldest first."""
     run: list[CanarySample] = []
@@ -168,9 +250,18 @@ def saturated(h: History) -> tuple[bool, dict[str, Any]]:
     return verdict == ADVANCED, {"canary_timeouts": len(run), **figures}
 
 
-def target_state(h: History) -> str | None:
-    """STARTING until the first successful canary since the last restart; then HEALTHY, SATURATED or
-    CANARY_FAILING by the last canary."""
+def progress_unknown(settings: PolicySettings, h: History, now: float) -> tuple[bool, dict[str, Any]]:
+    """Canaries time out and the work counter, readable before, cannot be read now: not a hang yet."""
+    run = _timeout_run(h)
+    if not run:
+        return False, {}
+    verdict, figures = progress_during(settings, h, run[0].started_at, now)
+    return verdict == UNKNOWN, {"canary_timeouts": len(run), **figures}
+
+
+def target_state(h: History, settings: PolicySettings, now: float) -> str | None:
+    """STARTING until the first successful canary since the last restart; then HEALTHY, SATURATED,
+    PROGRESS_UNKNOWN or CANARY_FAILING by the last canary."""
     if h.served_at is None:
         return STARTING
     last = h.canaries[-1] if h.canaries else None
@@ -178,19 +269,23 @@ def target_state(h: History) -> str | None:
         return None
     if last.ok:
         return HEALTHY
-    return SATURATED if saturated(h)[0] else CANARY_FAILING
+    if saturated(h)[0]:
+        return SATURATED
+    return PROGRESS_UNKNOWN if progress_unknown(settings, h, now)[0] else CANARY_FAILING
 
 
-def serviceable(h: History) -> bool:
+def serviceable(h: History, settings: PolicySettings, now: float) -> bool:
     """What `/readyz` says: the model served since the last restart and serves now, or is only busy.
 
     A saturated pod stays in the Service: taking it out only pushes its load onto the others
-    until every replica leaves.
+    until every replica leaves. So does one whose progress is unknown (its metrics page timed out
+    with its canary, as a saturated server's does), for at most `hang.no_evidence_after`: missing
+    evidence is no reason to act, in either direction, until it has been missing that long.
     """
-    return not h.restart_in_progress and target_state(h) in (HEALTHY, SATURATED)
+    return not h.restart_in_progress and target_state(h, settings, now) in (HEALTHY, SATURATED, PROGRESS_UNKNOWN)
 
 
-def canary_delay(settings: CanarySettings, policy: PolicySettings, h: History) -> float:
+def canary_delay(settings: CanarySettings, policy: PolicySettings, h: History, now: float) -> float:
     """Seconds from one canary's start to the next.
 
     After a timeout, confirm at once (every `timeout`) until a success or the hang threshold,
@@ -203,6 +298,8 @@ def canary_delay(settings: CanarySettings, policy: PolicySettings, h: History) -
     run = _timeout_run(h)
     if run and len(run) < policy.hang.consecutive_timeouts and not saturated(h)[0]:
         return fast
+    if progress_unknown(policy, h, now)[0]:
+        return fast  # keep looking: the next canary or reading may settle it
     return settings.interval
 
 
@@ -265,7 +362,7 @@ def _startup_timeout(settings: PolicySettings, h: History, now: float) -> Decisi
                     instance_id=_latest_instance(h))
 
 
-def _hang(settings: PolicySettings, h: History) -> Decision | None:
+def _hang(settings: PolicySettings, h: History, now: float) -> Decision | None:
     n = settings.hang.consecutive_timeouts
     run = _timeout_run(h)
     if len(run) < n:
@@ -273,8 +370,10 @@ def _hang(settings: PolicySettings, h: History) -> Decision | None:
     recent = run[-n:]
     # The canary is work itself: a server that produced no token for it nor for anyone across
     # these timeouts is stuck, whatever its gauges say (a stopped engine keeps its last values).
-    verdict, figures = progress_since(h, recent[0].started_at)
-    if verdict not in (FLAT, NO_METRICS):
+    # Where the counter went dark with the canary, nothing is known until it has been dark for
+    # `no_evidence_after`; a server that never exposed one is judged by its timeouts alone.
+    verdict, figures = progress_during(settings, h, recent[0].started_at, now)
+    if verdict not in (FLAT, NO_METRICS, NO_EVIDENCE):
         return None
     detail = {"consecutive_timeouts": n, "last_latency_s": recent[-1].latency_s, "server_progress": verdict,
               **figures}

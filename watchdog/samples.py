@@ -96,11 +96,16 @@ class ServerSample:
         return (self.requests_running or 0.0) + (self.requests_waiting or 0.0)
 
 
+# A restart that was decided and not carried out: reported only (strategy none), or it failed.
+RESTART_REPORTED, RESTART_FAILED = "restart_reported", "restart_failed"
+
+
 @dataclass(frozen=True)
 class ActionRecord:
     at: float
-    action: str  # empty_cache | restart
+    action: str  # empty_cache | restart | restart_reported | restart_failed
     reason: str
+    rung: str = ""  # restarts: container | pod | process
 
 
 @dataclass
@@ -117,6 +122,13 @@ class History:
     gpus_visible: int = 0  # how many GPUs NVML sees on the node (from this container)
     pod_gpus: tuple[str, ...] | None = None  # UUIDs the kubelet gave this pod; None: not known
     server: deque[ServerSample] = field(default_factory=lambda: deque(maxlen=256))
+    # The latest reading of the server's work counter, kept however long its page stays dark:
+    # it tells a server that never exposed one from one whose page stopped answering.
+    last_progress: ServerSample | None = None
+    # The workload's restarts (every pod generation's, seconds on this loop's clock) as read back
+    # from the restart Events at `workload_read_at`; None until read, or while they cannot be.
+    workload_restarts: tuple[float, ...] | None = None
+    workload_read_at: float | None = None
     # First successful canary since the last restart: before it the target is still starting.
     served_at: float | None = None
     ladder: Ladder | None = None  # the admission limit and its probes
@@ -141,4 +153,5 @@ class History:
         return [t for t in self.torch if t.at >= self.epoch and t.reachable]
 
     def restarts_within(self, now: float, window: float) -> list[ActionRecord]:
+        """Restarts this sidecar carried out (not those only reported, nor those that failed)."""
         return [a for a in self.actions if a.action == "restart" and now - a.at < window]

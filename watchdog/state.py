@@ -10,8 +10,19 @@ from dataclasses import dataclass, replace
 
 from watchdog import ladder
 from watchdog.config import AdmissionSettings
+from watchdog.names import RUNG_POD
 from watchdog.records import Failure, Ladder
-from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
+from watchdog.samples import (
+    RESTART_FAILED,
+    RESTART_REPORTED,
+    ActionRecord,
+    CanarySample,
+    GpuSample,
+    History,
+    ServerSample,
+    TorchSample,
+    XidEvent,
+)
 
 
 @dataclass(frozen=True)
@@ -41,6 +52,25 @@ class RestartEnded:
     done: bool
     # After an eviction the pod is going away: it stays unready until it does.
     keep_unready: bool
+    # Not done because the strategy only reports (`none`), rather than because it failed.
+    reported_only: bool = False
+    rung: str = RUNG_POD
+
+
+@dataclass(frozen=True)
+class RestartCancelled:
+    """A restart given up before it began: the workload's budget turned out spent on a fresh read."""
+
+    at: float
+
+
+@dataclass(frozen=True)
+class WorkloadRestarts:
+    """The workload's restarts read back from the Events (wall-clock seconds), or None: unreadable."""
+
+    at: float
+    wall_now: float
+    restarts: tuple[float, ...] | None
 
 
 @dataclass(frozen=True)
@@ -62,7 +92,7 @@ class AdmissionAnswered:
 
 
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
-           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered)
+           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -79,6 +109,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
             # an engine that exited and came back) and may be loading its model: starting anew.
             h.served_at = None
         h.server.append(outcome)
+        if outcome.reachable and outcome.progress is not None:
+            h.last_progress = outcome
     elif isinstance(outcome, TorchSample):
         h.torch.append(outcome)
         h.ladder = observe_ladder(h.ladder, outcome, admission)
@@ -91,11 +123,23 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, RestartBegun):
         h.restart_in_progress = True
     elif isinstance(outcome, RestartEnded):
-        h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason))
+        h.restart_in_progress = outcome.keep_unready
+        if not outcome.done:
+            # Nothing was restarted: the process, its evidence and its service go on as they were,
+            # and the restart budget is not spent.
+            kind = RESTART_REPORTED if outcome.reported_only else RESTART_FAILED
+            h.actions.append(ActionRecord(outcome.at, kind, outcome.reason))
+            return h
+        h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, outcome.rung))
         # Evidence older than this is about a process that is gone; the new one starts anew.
         h.epoch = outcome.at
         h.served_at = None
-        h.restart_in_progress = outcome.keep_unready
+    elif isinstance(outcome, RestartCancelled):
+        h.restart_in_progress = False
+    elif isinstance(outcome, WorkloadRestarts):
+        h.workload_read_at = outcome.at
+        h.workload_restarts = None if outcome.restarts is None else tuple(
+            outcome.at - (outcome.wall_now - t) for t in outcome.restarts)
     elif isinstance(outcome, CacheFlushRequested):
         h.actions.append(ActionRecord(outcome.at, "empty_cache", outcome.reason))
     elif isinstance(outcome, AdmissionRequested) and h.ladder is not None:

@@ -26,23 +26,28 @@ class Extras:
     idle_memory: IdleMemory | None
     pod_gpus_error: str | None
     suspects: tuple[Suspect, ...] = ()
+    # The restart budget is the workload's, counted from the restart Events (Kubernetes strategies).
+    budget_from_events: bool = False
+    workload: str | None = None
+    budget_read_error: str | None = None
+    loop_lag: dict[str, float] | None = None  # the sidecar's own event-loop lag: last, p99, max
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
     out: set[str] = set()
-    target = policy.target_state(h)
+    target = policy.target_state(h, settings.policy, now)
     if target is not None and not h.restart_in_progress:
         out.add(target)
     last_canary = h.canaries[-1] if h.canaries else None
     last_torch = h.torch[-1] if h.torch else None
     if h.restart_in_progress:
         out.add(names.RESTARTING)
-    if last_canary is not None and not last_canary.ok and target != names.SATURATED:
+    if last_canary is not None and not last_canary.ok and target not in (names.SATURATED, names.PROGRESS_UNKNOWN):
         out.add(names.CANARY_FAILING)
     if (last_canary is not None and last_canary.error_class == "unreachable") or (
             last_torch is not None and not last_torch.reachable):
         out.add(names.TARGET_UNREACHABLE)
-    if policy.budget_remaining(settings.policy, h, now) <= 0:
+    if policy.budget_remaining(settings.policy, h, now, x.budget_from_events) <= 0:
         out.add(names.BUDGET_EXHAUSTED)
     if not x.nvml_available:
         out.add(names.NVML_UNAVAILABLE)
@@ -55,10 +60,10 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
     return frozenset(out)
 
 
-def ready(h: History) -> tuple[bool, dict[str, Any]]:
-    ok = policy.serviceable(h)
+def ready(settings: Settings, h: History, now: float) -> tuple[bool, dict[str, Any]]:
+    ok = policy.serviceable(h, settings.policy, now)
     if ok:
-        return True, {"ready": True, "reason": None, "state": policy.target_state(h)}
+        return True, {"ready": True, "reason": None, "state": policy.target_state(h, settings.policy, now)}
     last = h.canaries[-1] if h.canaries else None
     if h.restart_in_progress:
         reason = "restarting"
@@ -75,7 +80,7 @@ def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
         torch=next((t for t in reversed(h.torch) if t.reachable), None),
         canary=h.canaries[-1] if h.canaries else None,
         server=next((s for s in reversed(h.server) if s.reachable), None),
-        budget_remaining=policy.budget_remaining(settings.policy, h, now),
+        budget_remaining=policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
         states=states(settings, h, now, x),
         idle_memory=x.idle_memory,
         suspects=tuple(sp.uuid for sp in x.suspects),
@@ -88,15 +93,17 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         return None if obj is None else dataclasses.asdict(obj)
 
     sat, sat_figures = policy.saturated(h)
+    unknown, unknown_figures = policy.progress_unknown(settings.policy, h, now)
     ours = policy.our_gpus(h)
     unavailable = next((g.reason for g in h.gpus if not g.available), None)
     return {
         "states": sorted(states(settings, h, now, x)),
-        "ready": policy.serviceable(h),
+        "ready": policy.serviceable(h, settings.policy, now),
         "strategy": x.strategy,
-        "target": {"state": policy.target_state(h), "served_at_s": None if h.served_at is None
-                   else round(h.served_at - h.started_at, 3), "canary": x.canary,
-                   "saturation": sat_figures if sat else None},
+        "target": {"state": policy.target_state(h, settings.policy, now), "served_at_s": None
+                   if h.served_at is None else round(h.served_at - h.started_at, 3), "canary": x.canary,
+                   "saturation": sat_figures if sat else None,
+                   "progress_unknown": unknown_figures if unknown else None},
         "nvml": {"available": x.nvml_available, "reason": unavailable},
         "gpus": {"ours": list(ours) if ours else None, "source": "kubelet" if h.pod_gpus else
                  "inference process" if ours else None, "visible": h.gpus_visible,
@@ -106,7 +113,11 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "server_metrics": {"url": x.server_metrics_url,
                            "last": asdict(h.server[-1] if h.server else None)},
         "uptime_s": round(now - h.started_at, 3),
-        "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now),
+        "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
+        "restart_budget": {"scope": "workload" if x.budget_from_events else "pod",
+                           "workload": x.workload, "read_error": x.budget_read_error,
+                           "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1)},
+        "event_loop_lag_s": x.loop_lag,
         "restart_in_progress": h.restart_in_progress,
         "restart_failed": x.restart_failed,
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch

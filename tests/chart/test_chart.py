@@ -102,7 +102,7 @@ def test_probes_gpu_and_downward_api() -> None:
     inf, wd = c["inference"], c["watchdog"]
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert inf["startupProbe"]["httpGet"]["path"] == "/readyz"
-    assert inf["livenessProbe"]["httpGet"]["path"] == "/healthz"
+    assert inf["livenessProbe"]["exec"]["command"][:2] == ["sh", "-c"]  # the verdict (restart.strategy container)
     assert inf["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert wd["readinessProbe"]["httpGet"] == {"path": "/readyz", "port": "metrics"}
     assert wd["livenessProbe"]["httpGet"] == {"path": "/healthz", "port": "metrics"}
@@ -190,7 +190,7 @@ def test_watchdog_config_from_values_is_valid(monkeypatch: pytest.MonkeyPatch) -
     monkeypatch.setenv("POD_NAMESPACE", "serving")
     cm = next(d for d in by_kind(render(), "ConfigMap") if d["metadata"]["name"].endswith("-watchdog"))
     settings = from_mapping(yaml.safe_load(cm["data"]["config.yaml"]))
-    assert settings.restart.strategy == "evict"
+    assert settings.restart.strategy == "container"
     assert settings.target.control_url == "http://127.0.0.1:8001"
     assert settings.kubernetes.pod_name == "demo-0"
 
@@ -229,8 +229,9 @@ def test_vllm_mode_puts_the_sidecar_next_to_vllm(monkeypatch: pytest.MonkeyPatch
     assert inf["image"].startswith("vllm/vllm-openai:")
     assert inf["args"][:3] == ["--model=/models/model", "--host=0.0.0.0", "--port=8000"]
     assert "--served-model-name=llama" in inf["args"] and inf["args"][-2:] == ["--max-num-seqs", "64"]
-    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+    for probe in ("startupProbe", "readinessProbe"):
         assert inf[probe]["httpGet"] == {"path": "/health", "port": "http"}
+    assert "verdict-probe" not in str(inf["livenessProbe"]) and "exec" in inf["livenessProbe"]
     assert inf["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert {"name": "model", "mountPath": "/models/model", "readOnly": True} in inf["volumeMounts"]
     # No control API, so no token anywhere; no hostPath under the default PodSecurity level.

@@ -462,3 +462,50 @@ def test_ceil_matches_the_templates_rounding() -> None:
     probe = containers(render({"watchdog": {"config": {"policy": {"startup_timeout": "17m"}}},
                                "inference": {"startupProbe": {"periodSeconds": 7}}}))["inference"]["startupProbe"]
     assert probe["failureThreshold"] == math.ceil((17 * 60 + 60) / 7)
+
+
+@pytest.mark.parametrize("node_events", [True, False])
+def test_node_events_off_reaches_the_sidecar(node_events: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the Role in `default` the sidecar must not try to write its Node Event (a 403 each time)."""
+    from tests.chart.test_chart import watchdog_config
+
+    settings = watchdog_config({"watchdog": {"nodeEvents": node_events}}, monkeypatch)
+    assert settings.policy.escalation.node_event is node_events
+    rendered = {(d["kind"], d["metadata"].get("namespace")) for d in render({"watchdog": {"nodeEvents": node_events}})}
+    assert (("Role", "default") in rendered) is node_events
+
+
+VERDICT_PROBE = Path(__file__).resolve().parents[2] / "helm" / "gpu-watchdog" / "files" / "verdict-probe.sh"
+ENGINES: list[dict[str, Any]] = [{}, VLLM, EXTERNAL]
+
+
+@pytest.mark.parametrize("engine_values", ENGINES, ids=["bundled", "vllm", "external"])
+@pytest.mark.parametrize("strategy", ["container", "evict"])
+def test_the_container_rung_is_rendered_for_every_engine(engine_values: dict[str, Any], strategy: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """The inference container's liveness reads the watchdog's verdict from a shared emptyDir, and
+    only the watchdog can write it; the pod rung keeps its eviction right."""
+    from tests.chart.test_chart import watchdog_config
+
+    values = {**engine_values, "watchdog": {**engine_values.get("watchdog", {}),
+                                            "config": {"restart": {"strategy": strategy}}}}
+    docs = render(values)
+    c = containers(docs)
+    inf, wd = c["inference"], c["watchdog"]
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-watchdog"))
+    verbs = {(r["resources"][0], v) for r in role["rules"] for v in r["verbs"]}
+    assert ("pods/eviction", "create") in verbs
+    kubernetes_validate.validate(next(d for d in docs if d["kind"] == "Deployment"), "1.30", strict=True)
+    if strategy == "evict":
+        assert "exec" not in inf["livenessProbe"] and mount_of(inf, "/var/run/gpu-watchdog-verdict") is None
+        return
+    settings = watchdog_config(values, monkeypatch)
+    assert settings.restart.strategy == "container"
+    probe = inf["livenessProbe"]
+    assert probe["exec"]["command"] == ["sh", "-c", VERDICT_PROBE.read_text()]
+    assert probe["failureThreshold"] >= 2 and probe["timeoutSeconds"] >= 5  # one slow probe never kills
+    verdict_dir = str(Path(settings.restart.verdict_file).parent)
+    assert mount_of(inf, verdict_dir) == {"name": "verdict", "mountPath": verdict_dir, "readOnly": True}
+    assert mount_of(wd, verdict_dir) == {"name": "verdict", "mountPath": verdict_dir}
+    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    assert volumes["verdict"]["emptyDir"]["medium"] == "Memory"

@@ -35,7 +35,7 @@ def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[peer_vllm.Vllm]:
         pytest.skip("no vLLM venv: run `make vllm` (or set GPU_WATCHDOG_VLLM_PYTHON)")
     work = tmp_path_factory.mktemp("vllm")
     model = peer_vllm.make_tiny_model(work / "model")
-    server = peer_vllm.start_vllm(python, model, work / "run", max_num_seqs=4)
+    server = peer_vllm.start_vllm(python, model, work / "run", max_num_seqs=8)
     try:
         yield server
     finally:
@@ -47,12 +47,17 @@ def status_of(url: str) -> dict[str, Any]:
     return data
 
 
-def test_a_saturated_vllm_is_never_restarted_and_stays_ready(vllm: peer_vllm.Vllm, tmp_path: Path) -> None:
+@pytest.mark.parametrize("run", range(5))
+def test_a_saturated_vllm_is_never_restarted_and_stays_ready(vllm: peer_vllm.Vllm, tmp_path: Path, run: int) -> None:
+    """96 clients on 8 sequence slots, canary every 2 s with a 1 s timeout, 3 timeouts make a hang:
+    the settings stay short, five runs in a row. vLLM's own /metrics answers late under this load
+    too; missing evidence must not pass for a flat counter."""
     r = peer_vllm.saturation(vllm, tmp_path, clients=96, seconds=20.0)
+    print(f"run {run}: {r}")
     assert r["canary_timeouts"] >= N, f"the flood must have made canaries time out: {r}"
-    assert r["saturated_seen"], r
+    assert r["saturated_seen"] or r["progress_unknown_seen"], r
     assert r["restart_decisions"] == 0, r
-    assert r["ready_share"] >= 0.95, r
+    assert r["ready_share"] >= 0.90, r
     assert r["requests_ok"] > 0
 
 

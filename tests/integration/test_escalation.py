@@ -115,7 +115,7 @@ async def test_a_403_on_listing_events_is_reported_once_never_a_crash(kmock: Any
     await wd.start(serve_http=False)
     try:
         await asyncio.sleep(0.3)
-        wd._escalation_retry_at = 0.0  # the backoff would hold the next look for 30 s
+        wd.executor.escalation_retry_at = 0.0  # the backoff would hold the next look for 30 s
         await wd._escalate("hang")
         ok, _ = wd.healthy()
         assert ok and wd.suspects == {}

@@ -168,3 +168,30 @@ async def test_without_the_kubelet_a_multi_gpu_node_is_reported_not_guessed(tmp_
         assert [g.available for g in wd.history.gpus] == [False]  # nothing sampled as if it were ours
     finally:
         await wd.stop()
+
+
+async def test_a_kubelet_that_answers_later_is_asked_again_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The socket may not be there yet, or refuse at first: asked again, ever less often, until it answers."""
+    from watchdog import executor
+    from watchdog.actions.restart import ReportOnlyRestarter
+
+    monkeypatch.setattr(executor, "POD_GPUS_RETRY_S", 0.05)
+    calls: list[int] = []
+
+    def kubelet_late() -> tuple[str, ...]:
+        calls.append(1)
+        if len(calls) < 3:
+            raise PodResourcesError("kubelet PodResources socket /var/lib/kubelet/pod-resources/kubelet.sock: refused")
+        return (B, C)
+
+    wd = Watchdog(watchdog_settings(None), ReportOnlyRestarter(), nvml_backend=FourGpuNode(), pod_gpus=kubelet_late)
+    await wd.start(serve_http=False)
+    try:
+        assert "refused" in (wd.status()["gpus"]["pod_resources_error"] or "")
+        await asyncio.sleep(0.6)  # 0.05 + 0.1 + ...: the third call answers
+        status = wd.status()
+        assert len(calls) == 3 and status["gpus"]["ours"] == [B, C] and status["gpus"]["source"] == "kubelet"
+        assert status["gpus"]["pod_resources_error"] is None
+        assert wd.executor.pod_gpus_retry_s == 0.2  # doubled after each failed ask
+    finally:
+        await wd.stop()

@@ -55,9 +55,9 @@ def watchdog(restarter: Restarter) -> Watchdog:
     return Watchdog(settings, restarter, nvml_backend=NoNvml())  # type: ignore[arg-type]
 
 
-def counts(wd: Watchdog) -> dict[str, float]:
-    return {r: wd.metrics.registry.get_sample_value("gpu_watchdog_restarts_total", {"reason": r}) or 0.0
-            for r in RESTART_REASONS}
+def counts(wd: Watchdog, rung: str = "pod") -> dict[str, float]:
+    return {r: wd.metrics.registry.get_sample_value("gpu_watchdog_restarts_total", {"reason": r, "rung": rung})
+            or 0.0 for r in RESTART_REASONS}
 
 
 @pytest.mark.parametrize("reason", RESTART_REASONS)
@@ -81,7 +81,7 @@ async def test_a_restart_that_did_not_happen_is_not_counted() -> None:
     try:
         await wd._restart(Decision("restart", "hang", {}))
         assert set(counts(wd).values()) == {0.0}
-        assert wd.restart_failed == "refused"
+        assert wd.executor.restart_failed == "refused"
         assert wd.metrics.registry.get_sample_value(
             "gpu_watchdog_decisions_total", {"action": "restart", "reason": "hang", "outcome": "failed"}) == 1.0
     finally:

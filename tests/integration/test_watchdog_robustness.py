@@ -194,7 +194,7 @@ async def test_a_metrics_page_that_hangs_or_lies_is_reported_never_acted_on(page
         if request.path == "/metrics":
             hits["metrics"] += 1
             if page == "hang":
-                await asyncio.sleep(4)  # well past the scrape's timeout (1.1 s here)
+                await asyncio.sleep(4)  # well past the scrape's timeout (2 s here)
             if page == "404":
                 return web.Response(status=404, text="no metrics here")
             if page == "huge":
@@ -208,7 +208,7 @@ async def test_a_metrics_page_that_hangs_or_lies_is_reported_never_acted_on(page
         restarter = RecordingRestarter()
         settings = from_mapping({
             "target": {"openai_url": url + "/v1"},
-            "sampling": {"server_interval": "100ms"},
+            "sampling": {"server_interval": "100ms", "server_timeout": "2s"},
             "canary": {"interval": "100ms", "timeout": "1s"},
             "restart": {"strategy": "none"},
             "server": {"host": "127.0.0.1", "port": 0},
@@ -216,7 +216,7 @@ async def test_a_metrics_page_that_hangs_or_lies_is_reported_never_acted_on(page
         wd = Watchdog(settings, restarter, nvml_backend=ExplodingNvml())
         await wd.start(serve_http=False)
         try:
-            await asyncio.sleep(2.5)
+            await asyncio.sleep(3.5)
             status = wd.status()
         finally:
             await wd.stop()
@@ -227,3 +227,59 @@ async def test_a_metrics_page_that_hangs_or_lies_is_reported_never_acted_on(page
     expected = {"hang": "timeout:", "garbage": "bad_response: not Prometheus", "huge": "bad_response: page over",
                 "404": "bad_response:"}[page]
     assert last["error"].startswith(expected), last["error"]
+
+
+async def test_a_server_gone_dark_whole_is_progress_unknown_then_a_hang_after_the_bound() -> None:
+    """Its canary and its /metrics both stop answering after it served: no evidence either way.
+
+    Readiness is held and nothing is decided while that lasts less than `no_evidence_after`; then
+    the timeouts decide, once (strategy none reports and changes nothing about the target).
+    """
+    dark = asyncio.Event()
+    release = asyncio.Event()
+    tokens = itertools.count(100, 7)
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        if dark.is_set():
+            await release.wait()
+        if request.path == "/metrics":
+            return web.Response(text=f"vllm:num_requests_running 1\nvllm:generation_tokens_total {next(tokens)}\n")
+        if request.path == "/v1/models":
+            return web.json_response({"data": [{"id": "m"}]})
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    async with serve_everything(handler) as url:
+        restarter = RecordingRestarter()
+        settings = from_mapping({
+            "target": {"openai_url": url + "/v1"},
+            "sampling": {"server_interval": "100ms", "server_timeout": "300ms"},
+            "canary": {"interval": "200ms", "timeout": "200ms"},
+            "policy": {"hang": {"consecutive_timeouts": 2, "no_evidence_after": "2s"}},
+            "restart": {"strategy": "none"},
+            "server": {"host": "127.0.0.1", "port": 0},
+        })
+        wd = Watchdog(settings, restarter, nvml_backend=ExplodingNvml())
+        await wd.start(serve_http=False)
+        try:
+            await asyncio.sleep(0.6)
+            assert wd.status()["target"]["state"] == "healthy"
+            dark.set()
+            await asyncio.sleep(1.2)
+            during = wd.status()
+            ready_during = wd.ready()[0]
+            await asyncio.sleep(2.0)
+            after = wd.status()
+            ready_after = wd.ready()[0]
+            episodes = wd.metrics.registry.get_sample_value("gpu_watchdog_progress_unknown_episodes_total")
+        finally:
+            release.set()
+            await wd.stop()
+    assert during["target"]["state"] == "progress_unknown" and "progress_unknown" in during["states"]
+    assert ready_during and during["target"]["progress_unknown"]["last_progress"] >= 100
+    assert "canary_failing" not in during["states"]
+    assert [d.reason for d in restarter.calls] == ["hang"]  # decided once the bound passed, reported once
+    assert restarter.calls[0].detail["server_progress"] == "no_evidence"
+    assert not ready_after and after["target"]["state"] == "canary_failing"
+    assert after["target"]["served_at_s"] is not None  # nothing restarted: not `starting`
+    assert [d["outcome"] for d in after["last_decisions"]] == ["started", "reported"]
+    assert episodes == 1.0

@@ -92,7 +92,7 @@ def test_empty_config_is_the_defaults() -> None:
         ({"policy": {"memory_pressure": {"reserved_ratio": 1.5}}}, "policy.memory_pressure.reserved_ratio", "0 and 1"),
         ({"policy": {"fragmentation": {"ratio": -0.1}}}, "policy.fragmentation.ratio", "0 and 1"),
         ({"policy": {"hang": {"consecutive_timeouts": "three"}}}, "policy.hang.consecutive_timeouts", "integer"),
-        ({"restart": {"strategy": "reboot"}}, "restart.strategy", "one of evict, delete, local, none"),
+        ({"restart": {"strategy": "reboot"}}, "restart.strategy", "one of evict, delete, container, local, none"),
         ({"server": {"port": "x"}}, "server.port", "integer"),
         ({"canary": [1, 2]}, "canary", "mapping"),
         ({"target": {"control_url": "ftp://x"}}, "target.control_url", "http"),

@@ -6,20 +6,21 @@ from dataclasses import replace
 
 import pytest
 
-from watchdog.config import PolicySettings, Settings
-from watchdog.names import HANG, RESTART_REASONS, SATURATED, STARTING, STARTUP_TIMEOUT, UNSERVABLE
+from watchdog.config import HangSettings, PolicySettings, Settings
+from watchdog.names import HANG, PROGRESS_UNKNOWN, RESTART_REASONS, SATURATED, STARTING, STARTUP_TIMEOUT, UNSERVABLE
 from watchdog.policy import (
     Decision,
     budget_remaining,
     canary_delay,
     decide,
     our_gpus,
+    progress_unknown,
     saturated,
     serviceable,
     target_state,
 )
 from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
-from watchdog.state import RestartEnded, reduce
+from watchdog.state import RestartBegun, RestartEnded, reduce
 
 GiB = 2**30
 UUID = "GPU-aaaa"
@@ -277,7 +278,7 @@ def test_timeouts_while_tokens_flow_are_saturation_not_a_hang() -> None:
     assert decide(settings(), h, 11.5) == []
     busy, figures = saturated(h)
     assert busy and figures["canary_timeouts"] == 9 and figures["progress_to"] > figures["progress_from"]
-    assert target_state(h) == SATURATED and serviceable(h)
+    assert target_state(h, settings(), 11.5) == SATURATED and serviceable(h, settings(), 11.5)
 
 
 def test_timeouts_with_the_counter_flat_are_a_hang() -> None:
@@ -287,7 +288,7 @@ def test_timeouts_with_the_counter_flat_are_a_hang() -> None:
         h.server.append(work(t, progress=5000.0, running=3))
     timeouts(h, [2, 3])
     assert decide(settings(), h, 4.5) == []  # two timeouts: not yet
-    assert not serviceable(h)  # flat counter: not saturation, so not ready either
+    assert not serviceable(h, settings(), 4.5)  # flat counter: not saturation, so not ready either
     timeouts(h, [4])
     [d] = decide(settings(), h, 5.5)
     assert (d.reason, d.drain, d.detail["server_progress"]) == (HANG, False, "flat")
@@ -311,15 +312,102 @@ def test_without_metrics_timeouts_alone_decide_as_before() -> None:
     assert d.reason == HANG and d.detail["server_progress"] == "no_metrics"
 
 
-def test_metrics_that_go_dark_with_the_server_leave_the_canary_to_decide() -> None:
+def dark(at: float) -> ServerSample:
+    return ServerSample(at=at, reachable=False, error="timeout: no page within 5s")
+
+
+def test_a_scrape_timeout_during_canary_timeouts_while_the_counter_was_advancing_is_not_a_hang() -> None:
+    """The flood's onset: vLLM's page times out under the load that times out the canary."""
+    s = settings()
     h = history()
-    h.canaries.append(ok(0.5))
-    h.server.extend([work(0, 10.0), work(1, 20.0)])
-    for t in (3, 4, 5):
-        h.server.append(ServerSample(at=t, reachable=False, error="timeout: no page within 5s"))
+    reduce(h, ok(0.5))
+    for t in range(0, 3):
+        reduce(h, work(t, progress=12_000.0 + 900 * t, running=8, waiting=88))
+    for t in (3, 4, 5, 6, 7, 8, 9):
+        reduce(h, dark(t))
+    timeouts(h, [3, 4, 5, 6, 7, 8])  # six timeouts: twice the threshold
+    assert decide(s, h, 9.5) == []
+    unknown, figures = progress_unknown(s, h, 9.5)
+    assert unknown and figures["last_progress"] == 13_800.0 and figures["last_reading_s_ago"] == 7.5
+    assert target_state(h, s, 9.5) == PROGRESS_UNKNOWN and serviceable(h, s, 9.5)  # readiness held
+    # A late reading then shows the counter moved: saturation, as it was all along.
+    reduce(h, work(10, progress=57_355.0, running=8, waiting=88))
+    assert decide(s, h, 10.5) == [] and target_state(h, s, 10.5) == SATURATED
+
+
+def test_a_readable_counter_that_is_flat_across_the_timeouts_is_a_hang_even_after_dark_scrapes() -> None:
+    h = history()
+    reduce(h, ok(0.5))
+    reduce(h, work(0, progress=500.0, running=2))
+    reduce(h, dark(2))
+    timeouts(h, [2, 3, 4])
+    reduce(h, work(4.5, progress=500.0, running=2))  # readable again, and it did not move
+    [d] = decide(settings(), h, 5.5)
+    assert d.reason == HANG and d.detail["server_progress"] == "flat"
+
+
+def test_no_metrics_ever_timeouts_alone_decide() -> None:
+    h = history()
+    reduce(h, ok(0.5))
+    for t in (1, 2, 3, 4):
+        reduce(h, dark(t))  # a page that never answered: the server exposes none we can read
     timeouts(h, [2, 3, 4])
     [d] = decide(settings(), h, 5.5)
     assert d.reason == HANG and d.detail["server_progress"] == "no_metrics"
+    assert not progress_unknown(settings(), h, 5.5)[0]
+
+
+@pytest.mark.parametrize("bound", [120.0, 30.0])
+def test_metrics_lost_for_longer_than_the_bound_leave_the_timeouts_to_decide(bound: float) -> None:
+    s = replace(settings(), hang=HangSettings(consecutive_timeouts=3, no_evidence_after=bound))
+    h = history()
+    reduce(h, ok(0.5))
+    reduce(h, work(0, progress=10.0))
+    reduce(h, work(1, progress=20.0))
+    t = 2.0
+    while t < bound + 1:  # the whole server went dark: every canary and every scrape times out
+        reduce(h, dark(t))
+        h.canaries.append(failed(t + 1, "timeout", latency=1.0))
+        if t + 1.5 < 1 + bound:
+            assert decide(s, h, t + 1.5) == [], t
+            assert serviceable(h, s, t + 1.5)
+        t += 2.0
+    [d] = decide(s, h, 1 + bound)
+    assert d.reason == HANG and d.detail["server_progress"] == "no_evidence"
+    assert d.detail["last_reading_s_ago"] == bound and d.detail["no_evidence_after_s"] == bound
+    assert not serviceable(h, s, 1 + bound)
+
+
+def test_a_restart_reported_and_not_performed_leaves_the_target_as_it_was() -> None:
+    """strategy none: said once, no new epoch, no `starting`, nothing spent from the budget."""
+    s = settings()
+    h = history()
+    reduce(h, ok(0.5))
+    timeouts(h, [2, 3, 4])
+    [d] = decide(s, h, 5.5)
+    reduce(h, RestartBegun(5.5))
+    reduce(h, RestartEnded(at=5.6, reason=d.reason, done=False, keep_unready=False, reported_only=True))
+    assert h.epoch == 0.0 and h.served_at == 0.0 and target_state(h, s, 6) == "canary_failing"
+    assert budget_remaining(s, h, 6) == s.restart_budget.max_restarts
+    timeouts(h, [6, 7])
+    assert decide(s, h, 8.5) == []  # the same episode: not decided again
+    reduce(h, ok(9))
+    timeouts(h, [10, 11, 12])
+    assert [x.reason for x in decide(s, h, 13.5)] == [HANG]  # a new episode is reported anew
+
+
+def test_a_restart_that_failed_is_retried_after_a_growing_backoff_and_is_not_counted() -> None:
+    s = settings()
+    h = history()
+    reduce(h, ok(0.5))
+    timeouts(h, [2, 3, 4])
+    reduce(h, RestartEnded(at=6.0, reason=HANG, done=False, keep_unready=False))
+    assert h.epoch == 0.0 and budget_remaining(s, h, 7) == s.restart_budget.max_restarts
+    assert decide(s, h, 35.0) == []
+    assert [x.reason for x in decide(s, h, 36.5)] == [HANG]  # 30 s later
+    reduce(h, RestartEnded(at=37.0, reason=HANG, done=False, keep_unready=False))
+    assert decide(s, h, 96.0) == []
+    assert [x.reason for x in decide(s, h, 97.5)] == [HANG]  # then 60 s
 
 
 def test_a_single_reading_across_the_timeouts_waits_for_the_next() -> None:
@@ -341,7 +429,7 @@ def test_a_counter_that_starts_again_is_a_new_server_starting() -> None:
     timeouts(h, [2, 3, 4])
     # Replaced behind our back (its container restarted) and maybe loading: never restarted for
     # failing canaries before it serves once.
-    assert target_state(h) == STARTING
+    assert target_state(h, settings(), 0.0) == STARTING
     assert decide(settings(), h, 5.5) == []
 
 
@@ -374,16 +462,16 @@ def test_confirm_fast_after_a_timeout_and_only_then() -> None:
     s = Settings()
     h = history()
     h.canaries.append(ok(1))
-    assert canary_delay(s.canary, s.policy, h) == s.canary.interval  # healthy: no extra canaries
+    assert canary_delay(s.canary, s.policy, h, 2) == s.canary.interval  # healthy: no extra canaries
     timeouts(h, [30], timeout=10)
-    assert canary_delay(s.canary, s.policy, h) == s.canary.timeout
+    assert canary_delay(s.canary, s.policy, h, 40) == s.canary.timeout
     timeouts(h, [40, 50], timeout=10)  # the threshold is reached: back to the interval
-    assert canary_delay(s.canary, s.policy, h) == s.canary.interval
+    assert canary_delay(s.canary, s.policy, h, 60) == s.canary.interval
     busy = history()
     busy.canaries.append(ok(1))
     busy.server.extend([work(25, 100.0, running=8), work(35, 900.0, running=8)])
     timeouts(busy, [30], timeout=10)
-    assert canary_delay(s.canary, s.policy, busy) == s.canary.interval  # saturated: no extra load
+    assert canary_delay(s.canary, s.policy, busy, 40) == s.canary.interval  # saturated: no extra load
 
 
 def test_hang_at_defaults_is_decided_in_about_interval_plus_n_timeouts() -> None:
@@ -400,7 +488,7 @@ def test_hang_at_defaults_is_decided_in_about_interval_plus_n_timeouts() -> None
             h.canaries.append(failed(end, "timeout", latency=s.canary.timeout))
         if [d for d in decide(s.policy, h, end) if d.reason == HANG]:
             break
-        start += max(canary_delay(s.canary, s.policy, h), end - start)
+        start += max(canary_delay(s.canary, s.policy, h, end), end - start)
     # interval + n x timeout = 30 + 3 x 10; it took n x interval (96.5 s measured) before.
     assert end - stopped_at <= s.canary.interval + 3 * s.canary.timeout
 
@@ -414,7 +502,7 @@ def test_a_server_that_never_served_is_starting_until_the_startup_timeout() -> N
     for t in range(10, 1800, 10):
         h.canaries.append(failed(t, "timeout" if t % 20 else "unreachable"))
         assert decide(s, h, t + 0.5) == [], t  # loading for many minutes: never a restart
-        assert target_state(h) == STARTING and not serviceable(h)
+        assert target_state(h, s, t + 0.5) == STARTING and not serviceable(h, s, t + 0.5)
     [d] = decide(s, h, 1800.5)
     assert (d.reason, d.drain) == (STARTUP_TIMEOUT, True)
     assert d.detail["startup_timeout_s"] == 1800.0
@@ -425,9 +513,9 @@ def test_the_first_success_ends_starting_and_a_restart_starts_it_again() -> None
     reduce(h, failed(5, "unreachable"))
     assert h.served_at is None
     reduce(h, ok(6))
-    assert h.served_at == 6 and target_state(h) == "healthy"
+    assert h.served_at == 6 and target_state(h, settings(), 6) == "healthy"
     reduce(h, RestartEnded(at=100.0, reason=HANG, done=True, keep_unready=False))
-    assert h.served_at is None and h.epoch == 100.0 and target_state(h) == STARTING
+    assert h.served_at is None and h.epoch == 100.0 and target_state(h, settings(), 100) == STARTING
     assert decide(settings(), h, 1800.0) == []  # the startup clock runs from the restart
     assert [d.reason for d in decide(settings(), h, 1900.5)] == [STARTUP_TIMEOUT]
 

@@ -13,34 +13,47 @@ from kubernetes import client
 
 from watchdog import logs
 from watchdog.actions.kube import CONTROLLER, event_name
-from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, XID_ANNOTATION, RestartRecord, Suspect
+from watchdog.escalation import (
+    GPUS_ANNOTATION,
+    REASON_ANNOTATION,
+    WORKLOAD_ANNOTATION,
+    XID_ANNOTATION,
+    RestartRecord,
+    Suspect,
+)
 
 log = logs.get("watchdog.node")
 
 NODE_EVENTS_NAMESPACE = "default"  # Events about cluster-scoped objects live there (kubelet's do too)
 CONDITION = "GPUSuspect"
+PAGE = 500  # Events per list call; a namespace's list is read to its end or not at all
 
 
 def restart_record(event: Any) -> RestartRecord | None:
     """One of our restart Events as a record; None for anything else."""
     meta = event.metadata
     annotations = (meta.annotations if meta is not None else None) or {}
-    if event.reporting_controller != CONTROLLER or GPUS_ANNOTATION not in annotations:
+    if event.reporting_controller != CONTROLLER or not (
+            GPUS_ANNOTATION in annotations or WORKLOAD_ANNOTATION in annotations):
         return None
+    if event.regarding is not None and event.regarding.kind not in (None, "Pod"):
+        return None  # a Node report, not a restart
     when = event.event_time or (meta.creation_timestamp if meta is not None else None)
     if when is None:
         return None
-    gpus = tuple(g for g in annotations[GPUS_ANNOTATION].split(",") if g)
+    gpus = tuple(g for g in annotations.get(GPUS_ANNOTATION, "").split(",") if g)
     xid = annotations.get(XID_ANNOTATION)
     return RestartRecord(at=when.timestamp(), reason=annotations.get(REASON_ANNOTATION, ""), gpus=gpus,
                          pod=event.regarding.name if event.regarding is not None else "",
-                         xid=int(xid) if xid and xid.isdigit() else None)
+                         xid=int(xid) if xid and xid.isdigit() else None,
+                         workload=annotations.get(WORKLOAD_ANNOTATION) or None)
 
 
 class NodeReporter:
     def __init__(self, api_client: client.ApiClient, namespace: str, node_name: str, request_timeout: float,
-                 node_condition: bool) -> None:
+                 node_condition: bool, node_event: bool = True) -> None:
         self.namespace = namespace
+        self.node_event = node_event
         self.node_name = node_name
         self.timeout = request_timeout
         self.node_condition = node_condition
@@ -48,12 +61,25 @@ class NodeReporter:
         self.events = client.EventsV1Api(api_client)
 
     def restart_records(self) -> list[RestartRecord]:
-        """Blocking: the namespace's restart Events that name GPUs (every pod's, not only ours)."""
-        events = self.events.list_namespaced_event(self.namespace, _request_timeout=self.timeout)
-        return [r for r in (restart_record(e) for e in events.items or []) if r is not None]
+        """Blocking: the namespace's restart Events (every pod's, not only ours), read to the last
+        page; any page that fails fails the whole read, so that a partial list never passes for all."""
+        items: list[Any] = []
+        token: str | None = None
+        while True:
+            kwargs: dict[str, Any] = {"limit": PAGE, "_request_timeout": self.timeout}
+            if token:
+                kwargs["_continue"] = token
+            page = self.events.list_namespaced_event(self.namespace, **kwargs)
+            items.extend(page.items or [])
+            token = page.metadata._continue if page.metadata is not None else None
+            if not token:
+                break
+        return [r for r in (restart_record(e) for e in items) if r is not None]
 
     def report(self, suspect: Suspect, pod: str) -> None:
         """Blocking: a Warning Event on the Node, and the Node condition when that is switched on."""
+        if not self.node_event and not self.node_condition:
+            return  # reported in our own log, status and metrics only
         if not self.node_name:
             raise ValueError("the node's name is unknown (set NODE_NAME from the downward API spec.nodeName)")
         message = (f"GPU {suspect.uuid} on node {self.node_name}: {len(suspect.restarts)} restarts in the window"
@@ -70,7 +96,8 @@ class NodeReporter:
             reason=CONDITION, note=message[:1024], type="Warning",
             regarding=client.V1ObjectReference(kind="Node", api_version="v1", name=self.node_name),
         )
-        self.events.create_namespaced_event(NODE_EVENTS_NAMESPACE, body, _request_timeout=self.timeout)
+        if self.node_event:
+            self.events.create_namespaced_event(NODE_EVENTS_NAMESPACE, body, _request_timeout=self.timeout)
         if self.node_condition:
             stamp = now.isoformat().replace("+00:00", "Z")
             patch = {"status": {"conditions": [{

@@ -1,9 +1,12 @@
-"""Restart strategies: evict (PDB-respecting), delete, local (restart the child process), none."""
+"""Restart strategies: container (in place, through the kubelet), evict (PDB-respecting), delete,
+local (restart the child process), none."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import os
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -11,7 +14,8 @@ from typing import Any, Protocol
 from watchdog import logs
 from watchdog.actions.kube import PodActions, RefusedError, event_reason
 from watchdog.config import RestartSettings
-from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, XID_ANNOTATION
+from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, WORKLOAD_ANNOTATION, XID_ANNOTATION
+from watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS
 from watchdog.policy import Decision
 
 log = logs.get("watchdog.restart")
@@ -24,6 +28,7 @@ class RestartOutcome:
     done: bool
     detail: str
     attempts: int = 1
+    rung: str = RUNG_POD
 
 
 class Restarter(Protocol):
@@ -32,37 +37,43 @@ class Restarter(Protocol):
     async def restart(self, decision: Decision) -> RestartOutcome: ...
 
 
-def annotations_for(decision: Decision) -> dict[str, str]:
-    """What a later sidecar reads back: which GPUs a curing restart was for, and why."""
+def annotations_for(decision: Decision, workload: str | None = None) -> dict[str, str]:
+    """What a later sidecar reads back: why, for which workload's budget, and which GPUs a curing
+    restart was for."""
+    out = {REASON_ANNOTATION: decision.reason}
+    if workload:
+        out[WORKLOAD_ANNOTATION] = workload
     gpus = decision.detail.get("gpus")
-    if not gpus:
-        return {}
-    out = {GPUS_ANNOTATION: ",".join(gpus), REASON_ANNOTATION: decision.reason}
+    if gpus:
+        out[GPUS_ANNOTATION] = ",".join(gpus)
     if isinstance(decision.detail.get("xid"), int):
         out[XID_ANNOTATION] = str(decision.detail["xid"])
     return out
 
 
-def note_for(decision: Decision) -> str:
+def note_for(decision: Decision, action: str = "Evict") -> str:
     figures = json.dumps(decision.detail, sort_keys=True, default=str)
-    return f"gpu-watchdog restarts this pod: {decision.reason}; {figures}"
+    what = "its inference container in place" if action == "RestartContainer" else "this pod"
+    return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
 
 
 class KubeRestarter:
     """Evict (or delete) our pod; a PodDisruptionBudget's 429 means wait and retry, staying unready."""
 
-    def __init__(self, pod: PodActions, settings: RestartSettings, sleep: Sleep = asyncio.sleep) -> None:
+    def __init__(self, pod: PodActions, settings: RestartSettings, sleep: Sleep = asyncio.sleep,
+                 workload: str | None = None) -> None:
         self.pod = pod
         self.settings = settings
+        self.workload = workload
         self.strategy = settings.strategy
         self.sleep = sleep
 
-    async def _event(self, decision: Decision, action: str) -> None:
+    async def event(self, decision: Decision, action: str, prefix: str = "") -> None:
         for attempt in range(3):
             try:
                 await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace,
-                                        event_reason(decision.reason), note_for(decision), action,
-                                        annotations=annotations_for(decision))
+                                        prefix + event_reason(decision.reason), note_for(decision, action),
+                                        action, annotations=annotations_for(decision, self.workload))
                 return
             except RefusedError:
                 raise
@@ -74,7 +85,7 @@ class KubeRestarter:
         s = self.settings
         grace = None if s.grace_period is None else int(s.grace_period)
         action = "Evict" if self.strategy == "evict" else "Delete"
-        await self._event(decision, action)
+        await self.event(decision, action)
         delay = s.retry_initial
         for attempt in range(1, s.max_attempts + 1):
             try:
@@ -119,7 +130,76 @@ class LocalRestarter:
     async def restart(self, decision: Decision) -> RestartOutcome:
         # No drain means nothing useful is left to finish (a hung kernel, a dead context): kill at once.
         ok = await self.supervisor.restart_child(decision.instance_id, decision.reason, graceful=decision.drain)
-        return RestartOutcome(ok, "child restarted and ready" if ok else "child did not become ready")
+        return RestartOutcome(ok, "child restarted and ready" if ok else "child did not become ready",
+                              rung=RUNG_PROCESS)
+
+
+class ContainerRestarter:
+    """Restart the inference container in place: publish the verdict its liveness probe reads.
+
+    Fail-open by construction: the probe fails only on a verdict file written after its container
+    started and younger than its time-to-live, so a sidecar that is down, crash-looping or slow to
+    start can never get the inference container killed. Rung `pod` (a lost GPU, or in-place
+    restarts that did not cure) goes to the eviction restarter, where there is one.
+    """
+
+    strategy = "container"
+
+    def __init__(self, verdict_file: str, pod: KubeRestarter | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
+        self.verdict_file = verdict_file
+        self.pod = pod
+        self.wall_clock = wall_clock
+        self.written_at: float | None = None
+        self._leftover_checked = False
+
+    async def restart(self, decision: Decision) -> RestartOutcome:
+        if decision.rung == RUNG_POD:
+            if self.pod is None:
+                return RestartOutcome(False, "the pod rung needs the Kubernetes API, which is not configured",
+                                      rung=RUNG_POD)
+            return await self.pod.restart(decision)
+        if self.pod is not None:
+            await self.pod.event(decision, "RestartContainer", prefix="ContainerRestart")
+        at = self.wall_clock()
+        try:
+            await asyncio.to_thread(write_verdict, self.verdict_file, at, decision.reason)
+        except OSError as exc:
+            return RestartOutcome(False, f"cannot write the verdict {self.verdict_file}: {exc.strerror}",
+                                  rung=RUNG_CONTAINER)
+        self.written_at = at
+        log.warning("container_restart_requested", reason=decision.reason, verdict_file=self.verdict_file)
+        return RestartOutcome(True, "verdict written: the kubelet restarts the inference container",
+                              rung=RUNG_CONTAINER)
+
+    async def target_served(self, at_wall: float) -> None:
+        """The target serves again (a new container, or the old one recovered): the verdict is spent.
+
+        A verdict left by an earlier run of this sidecar is cleared at the first success too."""
+        if self.written_at is not None and at_wall <= self.written_at:
+            return
+        if self.written_at is None and self._leftover_checked:
+            return
+        self._leftover_checked = True
+        if await asyncio.to_thread(clear_verdict, self.verdict_file):
+            log.info("verdict_cleared", verdict_file=self.verdict_file)
+        self.written_at = None
+
+
+def write_verdict(path: str, at: float, reason: str) -> None:
+    """Atomically: the probe never reads half a verdict."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "w", encoding="ascii") as fh:
+        fh.write(f"{int(at)} {reason}\n")
+    os.replace(tmp, path)
+
+
+def clear_verdict(path: str) -> bool:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        return False
+    return True
 
 
 class ReportOnlyRestarter:

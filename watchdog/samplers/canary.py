@@ -9,12 +9,12 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any, Protocol
 
 import aiohttp
 
 from watchdog import contract, logs
-from watchdog.contract import read_token
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.names import ERROR_CLASSES
 from watchdog.samplers.http_body import read_capped
@@ -36,6 +36,18 @@ class Canary(Protocol):
     def describe(self) -> dict[str, Any]: ...
     def forget(self) -> None:
         """After a restart: drop what was learnt about the old process."""
+
+
+def read_api_key(path: str | None) -> str | None:
+    """The target server's API key. Not contract.read_token: GPU_WATCHDOG_TOKEN is the control
+    API's token, and must never be sent to another server as its key."""
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text(encoding="utf-8").strip() or None
+    except OSError as exc:
+        log.warning("api_key_unreadable", file=path, error=exc.strerror or str(exc))
+        return None
 
 
 class CanarySampler:
@@ -110,13 +122,7 @@ class OpenAICanary:
             self.model = None
 
     def _read_key(self) -> str | None:
-        if self.api_key_file is None:
-            return None
-        try:
-            return read_token(self.api_key_file)
-        except Exception as exc:
-            log.warning("api_key_unreadable", file=self.api_key_file, error=str(exc))
-            return None
+        return read_api_key(self.api_key_file)
 
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self._api_key}"} if self._api_key else {}

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -19,7 +18,7 @@ from yarl import URL
 
 from watchdog import logs
 from watchdog.config import HttpTargetSettings
-from watchdog.samplers.canary import ANSWER_BYTES, classify
+from watchdog.samplers.canary import ANSWER_BYTES, classify, read_api_key
 from watchdog.samplers.http_body import read_capped
 from watchdog.samples import CanarySample
 
@@ -66,14 +65,7 @@ class HttpCanary:
         """After a restart: nothing learnt about the old process to drop."""
 
     def _read_key(self) -> str | None:
-        if self.api_key_file is None:
-            return None
-        # Not contract.read_token: GPU_WATCHDOG_TOKEN is the control API's, never this server's key.
-        try:
-            return Path(self.api_key_file).read_text(encoding="utf-8").strip() or None
-        except OSError as exc:
-            log.warning("api_key_unreadable", file=self.api_key_file, error=exc.strerror or str(exc))
-            return None
+        return read_api_key(self.api_key_file)
 
     def headers(self) -> dict[str, str]:
         """What the metrics page needs too: the API key, nothing of the request's own."""

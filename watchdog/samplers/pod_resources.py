@@ -8,9 +8,13 @@ upstream field numbers, so no generated code has to match the installed protobuf
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable
 from typing import Any
 
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
+
+from watchdog.config import Settings
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_METHOD = "/v1.PodResourcesLister/List"
@@ -77,3 +81,11 @@ def list_pod_gpus(socket_path: str, pod: str, namespace: str, timeout: float) ->
         details = exc.details() if hasattr(exc, "details") else str(exc)
         raise PodResourcesError(f"{socket_path}: {getattr(code, 'name', code)}: {details}") from None
     return pod_gpus(response, pod, namespace)
+
+
+def pod_gpus_reader(settings: Settings) -> Callable[[], tuple[str, ...] | None]:
+    """What the watchdog asks for its pod's GPUs: the kubelet where a socket is configured, else nobody."""
+    k = settings.kubernetes
+    if k.pod_resources_socket is None:
+        return lambda: None
+    return functools.partial(list_pod_gpus, k.pod_resources_socket, k.pod_name, k.namespace, k.request_timeout)

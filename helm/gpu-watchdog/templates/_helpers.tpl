@@ -128,6 +128,12 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- end -}}
 {{- $_ := set $cfg "kubernetes" (merge $kube $userKube) -}}
 {{- $_ := set $cfg "server" (dict "host" "0.0.0.0" "port" 9402) -}}
+{{- /* Without the Role for Events in `default`, the sidecar must not try to write its Node Event. */ -}}
+{{- $policy := deepCopy ($cfg.policy | default dict) -}}
+{{- $escalation := deepCopy ($policy.escalation | default dict) -}}
+{{- $_ := set $escalation "node_event" (.Values.watchdog.nodeEvents | default false) -}}
+{{- $_ := set $policy "escalation" $escalation -}}
+{{- $_ := set $cfg "policy" $policy -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 

@@ -1,0 +1,176 @@
+"""The restart budget holds across pod generations: counted from the restart Events in the namespace.
+
+Every restart replaces the pod, and a new pod's sidecar starts with an empty memory. The real
+`kubernetes` client against kmock: each generation is a new Watchdog with a new pod name, watching
+a real HTTP server that hangs after it has served once, and evicting its own pod through the real
+restarter, which writes the Event the next generation reads back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+from aiohttp import web
+from kubernetes import client
+
+from tests.integration.test_kubernetes import NS, events, pod
+from tests.integration.test_restart_metrics import NoNvml
+from watchdog.actions.kube import PodActions
+from watchdog.actions.node import NodeReporter
+from watchdog.actions.restart import KubeRestarter, annotations_for, event_reason, note_for
+from watchdog.app import Watchdog
+from watchdog.config import from_mapping, workload_of
+from watchdog.names import BUDGET_EXHAUSTED, HANG
+from watchdog.policy import Decision
+
+EVENTS = f"get /apis/events.k8s.io/v1/namespaces/{NS}/events"
+# Pods of the Deployment "model", as its ReplicaSets name them: three generations and the fourth.
+GENERATIONS = ["model-5d8f9c7b4-x2k9p", "model-5d8f9c7b4-q7w3n", "model-6b7c8d9f5-m4t8z", "model-6b7c8d9f5-h2j6v"]
+
+
+@asynccontextmanager
+async def hanging_server() -> AsyncIterator[str]:
+    """An OpenAI-style server that answers its first completion and then never again."""
+    served = {"n": 0}
+    release = asyncio.Event()
+
+    async def models(_: web.Request) -> web.Response:
+        return web.json_response({"data": [{"id": "m"}]})
+
+    async def completions(_: web.Request) -> web.Response:
+        served["n"] += 1
+        if served["n"] > 1:
+            await release.wait()
+        return web.json_response({"choices": [{"text": "x"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    app.router.add_post("/v1/completions", completions)
+    runner = web.AppRunner(app, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        release.set()
+        await runner.cleanup()
+
+
+def generation(api: client.ApiClient, kmock: Any, pod_name: str, url: str, request_timeout: float = 5.0,
+               max_restarts: int = 3) -> Watchdog:
+    kmock.objects["v1/pods", NS, pod_name] = pod(pod_name)
+    settings = from_mapping({
+        "target": {"openai_url": url, "metrics_url": None},
+        # The first answer must come within the timeout even on a loaded machine; the hang never comes.
+        "canary": {"interval": "200ms", "timeout": "1s"},
+        "policy": {"hang": {"consecutive_timeouts": 2},
+                   "restart_budget": {"max_restarts": max_restarts, "window": "1h"}},
+        "restart": {"strategy": "evict", "max_attempts": 1},
+        "kubernetes": {"pod_name": pod_name, "namespace": NS, "node_name": "", "request_timeout": request_timeout},
+        "server": {"host": "127.0.0.1", "port": 0},
+    })
+    workload = workload_of(settings)
+    restarter = KubeRestarter(PodActions(api, pod_name, NS, request_timeout), settings.restart, workload=workload)
+    reader = NodeReporter(api, NS, "", request_timeout, False)
+    return Watchdog(settings, restarter, nvml_backend=NoNvml(), restart_events=reader,  # type: ignore[arg-type]
+                    workload=workload)
+
+
+async def live(wd: Watchdog, until_decided: float = 30.0) -> tuple[dict[str, Any], dict[str, Any]]:
+    """Run one generation until it decided a restart (carried out or blocked); its first status and its last."""
+    await wd.start(serve_http=False)
+    try:
+        first = wd.status()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + until_decided
+        while loop.time() < deadline:
+            if any(d["outcome"] in ("done", "failed", "blocked_by_budget") for d in wd.decisions):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)  # let a started eviction finish
+        return first, wd.status()
+    finally:
+        await wd.stop()
+
+
+def other_workload_restart(api: client.ApiClient, pod_name: str) -> None:
+    d = Decision("restart", HANG, {"evidence": "canary"})
+    PodActions(api, pod_name, NS, 5).record_event(pod_name, NS, event_reason(HANG), note_for(d), "Evict",
+                                                    annotations=annotations_for(d, "embedder"))
+
+
+async def test_the_budget_holds_across_pod_generations(kmock: Any, api: client.ApiClient) -> None:
+    for name in ("embedder-7f9d6c5b8-a1b2c", "embedder-7f9d6c5b8-d3e4f", "embedder-7f9d6c5b8-g5h6j"):
+        await asyncio.to_thread(other_workload_restart, api, name)  # another workload's: not ours to count
+    evictions = []
+    for n, pod_name in enumerate(GENERATIONS):
+        spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{pod_name}/eviction"] << 201 << {
+            "kind": "Status", "status": "Success"}
+        async with hanging_server() as url:
+            first, last = await live(generation(api, kmock, pod_name, url))
+        evictions.append(len(spy))
+        assert first["restart_budget"]["scope"] == "workload" and first["restart_budget"]["workload"] == "model"
+        # A new sidecar knows at once what its predecessors did.
+        assert first["restart_budget_remaining"] == 3 - n if n < 3 else first["restart_budget_remaining"] == 0
+        if n < 3:
+            assert [d["outcome"] for d in last["last_decisions"] if d["action"] == "restart"] == ["started", "done"]
+        else:
+            assert [d["outcome"] for d in last["last_decisions"]] == ["blocked_by_budget"]
+            assert BUDGET_EXHAUSTED in last["states"] and last["restart_budget_remaining"] == 0
+    assert evictions == [1, 1, 1, 0]  # the fourth generation reports and does not act
+    ours = [e for e in events(kmock) if e["metadata"].get("annotations", {}).get("gpu-watchdog.io/workload")
+            == "model"]
+    assert sorted(e["regarding"]["name"] for e in ours) == sorted(GENERATIONS[:3])
+    assert all(e["metadata"]["annotations"]["gpu-watchdog.io/reason"] == HANG for e in ours)
+
+
+async def unreadable_events(kmock: Any, api: client.ApiClient, request_timeout: float = 5.0) -> dict[str, Any]:
+    pod_name = GENERATIONS[0]
+    spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{pod_name}/eviction"] << 201 << {"kind": "Status"}
+    async with hanging_server() as url:
+        _, last = await live(generation(api, kmock, pod_name, url, request_timeout=request_timeout))
+    assert len(spy) == 0, "a budget that cannot be read is spent: no restart"
+    [d] = [d for d in last["last_decisions"] if d["action"] == "restart"]
+    assert d["outcome"] == "blocked_by_budget" and d["reason"] == HANG
+    assert last["restart_budget_remaining"] == 0 and BUDGET_EXHAUSTED in last["states"]
+    assert last["restart_budget"]["read_error"]
+    return last
+
+
+async def test_events_that_cannot_be_listed_spend_the_budget(kmock: Any, api: client.ApiClient) -> None:
+    kmock[EVENTS] << 503 << {"kind": "Status", "code": 503, "message": "etcd leader changed"}
+    last = await unreadable_events(kmock, api)
+    assert last["restart_budget"]["read_error"].startswith("503")
+
+
+async def test_a_slow_events_list_spends_the_budget(kmock: Any, api: client.ApiClient) -> None:
+    async def slow() -> dict[str, Any]:
+        await asyncio.sleep(3)
+        return {"kind": "EventList", "apiVersion": "events.k8s.io/v1", "metadata": {}, "items": []}
+
+    kmock[EVENTS] << slow
+    await unreadable_events(kmock, api, request_timeout=0.5)
+
+
+async def test_a_partial_events_list_spends_the_budget(kmock: Any, api: client.ApiClient) -> None:
+    """The first page comes, the next one fails: a partial count must not pass for the whole."""
+    kmock[EVENTS][lambda req: req.params.get("continue") == "page-2"] << 500 << {"kind": "Status", "code": 500}
+    kmock[EVENTS] << 200 << {"kind": "EventList", "apiVersion": "events.k8s.io/v1",
+                             "metadata": {"continue": "page-2"}, "items": []}
+    last = await unreadable_events(kmock, api)
+    assert last["restart_budget"]["read_error"].startswith("500")
+
+
+@pytest.mark.parametrize(("pod_name", "workload"), [
+    ("model-5d8f9c7b4-x2k9p", "model"), ("llm-server-0", "llm-server-0"), ("a-b-c-7f9d6c5b8-a1b2c", "a-b-c")])
+def test_the_workload_of_a_pod(pod_name: str, workload: str) -> None:
+    settings = from_mapping({"kubernetes": {"pod_name": pod_name, "namespace": NS}})
+    assert workload_of(settings) == workload
+    named = from_mapping({"kubernetes": {"pod_name": pod_name, "namespace": NS, "workload": "release-x"}})
+    assert workload_of(named) == "release-x"

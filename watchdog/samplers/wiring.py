@@ -1,0 +1,51 @@
+"""The samplers one target needs, built whole from the settings: none exists half-configured."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import aiohttp
+
+from watchdog.config import Settings
+from watchdog.control_client import ControlClient
+from watchdog.samplers.allocator import AllocatorSampler
+from watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
+from watchdog.samplers.http_canary import HttpCanary
+from watchdog.samplers.nvml import NvmlBackend, NvmlSampler
+from watchdog.samplers.server_metrics import ServerMetricsSampler
+from watchdog.selector import parse as parse_selector
+
+
+@dataclass(frozen=True)
+class Samplers:
+    nvml: NvmlSampler
+    canary: Canary
+    # The bundled server's control API: allocator figures, and the effects (flush, drain, limit).
+    control: ControlClient | None
+    allocator: AllocatorSampler | None
+    server_metrics: ServerMetricsSampler | None
+
+
+def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Callable[[], float],
+                   token: str | None, nvml_backend: NvmlBackend, server_metrics_url: str | None) -> Samplers:
+    s = settings
+    control: ControlClient | None = None
+    allocator: AllocatorSampler | None = None
+    canary: Canary
+    if s.target.http is not None:
+        canary = HttpCanary(s.target.http, session, clock, s.canary.timeout)
+    elif s.target.openai_url is None:
+        control = ControlClient(s.target.control_url, token, session)
+        allocator = AllocatorSampler(control, clock)
+        canary = CanarySampler(control, clock, s.canary.timeout)
+    else:
+        canary = OpenAICanary(s.target.openai_url, s.target.openai_model, s.target.api_key_file, session, clock,
+                              s.canary.timeout)
+    server_metrics = None
+    if server_metrics_url is not None:
+        headers = canary.headers if isinstance(canary, OpenAICanary | HttpCanary) else dict
+        progress = None if s.target.progress_metric is None else parse_selector(s.target.progress_metric)
+        server_metrics = ServerMetricsSampler(server_metrics_url, session, clock, timeout=s.sampling.server_timeout,
+                                              headers=headers, progress=progress)
+    return Samplers(NvmlSampler(nvml_backend, clock), canary, control, allocator, server_metrics)

@@ -1,0 +1,95 @@
+"""From a config file to a running watchdog: the restarter and the Kubernetes parts its settings
+call for, then the loop until a signal."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import signal
+import sys
+
+from watchdog import logs
+from watchdog.actions.node import NodeReporter
+from watchdog.actions.restart import ReportOnlyRestarter, Restarter
+from watchdog.app import Watchdog
+from watchdog.config import ConfigError, Settings, load, workload_of
+
+
+def _kube_reachable(settings: Settings) -> bool:
+    """Evict and delete need the Kubernetes API; `container` uses it where it has it (its Events, the
+    workload's budget, the pod rung) and works without it, on a verdict file alone."""
+    k = settings.kubernetes
+    if settings.restart.strategy in ("evict", "delete"):
+        return True
+    return settings.restart.strategy == "container" and bool(k.pod_name and k.namespace)
+
+
+def build_restarter(settings: Settings) -> Restarter:
+    from watchdog.actions.kube import PodActions, load_api_client
+    from watchdog.actions.restart import ContainerRestarter, KubeRestarter
+
+    strategy = settings.restart.strategy
+    if strategy == "none":
+        return ReportOnlyRestarter()
+    if strategy == "local":
+        raise ConfigError(["restart.strategy: local only works under `gpu-watchdog up`, which owns the process"])
+    k = settings.kubernetes
+    pod: KubeRestarter | None = None
+    if _kube_reachable(settings):
+        api = load_api_client(k.kubeconfig, k.request_timeout)
+        # The pod rung of `container` evicts, as `evict` does.
+        pod_settings = dataclasses.replace(settings.restart, strategy="evict") if strategy == "container" \
+            else settings.restart
+        pod = KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), pod_settings,
+                            workload=workload_of(settings))
+    if strategy == "container":
+        return ContainerRestarter(settings.restart.verdict_file, pod)
+    assert pod is not None
+    return pod
+
+
+def build_node_reporter(settings: Settings) -> NodeReporter | None:
+    """Only where restarts go through Kubernetes: the Events to read back are written there."""
+    if not _kube_reachable(settings):
+        return None
+    from watchdog.actions.kube import load_api_client
+
+    k = settings.kubernetes
+    e = settings.policy.escalation
+    return NodeReporter(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.node_name,
+                        k.request_timeout, e.node_condition, e.node_event)
+
+
+async def run_until_signal(watchdog: Watchdog) -> None:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await watchdog.start()
+    await stop.wait()
+    # Stopping never acts: no drain, no restart, just leave.
+    await watchdog.stop()
+
+
+def run_main(config_path: str) -> int:
+    logs.configure("watchdog")
+    try:
+        settings = load(config_path)
+        restarter = build_restarter(settings)
+        node = build_node_reporter(settings)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        print(f"gpu-watchdog run: invalid config {config_path}", file=sys.stderr)
+        return 2
+    except Exception as exc:  # kubeconfig missing, refused pod, ...
+        print(f"gpu-watchdog run: {exc}", file=sys.stderr)
+        return 2
+    try:
+        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload_of(settings))
+        asyncio.run(run_until_signal(watchdog))
+    except OSError as exc:
+        print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",
+              file=sys.stderr)
+        return 2
+    return 0
