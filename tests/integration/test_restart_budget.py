@@ -19,6 +19,7 @@ from kubernetes import client
 
 from tests.integration.test_kubernetes import NS, events, pod
 from tests.integration.test_restart_metrics import NoNvml
+from tests.integration.test_watchdog_robustness import serve_everything
 from watchdog.actions.kube import PodActions
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import KubeRestarter, annotations_for, event_reason, note_for
@@ -38,28 +39,19 @@ async def hanging_server() -> AsyncIterator[str]:
     served = {"n": 0}
     release = asyncio.Event()
 
-    async def models(_: web.Request) -> web.Response:
-        return web.json_response({"data": [{"id": "m"}]})
-
-    async def completions(_: web.Request) -> web.Response:
+    async def handler(request: web.Request) -> web.Response:
+        if request.path.endswith("/models"):
+            return web.json_response({"data": [{"id": "m"}]})
         served["n"] += 1
         if served["n"] > 1:
             await release.wait()
         return web.json_response({"choices": [{"text": "x"}]})
 
-    app = web.Application()
-    app.router.add_get("/v1/models", models)
-    app.router.add_post("/v1/completions", completions)
-    runner = web.AppRunner(app, handle_signals=False)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        release.set()
-        await runner.cleanup()
+    async with serve_everything(handler) as url:
+        try:
+            yield url
+        finally:
+            release.set()
 
 
 def generation(api: client.ApiClient, kmock: Any, pod_name: str, url: str, request_timeout: float = 5.0,
