@@ -425,7 +425,9 @@ class DecodeLoop:
             seq.generated.append(tok)
             produced += 1
             piece = seq.text.feed(seq.decoder.feed([tok]))
-            if piece and seq.request.on_text is not None:
+            # Every token is reported, even one with no text yet (part of a character, held back for
+            # a stop string): a streaming client sees each step, as vLLM's do.
+            if seq.request.on_text is not None:
                 seq.request.on_text(piece)
             if seq.text.stopped:
                 finished.append((seq, "stop"))

@@ -457,7 +457,9 @@ class PublicAPI:
                 await response.write(opening())
             item = first
             while item is not None:
-                await response.write(render(item[0], item[1], None))
+                data = render(item[0], item[1], None)
+                if data:  # an empty write could end a chunked body early
+                    await response.write(data)
                 item = await pieces.get()
         except (ConnectionResetError, asyncio.CancelledError):
             cancel()

@@ -67,6 +67,9 @@ def test_vllm_bench_serve_runs_unchanged_against_ours(python: Path, model: Path,
     assert r.get("failed", 0) == 0 and not any(r.get("errors") or []), r["console"][-2000:]
     assert r["total_output_tokens"] == 16 * 16  # ignore_eos: every answer runs to its length
     assert r["output_throughput"] > 0
+    # A chunk per token, even one whose text is not complete yet (a random model's ids past the
+    # tokenizer's vocabulary spell nothing): the client measures every inter-token gap.
+    assert r["mean_itl_ms"] > 0 and r["median_tpot_ms"] > 0
 
 
 def _completion(url: str, **body: Any) -> dict[str, Any]:
