@@ -30,7 +30,9 @@ def take(waiting: Sequence[Candidate], room: Room) -> list[int]:
     The canary always joins. Others join first come, first served while rows and budget last:
     the first that does not fit stops the rest, so a heavy request is not starved by light ones
     behind it. A request heavier than the whole budget still runs, alone ("fits" is judged on
-    its weight clamped to the budget, as the gate grants it).
+    its weight clamped to the budget, as the gate grants it). One stepped out by an OOM already
+    holds its share and needs only a row: one waiting for budget never stops it, since the
+    budget it waits for (lowered below what is held) frees only as those sequences finish.
     """
     chosen: list[int] = []
     rows, in_use = room.rows, room.in_use
@@ -41,13 +43,13 @@ def take(waiting: Sequence[Candidate], room: Room) -> list[int]:
         if c.canary:
             chosen.append(i)
             continue
-        if blocked:
-            continue
         if rows >= room.max_rows:
             blocked = True
             continue
+        if blocked and not c.holds_grant:
+            continue
         share = 0.0 if c.holds_grant else min(c.weight, room.capacity)
-        if in_use + share > room.capacity + 1e-9:
+        if not c.holds_grant and in_use + share > room.capacity + 1e-9:
             blocked = True
             continue
         chosen.append(i)

@@ -93,3 +93,10 @@ def test_top_p_keeps_only_the_most_likely_tokens() -> None:
     assert drawn <= {0, 1}
     drawn = {sample(logits, [SamplingParams(1.0, 0.4, None)], [None])[0] for _ in range(20)}
     assert drawn == {0}
+
+
+def test_one_waiting_for_budget_never_stops_a_preempted_one_behind_it() -> None:
+    # The budget was lowered below what the preempted sequences hold: only they can free it.
+    waiting = [Candidate(1.0), Candidate(1.0, holds_grant=True), Candidate(1.0), Candidate(1.0, holds_grant=True)]
+    assert take(waiting, room(rows=0, max_rows=4, in_use=12.0, capacity=7.0)) == [1, 3]
+    assert take(waiting, room(rows=3, max_rows=4, in_use=12.0, capacity=7.0)) == [1]  # rows still bind
