@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import tempfile
 import time
@@ -59,8 +60,14 @@ def main() -> None:
     p.add_argument("--shapes", default="128x32,256x64,256x128")
     p.add_argument("--models", default="small,85m")
     p.add_argument("--prompts-per-client", type=int, default=4)
+    p.add_argument("--omp-spin", action="store_true",
+                   help="leave OMP_WAIT_POLICY alone (default: PASSIVE for both servers)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = p.parse_args()
+    if not args.omp_spin:
+        # On cores shared with other work, OpenMP threads that spin at every barrier wait for each
+        # other: a 2-thread forward pass of the small model took 94 ms instead of 2.4 ms here.
+        os.environ["OMP_WAIT_POLICY"] = "PASSIVE"
     python = Path(args.vllm_python) if args.vllm_python else vllm_python()
     if python is None:
         sys.exit("no vLLM venv: run `make vllm` (or pass --vllm-python)")
@@ -103,7 +110,9 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str
     lines = ["# Ours beside vLLM, measured by `vllm bench serve` (random dataset, ignore_eos)\n",
              f"Machine: {machine()}. Command: `python -m benchmarks.vs_vllm_bench"
              f" --concurrency {args.concurrency} --shapes {args.shapes} --models {args.models}"
-             f" --prompts-per-client {args.prompts_per_client}`.\n",
+             f" --prompts-per-client {args.prompts_per_client}`. Load average when written:"
+             f" {' '.join(f'{x:.1f}' for x in os.getloadavg())} (other work on the same cores skews the figures);"
+             f" OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} for both servers.\n",
              "| model | concurrency | in/out | out tok/s ours / vLLM | ratio | p50 TTFT ms ours / vLLM | "
              "p99 TTFT ms ours / vLLM | p99 TTFT ratio | p50 TPOT ms ours / vLLM | p99 TPOT ms ours / vLLM | "
              "failed ours / vLLM |",
