@@ -81,7 +81,10 @@ def resolve(spec: str) -> Handler:
     factory = getattr(module, attr, None)
     if factory is None or not callable(factory):
         raise HandlerError(f"--handler {spec}: {module_name} has no callable {attr}")
-    handler = factory()
+    try:
+        handler = factory()
+    except Exception as exc:  # a factory that needs arguments, or fails: the user's code, said as such
+        raise HandlerError(f"--handler {spec}: calling {attr}() failed: {type(exc).__name__}: {exc}") from None
     missing = [name for name in ("capabilities", "load", "sample", "decode", "predict", "encode")
                if not hasattr(handler, name)]
     if missing:

@@ -14,9 +14,11 @@ from typing import Any
 
 import torch
 
+from inference import handler as handler_mod
 from inference import model as model_mod
 from inference.decode import GenRequest
 from inference.engine import Engine
+from inference.handler import RequestHandler
 from inference.planner import CostModel, Plan, plan
 
 SHORT_PROMPT = 16
@@ -99,20 +101,52 @@ def _with_base(engine: Engine, cost: CostModel, longest_tokens: int) -> Measurem
 
 def measure_plan(
     model_dir: str | None, max_input: int | None, max_output: int | None, workers: int,
-    reserve: tuple[str, float] | None,
+    reserve: tuple[str, float] | None, handler: str = "causal-lm",
 ) -> Plan:
+    request_level = None
+    if handler != "causal-lm":
+        # A bad name or a handler that cannot be measured is said before any device is asked for.
+        request_level = _measurable_handler(handler)
     if not torch.cuda.is_available():
         raise MeasureError("no CUDA device to measure on: pass --total, --base and --peak to compute a plan")
-    lm = model_mod.load(model_dir, torch.device("cuda"))
-    max_input = max_input or lm.context_len // 2
-    max_output = max_output or lm.context_len - max_input
-    if max_input + max_output > lm.context_len:
-        raise MeasureError(f"--max-input + --max-output exceed the model's context of {lm.context_len} tokens")
-    engine = Engine(lm)
-    try:
-        m = measure(engine, max_input, max_output)
-    finally:
-        engine.stop()
+    if request_level is not None:
+        m = _measure_handler(request_level, model_dir, max_input)
+    else:
+        lm = model_mod.load(model_dir, torch.device("cuda"))
+        max_input = max_input or lm.context_len // 2
+        max_output = max_output or lm.context_len - max_input
+        if max_input + max_output > lm.context_len:
+            raise MeasureError(f"--max-input + --max-output exceed the model's context of {lm.context_len} tokens")
+        engine = Engine(lm)
+        try:
+            m = measure(engine, max_input, max_output)
+        finally:
+            engine.stop()
     kind, value = reserve if reserve is not None else ("ratio", 0.12)
     return plan(m.total_bytes, m.base_bytes, m.peak_bytes, reserve_bytes=int(value) if kind == "bytes" else None,
                 reserve_ratio=value if kind == "ratio" else None, workers=workers, context_bytes=m.context_bytes)
+
+
+def _measurable_handler(spec: str) -> RequestHandler:
+    try:
+        handler = handler_mod.resolve(spec)
+    except handler_mod.HandlerError as exc:
+        raise MeasureError(str(exc)) from None
+    if not isinstance(handler, RequestHandler):
+        raise MeasureError(f"--handler {spec}: needs decode, predict and encode")
+    if getattr(handler, "sized_sample", None) is None:
+        raise MeasureError(f"--handler {spec}: has no sized_sample(tokens), so one item's memory cannot be measured;"
+                           " pass --total, --base and --peak")
+    return handler
+
+
+def _measure_handler(handler: RequestHandler, model_dir: str | None, max_input: int | None) -> Measurement:
+    """One item's peak at two sizes through the engine `serve` runs, as `serve --max-concurrency auto` does."""
+    device = torch.device("cuda")
+    handler.load(model_dir, device)
+    engine = Engine(None, handler=handler, device=device)
+    try:
+        longest = min(max_input or engine.context_len, engine.context_len)
+        return measure_items(engine, handler.sized_sample, longest)  # type: ignore[attr-defined]
+    finally:
+        engine.stop()

@@ -71,6 +71,8 @@ def build_parser() -> argparse.ArgumentParser:
     plan.add_argument("--reserve", type=_ratio_or_size, default=None, help="safety reserve, e.g. 12%% or 3GiB")
     plan.add_argument("--workers", type=_positive_int, default=1, help="worker processes sharing the GPU")
     plan.add_argument("--model", metavar="DIR", help="measure this model (needs a CUDA device)")
+    plan.add_argument("--handler", default="causal-lm", metavar="NAME|module:attr",
+                      help="measure one item of this handler instead of one sequence (embeddings, classifier, ...)")
     plan.add_argument("--max-input", type=_positive_int, default=None)
     plan.add_argument("--max-output", type=_positive_int, default=None)
     bench = sub.add_parser("bench", help="load-test a /v1/completions server across concurrency levels")
@@ -140,14 +142,17 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
         from inference.measure import MeasureError, measure_plan
 
         try:
-            result = measure_plan(args.model, args.max_input, args.max_output, args.workers, args.reserve)
+            result = measure_plan(args.model, args.max_input, args.max_output, args.workers, args.reserve,
+                                  args.handler)
         except MeasureError as exc:
             print(f"gpu-watchdog plan: {exc}", file=sys.stderr)
             return 2
     print(f"total   {format_bytes(result.total_bytes):>12}")
     print(f"base    {format_bytes(result.base_bytes):>12}  (per worker: weights + CUDA context + warm cache)")
     print(f"reserve {format_bytes(result.reserve_bytes):>12}")
-    print(f"peak    {format_bytes(result.peak_bytes):>12}  (one request at the longest prompt + output)")
+    one = "one item at the longest input" if getattr(args, "handler", "causal-lm") != "causal-lm" \
+        else "one request at the longest prompt + output"
+    print(f"peak    {format_bytes(result.peak_bytes):>12}  ({one})")
     print(f"budget  {format_bytes(result.budget_bytes):>12}  per worker x {result.workers}")
     print(f"N_max = floor(budget / peak) = {result.max_concurrency}")
     for note in result.notes:

@@ -69,3 +69,15 @@ def test_plan_cli_usage_errors() -> None:
     assert out.returncode == 2 and "--total" in out.stderr and "Traceback" not in out.stderr
     out = subprocess.run([sys.executable, "-m", "watchdog", "plan"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no CUDA device" in out.stderr
+
+
+@pytest.mark.parametrize(("handler", "said"), [
+    ("embeddings", "no CUDA device to measure on"),  # a measurable handler: only the device is missing here
+    ("nope", "--handler nope: not a built-in"),
+    ("json:dumps", "--handler json:dumps: calling dumps() failed"),
+    ("json:JSONDecoder", "--handler json:JSONDecoder: the handler lacks"),
+])
+def test_plan_measures_a_handlers_item_or_says_why_not(handler: str, said: str) -> None:
+    out = subprocess.run([sys.executable, "-m", "watchdog", "plan", "--handler", handler], capture_output=True,
+                         text=True, timeout=120)
+    assert out.returncode == 2 and said in out.stderr, out.stderr
