@@ -180,11 +180,12 @@ def test_tokenize_and_detokenize_in_vllms_shape(server: Server) -> None:
     assert chat["tokens"] == [BOT, *b"user: Hi\nassistant: "]
     back = requests.post(server.url + "/detokenize", json={"tokens": [72, 105, 33]}, timeout=10)
     assert back.json() == {"prompt": "Hi!"}
-    for path, body, field in (("/detokenize", {"tokens": [72, 99999]}, "tokens[1]"),
-                              ("/detokenize", {"tokens": "Hi"}, "tokens"),
-                              ("/tokenize", {"prompt": 5}, "prompt"),
-                              ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
-                              ("/tokenize", {"prompt": "x", "shout": True}, "shout")):
+    cases: list[tuple[str, Any, str]] = [("/detokenize", {"tokens": [72, 99999]}, "tokens[1]"),
+                                         ("/detokenize", {"tokens": "Hi"}, "tokens"),
+                                         ("/tokenize", {"prompt": 5}, "prompt"),
+                                         ("/tokenize", {"prompt": "x", "messages": []}, "prompt"),
+                                         ("/tokenize", {"prompt": "x", "shout": True}, "shout")]
+    for path, body, field in cases:
         bad = requests.post(server.url + path, json=body, timeout=10)
         assert bad.status_code == 400 and bad.json()["error"]["param"] == field, (path, body)
     assert requests.post(server.url + "/tokenize", json={"model": "other", "prompt": "x"}, timeout=10
