@@ -20,11 +20,12 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from watchdog import idle_memory, ladder, logs, policy, views
+from watchdog import ladder, logs, policy, views
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import Restarter
 from watchdog.config import Settings, metrics_url
 from watchdog.contract import read_token
+from watchdog.episodes import Episodes
 from watchdog.escalation import CURING_REASONS
 from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, RestartEvents
 from watchdog.ladder import Change
@@ -33,7 +34,7 @@ from watchdog.policy import Decision
 from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from watchdog.samplers.pod_resources import pod_gpus_reader
 from watchdog.samplers.wiring import Samplers, build_samplers
-from watchdog.samples import History, TorchSample, XidEvent
+from watchdog.samples import History, XidEvent
 from watchdog.server import build_app
 from watchdog.state import (
     AdmissionRequested,
@@ -92,11 +93,9 @@ class Watchdog:
         self.history = History(started_at=0.0)
         self.metrics = WatchdogMetrics(self.snapshot)
         self.decisions: list[dict[str, Any]] = []
-        self.idle_memory: idle_memory.IdleMemory | None = None
+        self.episodes = Episodes(self.metrics)
         self._last_tick = 0.0
         self._blocked_reported: str | None = None
-        self._saturated = False
-        self._progress_unknown = False
         self._lags: deque[float] = deque(maxlen=1200)
         self._actions: set[asyncio.Task[Any]] = set()
         self._eval_lock = asyncio.Lock()
@@ -279,7 +278,7 @@ class Watchdog:
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
             samplers.control.set_token(self._read_token())
         self._fold(sample)
-        self._follow_idle_memory(sample)
+        self.episodes.follow_idle_memory(sample)
         await self._evaluate()
 
     async def _sample_server(self) -> None:
@@ -294,26 +293,8 @@ class Watchdog:
             else:
                 log.warning("server_metrics_unavailable", url=self.server_metrics_url, error=sample.error)
         self._fold(sample)
-        self._follow_saturation()
+        self.episodes.follow_target(self.settings.policy, self.history, self.clock())
         await self._evaluate()
-
-    def _follow_idle_memory(self, sample: TorchSample) -> None:
-        before = self.idle_memory
-        self.idle_memory = after = idle_memory.observe(before, sample)
-        if after is None:
-            return
-        # A new process starts from its own baseline: only a change within one process is news.
-        was = before is not None and before.instance_id == after.instance_id and before.growing
-        if after.growing == was:
-            return
-        figures = {"baseline_bytes": after.baseline_bytes, "idle_active_bytes": after.current_bytes,
-                   "growth_bytes": after.growth_bytes, "growth_ratio": round(after.growth_ratio, 4),
-                   "since_s": round(after.at - after.first_at, 1), "instance_id": after.instance_id}
-        if after.growing:
-            # Report only: a leak is not a failure until it OOMs (handled), and max_age bounds it.
-            log.warning("idle_memory_growth", action="none", warn_ratio=idle_memory.WARN_RATIO, **figures)
-        else:
-            log.info("idle_memory_back_to_baseline", **figures)
 
     async def _sample_canary(self) -> None:
         samplers = self.running.samplers
@@ -337,29 +318,8 @@ class Watchdog:
             self.metrics.canary_failures.labels(error_class=sample.error_class or "other").inc()
             log.warning("canary_failed", error_class=sample.error_class, latency_s=round(sample.latency_s, 4),
                         error=sample.error, route=sample.route, starting=not served_before)
-        self._follow_saturation()
+        self.episodes.follow_target(self.settings.policy, self.history, self.clock())
         await self._evaluate()
-
-    def _follow_saturation(self) -> None:
-        now_saturated, figures = policy.saturated(self.history)
-        last = self.history.canaries[-1] if self.history.canaries else None
-        ended = None if last is None else ("ok" if last.ok else last.error_class)
-        if now_saturated and not self._saturated:
-            self.metrics.saturation_episodes.inc()
-            # Busy is not hung: no restart, readiness held. Logged once per episode.
-            log.warning("saturated", action="none", **figures)
-        elif self._saturated and not now_saturated:
-            log.info("saturation_ended", canary=ended)
-        self._saturated = now_saturated
-        unknown, figures = policy.progress_unknown(self.settings.policy, self.history, self.clock())
-        if unknown and not self._progress_unknown:
-            self.metrics.progress_unknown_episodes.inc()
-            # No evidence either way: not a hang, readiness held, for at most no_evidence_after.
-            log.warning("progress_unknown", action="none", **figures)
-        elif self._progress_unknown and not unknown:
-            log.info("progress_unknown_ended", canary=ended, state=policy.target_state(
-                self.history, self.settings.policy, self.clock()))
-        self._progress_unknown = unknown
 
     # -- outcomes of the executor's edges ---------------------------------------------------------
 
@@ -464,7 +424,7 @@ class Watchdog:
             canary={} if run is None else run.samplers.canary.describe(),
             strategy=self.restarter.strategy,
             restart_failed=None if executor is None else executor.restart_failed, decisions=self.decisions,
-            idle_memory=self.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
+            idle_memory=self.episodes.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,
             budget_read_error=None if executor is None else executor.budget_read_error, loop_lag=self.loop_lag(),
