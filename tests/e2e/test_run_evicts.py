@@ -10,6 +10,7 @@ import aiohttp
 import yaml
 
 from tests.helpers import free_port, json_lines, spawn, start_server
+from tests.integration.test_kubernetes import serve_events
 
 NS, POD = "serving", "model-7f9c"
 
@@ -36,6 +37,7 @@ async def until(predicate: Any, timeout: float, what: str) -> None:
 async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: Any, tmp_path: Path) -> None:
     kmock.objects["v1/pods", NS, POD] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD, "namespace": NS},
                                          "spec": {"containers": [{"name": "inference", "image": "x"}]}}
+    serve_events(kmock)
     eviction = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 201 << {"kind": "Status"}
     server = await asyncio.to_thread(start_server, tmp_path, "--fault-injection")
     kc = tmp_path / "kubeconfig"

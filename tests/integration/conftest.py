@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tests.integration.test_kubernetes import NS, POD, pod
+from tests.integration.test_kubernetes import NS, POD, pod, serve_events
 
 
 @pytest.fixture
@@ -18,4 +18,5 @@ def api(kmock: Any) -> client.ApiClient:
     cfg.retries = 0
     kmock.objects["v1/pods", NS, POD] = pod()
     kmock.objects["v1/pods", NS, "neighbour"] = pod("neighbour")
+    serve_events(kmock)
     return client.ApiClient(cfg)

@@ -20,6 +20,12 @@ def pod(name: str = POD, ns: str = NS) -> dict[str, Any]:
             "spec": {"containers": [{"name": "inference", "image": "gpu-watchdog-inference"}]}}
 
 
+def serve_events(kmock: Any) -> None:
+    """Declare the Events resource, so an empty namespace lists as 200 with no items, as a real API server answers."""
+    kmock.resources["events.k8s.io/v1/events"] = kmock.ResourceInfo(
+        namespaced=True, kind="Event", verbs={"create", "list", "get"})
+
+
 def events(kmock: Any) -> list[dict[str, Any]]:
     out = []
     for key in list(kmock.objects):

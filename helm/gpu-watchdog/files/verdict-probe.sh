@@ -15,7 +15,11 @@ ticks=$(sed 's/.*) //' "/proc/$pid/stat" 2>/dev/null | awk '{print $20}')
 case "$btime$ticks" in ''|*[!0-9]*) exit 0 ;; esac
 start=$((btime + ticks / 100))
 now=$(date +%s)
-[ "$at" -gt "$start" ] || exit 0
+# btime and the verdict are whole seconds, so the start read here may lie up to a second early: a
+# verdict must postdate it by more than 2 s to count. A container is never that young when the
+# watchdog decides against it (that takes failed canaries over several seconds), and a new one the
+# kubelet starts right after a verdict must not be killed by it.
+[ "$at" -gt $((start + 2)) ] || exit 0
 [ $((now - at)) -lt "$ttl" ] || exit 0
 echo "gpu-watchdog: restart this container in place (${reason:-unknown})"
 exit 1
