@@ -107,6 +107,9 @@ class Seq:
         self.generated: list[int] = []
         self.next_id: int | None = None  # sampled, not yet fed to the model
         self.retried = False
+        # Set once it first joins the batch: the queue timeout bounds the wait for admission only,
+        # so one stepped out by an OOM and waiting again is never timed out half-answered.
+        self.admitted = False
         self.decoder = decoder
         self.text = StopText(request.stop, request.include_stop_str)
         self.sampling = request.sampling
@@ -201,9 +204,13 @@ class DecodeLoop:
                 self._waiting.append(seq)
             self._cond.notify_all()
 
-    def withdraw(self, seq: Seq) -> bool:
-        """Take a sequence out of the queue if it is still waiting there (timeout, client gone)."""
+    def withdraw(self, seq: Seq, *, unadmitted_only: bool = False) -> bool:
+        """Take a sequence out of the queue if it is still waiting there (timeout, client gone).
+
+        `unadmitted_only`: leave it if it was admitted once (the queue timeout's case)."""
         with self._cond:
+            if unadmitted_only and seq.admitted:
+                return False
             try:
                 self._waiting.remove(seq)
             except ValueError:
@@ -289,6 +296,7 @@ class DecodeLoop:
             joiners.append(seq)
         for seq in joiners:
             self._waiting.remove(seq)
+            seq.admitted = True
         self._joining = joiners
         return joiners
 

@@ -179,7 +179,7 @@ class Engine:
         loop = asyncio.get_running_loop()
 
         def expire() -> None:
-            if self._decode.withdraw(seq):
+            if self._decode.withdraw(seq, unadmitted_only=True):
                 seq.future.set_exception(AdmissionTimeout("no admission slot within the queue timeout"))
                 self._gauges()
 

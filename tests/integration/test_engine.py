@@ -224,3 +224,28 @@ def test_a_sequence_that_leaves_the_queue_after_an_oom_does_not_keep_the_batch_c
         assert e.probe().peak_active_sequences > 3
     finally:
         e.stop()
+
+
+def test_the_queue_timeout_never_cuts_off_a_sequence_stepped_out_by_an_oom(lm: model_mod.LoadedModel) -> None:
+    """The queue timeout bounds the wait for admission: one admitted, then stepped out by an OOM and
+    waiting to resume, is answered in full however long that takes, never a 503 half-way."""
+    faults = FaultInjector()
+    e = Engine(lm, faults=faults)
+    prompts = ("a", "b", "c", "d", "e", "f")
+    try:
+        alone = [solo(e, p, 12) for p in prompts]
+        # A card of three: the newest three step out and wait behind twelve slow steps (> 0.6 s),
+        # far past their 0.3 s queue timeout.
+        faults.inject("memory_cap", {"sequences": 3})
+        faults.inject("slow", {"delay_s": 0.05})
+
+        async def together() -> list[GenResult | BaseException]:
+            return await asyncio.gather(*(e.submit(GenRequest(lm.codec.encode(p), 12), timeout=0.3)
+                                          for p in prompts), return_exceptions=True)
+
+        results = asyncio.run(together())
+        preempted = e.probe().preemptions
+    finally:
+        e.stop()
+    assert preempted >= 1
+    assert [r.text if isinstance(r, GenResult) else repr(r) for r in results] == alone
