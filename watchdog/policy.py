@@ -519,8 +519,12 @@ def _cache_rules(settings: PolicySettings, h: History, now: float) -> list[Decis
     cooled = last_flush is None or now - last_flush >= settings.memory_pressure.cooldown
     if not cooled:
         return []
-    if len(torch) >= 2 and last.ooms > torch[-2].ooms:
-        return [Decision("empty_cache", OOM, {"ooms": last.ooms, "new_ooms": last.ooms - torch[-2].ooms},
+    # OOMs since the figures the last flush was decided on, not only since the previous sample: one
+    # that came during the cooldown is still flushed once it is over.
+    seen = [t for t in torch[:-1] if last_flush is not None and t.at <= last_flush]
+    baseline = seen[-1] if seen else (torch[-2] if len(torch) >= 2 else None)
+    if baseline is not None and last.ooms > baseline.ooms:
+        return [Decision("empty_cache", OOM, {"ooms": last.ooms, "new_ooms": last.ooms - baseline.ooms},
                          instance_id=last.instance_id)]
     if last.total_bytes > 0 and last.reserved_bytes / last.total_bytes >= settings.memory_pressure.reserved_ratio:
         return [Decision("empty_cache", MEMORY_PRESSURE,

@@ -138,6 +138,25 @@ def test_new_ooms_flush_the_cache() -> None:
     assert actions(decide(settings(), h, 2.1)) == [("empty_cache", "oom", True)]
 
 
+def test_an_oom_during_the_cooldown_is_flushed_once_it_is_over() -> None:
+    h = history()
+    h.torch.extend([torch(1), torch(2, ooms=1)])
+    assert actions(decide(settings(), h, 2.1)) == [("empty_cache", "oom", True)]
+    h.actions.append(ActionRecord(2.1, "empty_cache", "oom"))
+    h.torch.extend([torch(7, ooms=1), torch(12, ooms=2)])
+    assert decide(settings(), h, 12.1) == []  # within the 60 s cooldown
+    for t in range(17, 62, 5):
+        h.torch.append(torch(t, ooms=2))
+        assert decide(settings(), h, t + 0.1) == []
+    h.torch.append(torch(67, ooms=2))  # no OOM since the last sample, one since the last flush
+    [d] = decide(settings(), h, 67.1)
+    assert (d.action, d.reason, d.detail["new_ooms"]) == ("empty_cache", "oom", 1)
+    h.actions.append(ActionRecord(67.1, "empty_cache", "oom"))
+    for t in range(72, 300, 5):  # nothing new since: nothing more
+        h.torch.append(torch(t, ooms=2))
+        assert decide(settings(), h, t + 0.1) == []
+
+
 def _drift(h: History, at: float, fixed: bool) -> None:
     h.torch.append(torch(at, reserved=10 * GiB, allocated=(9.5 if fixed else 5) * GiB))
 
