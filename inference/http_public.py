@@ -17,7 +17,8 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 from inference import http_tokenize
 from inference.decode import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
-from inference.http_handlers import HandlerRoutes
+from inference.handlers.inputs import MAX_INPUTS
+from inference.http_handlers import HandlerRoutes, capabilities
 from inference.model import NoChatTemplate
 from inference.openai_extras import (
     StreamedLogprobs,
@@ -143,7 +144,10 @@ class PublicAPI:
 
     async def openapi(self, request: web.Request) -> web.Response:
         ctx = self.service.engine.context_len if self.service.engine is not None else 0
-        return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx, self.service.model_name))
+        limits = getattr(self.service.handler, "limits", None)
+        return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx, self.service.model_name,
+                                             capabilities(self.service) or frozenset(),
+                                             getattr(limits, "max_inputs", MAX_INPUTS)))
 
     # -- probes and models -------------------------------------------------------------------
 

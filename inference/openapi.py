@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT
 from watchdog.contract import VERSION as __version__
 
 ERROR = {
@@ -59,7 +60,69 @@ def _extras() -> dict[str, Any]:
     }
 
 
-def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dict[str, Any]:
+def _handler_paths(model: dict[str, Any], capabilities: frozenset[str], max_inputs: int) -> dict[str, Any]:
+    """The routes of a request-level handler: what it can do decides what it serves."""
+    fails = _errors(400, 404, 408, 413, 500, 503)
+    ids = {"type": "array", "minItems": 1, "items": {"type": "integer", "minimum": 0}}
+    inputs = {"oneOf": [
+        {"type": "string", "minLength": 1},
+        {"type": "array", "minItems": 1, "maxItems": max_inputs, "items": {"type": "string", "minLength": 1}},
+        ids,
+        {"type": "array", "minItems": 1, "maxItems": max_inputs, "items": ids},
+    ], "description": "a text, texts, token ids, or lists of token ids (LangChain sends token ids)"}
+    usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
+                                              "total_tokens": {"type": "integer"}}}
+    paths: dict[str, Any] = {}
+    if EMBED in capabilities:
+        paths["/v1/embeddings"] = {"post": {
+            "operationId": "embeddings",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+                    "input": inputs, "model": model,
+                    "encoding_format": {"type": "string", "enum": ["float", "base64"], "nullable": True,
+                                        "description": "base64: little-endian float32, as the OpenAI SDK asks"},
+                    "dimensions": {"type": "integer", "minimum": 1, "nullable": True,
+                                   "description": "the model's own, or one of its Matryoshka dimensions"},
+                    "user": {"type": "string", "nullable": True}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["object", "data", "model", "usage"],
+                                        "properties": {
+                "object": {"type": "string"}, "model": {"type": "string"}, "usage": usage,
+                "data": {"type": "array", "items": {"type": "object", "required": ["object", "index", "embedding"],
+                                                    "properties": {
+                    "object": {"type": "string"}, "index": {"type": "integer"},
+                    "embedding": {"oneOf": [{"type": "array", "items": {"type": "number"}},
+                                            {"type": "string"}]}}}}}},
+                "one vector per input, in order"), **fails}}}
+    if CLASSIFY in capabilities:
+        route = {"post": {
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["input"], "additionalProperties": False, "properties": {
+                    "input": inputs, "model": model, "user": {"type": "string", "nullable": True},
+                    "use_activation": {"type": "boolean", "enum": [True], "nullable": True,
+                                       "description": "probabilities; raw logits are not served"}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["object", "data", "model", "usage"],
+                                        "properties": {
+                "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
+                "model": {"type": "string"}, "usage": {"type": "object"},
+                "data": {"type": "array", "items": {"type": "object", "properties": {
+                    "index": {"type": "integer"}, "label": {"type": "string"}, "num_classes": {"type": "integer"},
+                    "probs": {"type": "array", "items": {"type": "number"}}}}}}},
+                "a label and the probabilities per input (vLLM's shape)"), **fails}}}
+        paths["/v1/classify"] = {"post": {**route["post"], "operationId": "classify"}}
+        paths["/classify"] = {"post": {**route["post"], "operationId": "classify_unversioned"}}
+    if PREDICT in capabilities:
+        paths["/predict"] = {"post": {
+            "operationId": "predict",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "description": "the body the handler's own decode reads"}}}},
+            "responses": {"200": _json({"type": "object", "required": ["outputs"], "properties": {
+                "outputs": {"type": "array", "items": {}}}}, "the handler's encoded outputs, in order"), **fails}}}
+    return paths
+
+
+def public_spec(max_tokens_limit: int, context_len: int, model_name: str,
+                capabilities: frozenset[str] = frozenset({GENERATE}), max_inputs: int = 2048) -> dict[str, Any]:
+    """The public API of the running handler; `capabilities` as the handler declares them."""
     max_tokens = {"type": "integer", "minimum": 1, "maximum": max_tokens_limit, "nullable": True}
     common: dict[str, Any] = {
         "model": {"type": "string", "nullable": True,
@@ -143,79 +206,87 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str) -> dic
     probe = {"type": "object"}
     fails = (400, 404, 408, 413, 500, 503)
     stream_doc = "Each event: a JSON chunk, an error object, or [DONE]."
+    generation: dict[str, Any] = {
+        "/v1/completions": {"post": {
+            "operationId": "completions",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
+            "responses": {"200": {"description": "a completion, or an SSE stream when stream is true. "
+                                                 + stream_doc,
+                                  "content": {"application/json": {"schema": completion},
+                                              "text/event-stream": {"schema": {}}}},
+                          **_errors(*fails)}}},
+        "/v1/chat/completions": {"post": {
+            "operationId": "chat_completions",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": chat_request}}},
+            "responses": {"200": {"description": "a chat completion, or an SSE stream when stream is true. "
+                                                 + stream_doc,
+                                  "content": {"application/json": {"schema": chat_completion},
+                                              "text/event-stream": {"schema": {}}}},
+                          **_errors(*fails)}}},
+        "/predict": {"post": {
+            "operationId": "predict",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+            "responses": {"200": _json({"type": "object", "required": ["result"], "properties": {
+                "result": {"type": "string"}, "completion_tokens": {"type": "integer"}}}, "the generated text"),
+                **_errors(*fails)}}},
+        "/stream": {"post": {
+            "operationId": "stream",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+            "responses": {"200": {"description": "the generated text, streamed",
+                                  "content": {"text/plain": {"schema": {"type": "string"}}}},
+                          **_errors(*fails)}}},
+        "/tokenize": {"post": {
+            "operationId": "tokenize",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "additionalProperties": False, "properties": {
+                    "model": common["model"], "prompt": {"type": "string"},
+                    "messages": {"type": "array", "minItems": 1, "items": message},
+                    "add_special_tokens": {"type": "boolean", "nullable": True},
+                    "add_generation_prompt": {"type": "boolean", "nullable": True},
+                    "return_token_strs": {"type": "boolean", "nullable": True}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["count", "max_model_len", "tokens"],
+                                        "properties": {"count": {"type": "integer"},
+                                                       "max_model_len": {"type": "integer"},
+                                                       "tokens": {"type": "array", "items": {"type": "integer"}},
+                                                       "token_strs": {"type": "array", "nullable": True,
+                                                                      "items": {"type": "string"}}}},
+                                       "the prompt's token ids (vLLM's shape)"), **_errors(400, 404, 413, 503)}}},
+        "/detokenize": {"post": {
+            "operationId": "detokenize",
+            "requestBody": {"required": True, "content": {"application/json": {"schema": {
+                "type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
+                    "model": common["model"],
+                    "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
+            "responses": {"200": _json({"type": "object", "required": ["prompt"],
+                                        "properties": {"prompt": {"type": "string"}}}, "the text of the ids"),
+                          **_errors(400, 404, 413, 503)}}},
+    }
+    probes: dict[str, Any] = {
+        "/v1/models": {"get": {"operationId": "models", "responses": {"200": _json(
+            {"type": "object", "required": ["data"], "properties": {
+                "object": {"type": "string"}, "data": {"type": "array", "items": model_card}}},
+            "the served model")}}},
+        "/v1/models/{model}": {"get": {
+            "operationId": "model",
+            "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
+            "responses": {"200": _json(model_card, "the served model"), **_errors(404)}}},
+        "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json(probe, "the loop answers")}}},
+        "/readyz": {"get": {"operationId": "readyz", "responses": {
+            "200": _json(probe, "warmed up and admitting"), "503": _json(probe, "loading, draining or poisoned")}}},
+        "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
+            "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
+    }
+    # Where a handler generates, /predict is generation's plain route, not the handler's own.
+    own = capabilities - ({GENERATE, PREDICT} if GENERATE in capabilities else set())
+    paths = {**probes, **(generation if GENERATE in capabilities else {}),
+             **_handler_paths(common["model"], frozenset(own), max_inputs)}
+    what = (f"its context is {context_len} tokens (prompt + max_tokens)" if GENERATE in capabilities
+            else "handler routes: " + ", ".join(sorted(capabilities)))
     return {
         "openapi": "3.0.3",
         "info": {"title": "gpu-watchdog inference API", "version": __version__,
-                 "description": f"Serves `{model_name}`; its context is {context_len} tokens (prompt +"
-                                " max_tokens)."},
-        "paths": {
-            "/v1/models": {"get": {"operationId": "models", "responses": {"200": _json(
-                {"type": "object", "required": ["data"], "properties": {
-                    "object": {"type": "string"}, "data": {"type": "array", "items": model_card}}},
-                "the served model")}}},
-            "/v1/models/{model}": {"get": {
-                "operationId": "model",
-                "parameters": [{"name": "model", "in": "path", "required": True, "schema": {"type": "string"}}],
-                "responses": {"200": _json(model_card, "the served model"), **_errors(404)}}},
-            "/v1/completions": {"post": {
-                "operationId": "completions",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-                "responses": {"200": {"description": "a completion, or an SSE stream when stream is true. "
-                                                     + stream_doc,
-                                      "content": {"application/json": {"schema": completion},
-                                                  "text/event-stream": {"schema": {}}}},
-                              **_errors(*fails)}}},
-            "/v1/chat/completions": {"post": {
-                "operationId": "chat_completions",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": chat_request}}},
-                "responses": {"200": {"description": "a chat completion, or an SSE stream when stream is true. "
-                                                     + stream_doc,
-                                      "content": {"application/json": {"schema": chat_completion},
-                                                  "text/event-stream": {"schema": {}}}},
-                              **_errors(*fails)}}},
-            "/predict": {"post": {
-                "operationId": "predict",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
-                "responses": {"200": _json({"type": "object", "required": ["result"], "properties": {
-                    "result": {"type": "string"}, "completion_tokens": {"type": "integer"}}}, "the generated text"),
-                    **_errors(*fails)}}},
-            "/stream": {"post": {
-                "operationId": "stream",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
-                "responses": {"200": {"description": "the generated text, streamed",
-                                      "content": {"text/plain": {"schema": {"type": "string"}}}},
-                              **_errors(*fails)}}},
-            "/tokenize": {"post": {
-                "operationId": "tokenize",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "additionalProperties": False, "properties": {
-                        "model": common["model"], "prompt": {"type": "string"},
-                        "messages": {"type": "array", "minItems": 1, "items": message},
-                        "add_special_tokens": {"type": "boolean", "nullable": True},
-                        "add_generation_prompt": {"type": "boolean", "nullable": True},
-                        "return_token_strs": {"type": "boolean", "nullable": True}}}}}},
-                "responses": {"200": _json({"type": "object", "required": ["count", "max_model_len", "tokens"],
-                                            "properties": {"count": {"type": "integer"},
-                                                           "max_model_len": {"type": "integer"},
-                                                           "tokens": {"type": "array", "items": {"type": "integer"}},
-                                                           "token_strs": {"type": "array", "nullable": True,
-                                                                          "items": {"type": "string"}}}},
-                                           "the prompt's token ids (vLLM's shape)"), **_errors(400, 404, 413, 503)}}},
-            "/detokenize": {"post": {
-                "operationId": "detokenize",
-                "requestBody": {"required": True, "content": {"application/json": {"schema": {
-                    "type": "object", "required": ["tokens"], "additionalProperties": False, "properties": {
-                        "model": common["model"],
-                        "tokens": {"type": "array", "items": {"type": "integer", "minimum": 0}}}}}}},
-                "responses": {"200": _json({"type": "object", "required": ["prompt"],
-                                            "properties": {"prompt": {"type": "string"}}}, "the text of the ids"),
-                              **_errors(400, 404, 413, 503)}}},
-            "/healthz": {"get": {"operationId": "healthz", "responses": {"200": _json(probe, "the loop answers")}}},
-            "/readyz": {"get": {"operationId": "readyz", "responses": {
-                "200": _json(probe, "warmed up and admitting"), "503": _json(probe, "loading, draining or poisoned")}}},
-            "/metrics": {"get": {"operationId": "metrics", "responses": {"200": {
-                "description": "Prometheus text format", "content": {"text/plain": {"schema": {"type": "string"}}}}}}},
-        },
+                 "description": f"Serves `{model_name}`; {what}."},
+        "paths": paths,
     }
 
 

@@ -180,6 +180,20 @@ def test_routes_the_handler_cannot_serve_say_so(bert: Server) -> None:
     assert [m.id for m in client(bert).models.list().data] == ["bert"]
 
 
+def test_the_published_api_is_the_handlers_and_survives_fuzzing_without_5xx(bert: Server) -> None:
+    from tests.integration.test_api_fuzz import fuzz
+
+    spec = requests.get(bert.url + "/openapi.json", timeout=10).json()
+    assert set(spec["paths"]) == {"/v1/models", "/v1/models/{model}", "/v1/embeddings", "/predict", "/healthz",
+                                  "/readyz", "/metrics"}
+    body = spec["paths"]["/v1/embeddings"]["post"]["requestBody"]["content"]["application/json"]["schema"]
+    assert set(body["properties"]) == {"input", "model", "encoding_format", "dimensions", "user"}
+    out = fuzz(bert.url + "/openapi.json")
+    assert out.returncode == 0, out.stdout[-6000:]
+    assert "passed" in out.stdout
+    assert requests.post(bert.url + "/v1/embeddings", json={"input": "still here"}, timeout=30).status_code == 200
+
+
 def test_roberta_and_xlmr_follow_their_pooling_config(models: Path, tmp_path: Path) -> None:
     for name, pooling in (("roberta", "cls"), ("xlmr", "mean")):
         srv = start_server(tmp_path, "--handler", "embeddings", "--model", str(models / name), name=name)
@@ -232,8 +246,10 @@ def test_classify_answers_in_vllms_shape_with_the_models_labels(models: Path, tm
         plain = requests.post(srv.url + "/classify", json={"input": TEXTS[0]}, timeout=30)
         bad = requests.post(srv.url + "/v1/classify", json={"input": [[]]}, timeout=30)
         embed = requests.post(srv.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
+        paths = set(requests.get(srv.url + "/openapi.json", timeout=10).json()["paths"])
     finally:
         srv.proc.stop()
+    assert {"/v1/classify", "/classify"} <= paths and not {"/v1/embeddings", "/v1/completions"} & paths
     assert r.status_code == 200, r.text
     body = r.json()
     assert body["object"] == "list" and body["model"] == "classifier" and body["id"].startswith("classify-")
@@ -258,9 +274,12 @@ def test_a_handler_of_ones_own_serves_predict_and_answers_the_canary(tmp_path: P
         models_ = requests.get(srv.url + "/v1/models", timeout=30).json()
         embed = requests.post(srv.url + "/v1/embeddings", json={"input": "x"}, timeout=30)
         canary = srv.ctl("POST", "/control/canary").json()
+        spec = requests.get(srv.url + "/openapi.json", timeout=10).json()
     finally:
         srv.proc.stop()
     assert r.status_code == 200 and r.json() == {"outputs": [2.0, 5.0, -6.0]}
+    assert "/predict" in spec["paths"] and "/v1/embeddings" not in spec["paths"]
+    assert "outputs" in str(spec["paths"]["/predict"]["post"]["responses"]["200"])
     assert [m["id"] for m in models_["data"]] == ["Doubler"]
     assert embed.status_code == 404
     assert canary["ok"] is True
