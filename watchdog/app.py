@@ -9,8 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import hashlib
-import random
 import time
 from collections import deque
 from collections.abc import Callable
@@ -30,7 +28,7 @@ from watchdog.escalation import CURING_REASONS
 from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, RestartEvents
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
-from watchdog.policy import Decision
+from watchdog.policy import Decision, max_age_jitter
 from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from watchdog.samplers.pod_resources import pod_gpus_reader
 from watchdog.samplers.wiring import Samplers, build_samplers
@@ -187,9 +185,7 @@ class Watchdog:
         log.info("watchdog_stopped")
 
     def _jitter(self) -> float:
-        # Replicas started together must not all hit max_age at once; the pod name seeds it.
-        seed = hashlib.sha256(self.settings.kubernetes.pod_name.encode()).digest()
-        return random.Random(seed).uniform(0.0, self.settings.policy.max_age_jitter)
+        return max_age_jitter(self.settings.kubernetes.pod_name, self.settings.policy.max_age_jitter)
 
     def _read_token(self) -> str | None:
         try:

@@ -6,6 +6,8 @@ rule is tested on recorded traces.
 
 from __future__ import annotations
 
+import hashlib
+import random
 from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
@@ -490,6 +492,15 @@ def _fragmentation_restart(settings: PolicySettings, h: History, now: float) -> 
         return None  # the last flush's effect is not observed yet
     return Decision("restart", FRAGMENTATION_DRIFT,
                     {**signals, "empty_cache_attempts": len(attempts)}, drain=True, instance_id=_latest_instance(h))
+
+
+def max_age_jitter(pod_name: str, most: float) -> float:
+    """This pod's share of max_age added as jitter, in [0, most], fixed by its name.
+
+    Replicas started together must not all reach max_age at once; a pod's sidecar that restarts
+    keeps its pod's share."""
+    seed = hashlib.sha256(pod_name.encode()).digest()
+    return random.Random(seed).uniform(0.0, most)
 
 
 def _max_age(settings: PolicySettings, h: History, now: float) -> Decision | None:

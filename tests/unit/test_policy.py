@@ -13,6 +13,7 @@ from watchdog.policy import (
     budget_remaining,
     canary_delay,
     decide,
+    max_age_jitter,
     our_gpus,
     progress_unknown,
     saturated,
@@ -233,6 +234,32 @@ def test_max_age_with_jitter_drains() -> None:
     h.torch.append(torch(20, uptime=1051))
     [d] = decide(s, h, 20.5)
     assert (d.reason, d.drain) == ("max_age", True)
+
+
+def test_max_age_jitter_spreads_replicas_and_stays_with_the_pod() -> None:
+    names = [f"model-7f9c6d-{i:05x}" for i in range(200)]
+    shares = [max_age_jitter(n, 0.1) for n in names]
+    assert all(0.0 <= j <= 0.1 for j in shares)
+    # Replicas started together reach max_age spread over the jitter, not at once.
+    assert len(set(shares)) == len(names) and max(shares) - min(shares) > 0.09
+    assert sum(j < 0.05 for j in shares) in range(70, 131)
+    # A restarted sidecar in the same pod keeps its pod's share; no jitter configured, none added.
+    assert max_age_jitter(names[0], 0.1) == shares[0]
+    assert max_age_jitter(names[0], 0.0) == 0.0
+    s = settings(max_age=1000.0, max_age_jitter=0.1)
+
+
+    def restarted_at(name: str) -> int:
+        """The uptime at which this pod's first max_age restart is decided."""
+        for age in range(900, 1200):
+            h = history(jitter=max_age_jitter(name, s.max_age_jitter))
+            h.torch.append(torch(1, uptime=age))
+            if [d.reason for d in decide(s, h, 1.0)] == ["max_age"]:
+                return age
+        raise AssertionError(f"{name}: no max_age restart")
+
+    ages = [restarted_at(n) for n in names[:20]]
+    assert min(ages) >= 1000 and max(ages) <= 1101 and len(set(ages)) > 10
 
 
 def test_budget_stops_a_restart_storm() -> None:
