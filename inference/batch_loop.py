@@ -91,10 +91,14 @@ class BatchLoop:
     def start(self) -> None:
         self._thread.start()
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the step in progress and wait for the loop thread to end: a thread killed
+        inside torch at interpreter exit aborts the process ("terminate called ...")."""
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
 
     def new_job(self, item: Any, tokens: int, weight: float, canary: bool = False) -> Job:
         return Job(item, tokens, weight, canary, self.clock())

@@ -249,3 +249,14 @@ def test_the_queue_timeout_never_cuts_off_a_sequence_stepped_out_by_an_oom(lm: m
         e.stop()
     assert preempted >= 1
     assert [r.text if isinstance(r, GenResult) else repr(r) for r in results] == alone
+
+
+def test_stop_returns_once_the_loop_thread_has_ended(lm: model_mod.LoadedModel) -> None:
+    """A loop thread left inside torch when the interpreter exits aborts the process
+    ("terminate called without an active exception"): stop() waits for it."""
+    e = Engine(lm)
+    [r] = e.generate([GenRequest(lm.codec.encode("one more"), 6)])
+    assert r.completion_tokens >= 1
+    thread = e._decode._thread
+    e.stop()
+    assert not thread.is_alive()
