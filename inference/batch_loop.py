@@ -26,6 +26,7 @@ from inference.decode import EngineProbe
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from inference.faults import FaultInjector
 from inference.handler import RequestHandler
+from inference.loop_thread import LoopThread
 
 _order = itertools.count()
 
@@ -44,7 +45,7 @@ class Job:
         self.grant: Grant | None = None
 
 
-class BatchLoop:
+class BatchLoop(LoopThread):
     def __init__(
         self,
         handler: RequestHandler,
@@ -61,44 +62,21 @@ class BatchLoop:
         on_fatal: Callable[[str], object] | None = None,
         after_release: Callable[[], object] | None = None,
     ) -> None:
+        super().__init__("batch", faults=faults, on_step=on_step, on_oom=on_oom, on_fatal=on_fatal,
+                         after_release=after_release)
         self.handler = handler
         self.gate = gate
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.window_s = window_s
-        self.faults = faults
         self.clock = clock
         # Items answered: the watcher's proof of progress, as generated tokens are for the LM.
         self.on_items = on_items
-        self.on_step = on_step
-        self.on_oom = on_oom
-        self.on_fatal = on_fatal
-        self.after_release = after_release
-        self.poisoned: str | None = None
-        self._cond = threading.Condition()
         self._waiting: deque[Job] = deque()
         self._batch: list[Job] = []
-        self._stopping = False
-        self._forwards = 0
-        self._largest = 0
-        self._peak = 0
         self._splits = 0
-        self._threads: set[int] = set()
-        self._thread = threading.Thread(target=self._run, name="batch", daemon=True)
 
     # -- called from other threads ----------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop after the step in progress and wait for the loop thread to end: a thread killed
-        inside torch at interpreter exit aborts the process ("terminate called ...")."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
     def new_job(self, item: Any, tokens: int, weight: float, canary: bool = False) -> Job:
         return Job(item, tokens, weight, canary, self.clock())

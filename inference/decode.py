@@ -25,6 +25,7 @@ from inference.admission import AdmissionGate, Grant
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from inference.faults import FaultInjector
 from inference.kv import KVBatch, NotStitchable, prefill_inputs, stitchable
+from inference.loop_thread import LoopThread
 from inference.model import LoadedModel, StreamDecoder
 from inference.sampling import (
     History,
@@ -137,7 +138,7 @@ class Seq:
 Outcome = GenResult | BaseException
 
 
-class DecodeLoop:
+class DecodeLoop(LoopThread):
     def __init__(
         self,
         lm: LoadedModel,
@@ -151,19 +152,14 @@ class DecodeLoop:
         on_fatal: Callable[[str], object] | None = None,
         after_release: Callable[[], object] | None = None,
     ) -> None:
+        super().__init__("decode", faults=faults, on_step=on_step, on_oom=on_oom, on_fatal=on_fatal,
+                         after_release=after_release)
         self.lm = lm
         self.gate = gate
         self.max_rows = max_rows
-        self.faults = faults
         # Called with each step's new tokens: a watcher reads the counter as proof of progress,
         # and a long generation must not look like a stalled one.
         self.on_tokens = on_tokens
-        self.on_step = on_step
-        self.on_oom = on_oom
-        self.on_fatal = on_fatal
-        self.after_release = after_release
-        self.poisoned: str | None = None
-        self._cond = threading.Condition()
         self._waiting: deque[Seq] = deque()
         self._rows: list[Seq] = []
         # Admitted and being prefilled: neither waiting nor rows yet, but in flight all the same.
@@ -172,27 +168,9 @@ class DecodeLoop:
         self._stitchable = True
         self._ceiling: int | None = None
         self._ceiling_holders: set[int] = set()
-        self._stopping = False
-        self._forwards = 0
-        self._largest = 0
-        self._peak = 0
         self._preemptions = 0
-        self._threads: set[int] = set()
-        self._thread = threading.Thread(target=self._run, name="decode", daemon=True)
 
     # -- called from other threads ----------------------------------------------------------
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self, timeout: float = 10.0) -> None:
-        """Stop after the step in progress and wait for the loop thread to end: a thread killed
-        inside torch at interpreter exit aborts the process ("terminate called ...")."""
-        with self._cond:
-            self._stopping = True
-            self._cond.notify_all()
-        if self._thread.is_alive() and self._thread is not threading.current_thread():
-            self._thread.join(timeout)
 
     def new_sequence(self, request: GenRequest, weight: float, canary: bool = False) -> Seq:
         return Seq(request, weight, canary, self.lm.device,

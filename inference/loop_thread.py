@@ -1,0 +1,53 @@
+"""What the generation loop and the request-level batch loop share: one thread that owns the model.
+
+Every forward pass runs on that thread (CUDA streams and allocator state stay on one thread); other
+threads only queue work and read figures under the condition.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+
+from inference.faults import FaultInjector
+
+
+class LoopThread:
+    def __init__(
+        self,
+        name: str,
+        *,
+        faults: FaultInjector | None,
+        on_step: Callable[[int], object] | None,
+        on_oom: Callable[[BaseException], object] | None,
+        on_fatal: Callable[[str], object] | None,
+        after_release: Callable[[], object] | None,
+    ) -> None:
+        self.faults = faults
+        self.on_step = on_step
+        self.on_oom = on_oom
+        self.on_fatal = on_fatal
+        self.after_release = after_release
+        self.poisoned: str | None = None
+        self._cond = threading.Condition()
+        self._stopping = False
+        self._forwards = 0
+        self._largest = 0
+        self._peak = 0
+        self._threads: set[int] = set()
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        """Stop after the step in progress and wait for the loop thread to end: a thread killed
+        inside torch at interpreter exit aborts the process ("terminate called ...")."""
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        raise NotImplementedError
