@@ -24,9 +24,8 @@ from inference import itembatch
 from inference.admission import AdmissionGate, Grant
 from inference.decode import EngineProbe
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.faults import FaultInjector
 from inference.handler import RequestHandler
-from inference.loop_thread import LoopThread
+from inference.loop_thread import LoopHooks, LoopThread
 
 _order = itertools.count()
 
@@ -54,24 +53,16 @@ class BatchLoop(LoopThread):
         max_rows: int,
         max_tokens: int,
         window_s: float,
-        faults: FaultInjector | None = None,
+        hooks: LoopHooks,
         clock: Callable[[], float] = time.monotonic,
-        on_items: Callable[[int], object] | None = None,
-        on_step: Callable[[int], object] | None = None,
-        on_oom: Callable[[BaseException], object] | None = None,
-        on_fatal: Callable[[str], object] | None = None,
-        after_release: Callable[[], object] | None = None,
     ) -> None:
-        super().__init__("batch", faults=faults, on_step=on_step, on_oom=on_oom, on_fatal=on_fatal,
-                         after_release=after_release)
+        super().__init__("batch", hooks)
         self.handler = handler
         self.gate = gate
         self.max_rows = max_rows
         self.max_tokens = max_tokens
         self.window_s = window_s
         self.clock = clock
-        # Items answered: the watcher's proof of progress, as generated tokens are for the LM.
-        self.on_items = on_items
         self._waiting: deque[Job] = deque()
         self._batch: list[Job] = []
         self._splits = 0
@@ -202,8 +193,8 @@ class BatchLoop(LoopThread):
         for job, out in zip(live, outputs, strict=True):
             _settle(job, out)
         answered = sum(1 for j in live if not j.canary)
-        if answered and self.on_items is not None:
-            self.on_items(answered)
+        if answered and self.on_progress is not None:
+            self.on_progress(answered)
 
     def _failed(self, jobs: list[Job], exc: BaseException, retried: bool) -> None:
         if is_oom(exc):

@@ -23,9 +23,8 @@ import torch
 from inference import batch, recovery
 from inference.admission import AdmissionGate, Grant
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.faults import FaultInjector
 from inference.kv import KVBatch, NotStitchable, prefill_inputs, stitchable
-from inference.loop_thread import LoopThread
+from inference.loop_thread import LoopHooks, LoopThread
 from inference.model import LoadedModel, StreamDecoder
 from inference.sampling import (
     History,
@@ -145,21 +144,12 @@ class DecodeLoop(LoopThread):
         gate: AdmissionGate,
         *,
         max_rows: int,
-        faults: FaultInjector | None = None,
-        on_tokens: Callable[[int], object] | None = None,
-        on_step: Callable[[int], object] | None = None,
-        on_oom: Callable[[BaseException], object] | None = None,
-        on_fatal: Callable[[str], object] | None = None,
-        after_release: Callable[[], object] | None = None,
+        hooks: LoopHooks,
     ) -> None:
-        super().__init__("decode", faults=faults, on_step=on_step, on_oom=on_oom, on_fatal=on_fatal,
-                         after_release=after_release)
+        super().__init__("decode", hooks)
         self.lm = lm
         self.gate = gate
         self.max_rows = max_rows
-        # Called with each step's new tokens: a watcher reads the counter as proof of progress,
-        # and a long generation must not look like a stalled one.
-        self.on_tokens = on_tokens
         self._waiting: deque[Seq] = deque()
         self._rows: list[Seq] = []
         # Admitted and being prefilled: neither waiting nor rows yet, but in flight all the same.
@@ -427,8 +417,8 @@ class DecodeLoop(LoopThread):
                 finished.append((seq, "cancelled"))
             else:
                 seq.next_id = tok
-        if produced and self.on_tokens is not None:
-            self.on_tokens(produced)
+        if produced and self.on_progress is not None:
+            self.on_progress(produced)
         if finished:
             gone = {id(seq) for seq, _ in finished}
             self._leave(gone)

@@ -22,6 +22,7 @@ from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
 from inference.faults import FaultInjector
 from inference.handler import RequestHandler, item_cost
+from inference.loop_thread import LoopHooks
 from inference.metrics import InferenceMetrics
 from inference.model import LoadedModel
 
@@ -82,21 +83,15 @@ class Engine:
         self._on_fatal = on_fatal
         m = metrics
         self._loop: DecodeLoop | BatchLoop
+        hooks = LoopHooks(faults=faults, on_progress=None if m is None else m.tokens.inc,
+                          on_step=None if m is None else m.batch_size.observe,
+                          on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard)
         if handler is None:
             assert lm is not None, "the causal LM engine needs a loaded model"
-            self._loop = DecodeLoop(
-                lm, self.gate, max_rows=max_rows, faults=faults,
-                on_tokens=None if m is None else m.tokens.inc,
-                on_step=None if m is None else m.batch_size.observe,
-                on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
-            )
+            self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks)
         else:
-            self._loop = BatchLoop(
-                handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens, window_s=batching.window_s,
-                faults=faults, on_items=None if m is None else m.tokens.inc,
-                on_step=None if m is None else m.batch_size.observe,
-                on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
-            )
+            self._loop = BatchLoop(handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens,
+                                   window_s=batching.window_s, hooks=hooks)
         self._loop.start()
 
     @property

@@ -8,26 +8,33 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Callable
+from dataclasses import dataclass
 
 from inference.faults import FaultInjector
 
 
+@dataclass(frozen=True)
+class LoopHooks:
+    """What a loop reports to the engine, and the faults it applies."""
+
+    faults: FaultInjector | None = None
+    # Units of work done (tokens generated, items answered): a watcher reads the counter as proof
+    # of progress, and a long generation must not look like a stalled one.
+    on_progress: Callable[[int], object] | None = None
+    on_step: Callable[[int], object] | None = None  # rows in each forward pass
+    on_oom: Callable[[BaseException], object] | None = None
+    on_fatal: Callable[[str], object] | None = None
+    after_release: Callable[[], object] | None = None  # a grant went back to the gate
+
+
 class LoopThread:
-    def __init__(
-        self,
-        name: str,
-        *,
-        faults: FaultInjector | None,
-        on_step: Callable[[int], object] | None,
-        on_oom: Callable[[BaseException], object] | None,
-        on_fatal: Callable[[str], object] | None,
-        after_release: Callable[[], object] | None,
-    ) -> None:
-        self.faults = faults
-        self.on_step = on_step
-        self.on_oom = on_oom
-        self.on_fatal = on_fatal
-        self.after_release = after_release
+    def __init__(self, name: str, hooks: LoopHooks) -> None:
+        self.faults = hooks.faults
+        self.on_progress = hooks.on_progress
+        self.on_step = hooks.on_step
+        self.on_oom = hooks.on_oom
+        self.on_fatal = hooks.on_fatal
+        self.after_release = hooks.after_release
         self.poisoned: str | None = None
         self._cond = threading.Condition()
         self._stopping = False
