@@ -23,7 +23,7 @@ import torch
 from inference import batch, recovery
 from inference.admission import AdmissionGate, Grant
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.kv import KVBatch, NotStitchable, prefill_inputs, stitchable
+from inference.kv import KVBatch, NotStitchable, growing, prefill_inputs, stitchable
 from inference.loop_thread import LoopHooks, LoopThread
 from inference.model import LoadedModel, StreamDecoder
 from inference.sampling import (
@@ -337,6 +337,8 @@ class DecodeLoop(LoopThread):
                         [s.history(lm.codec.eos_id) for s in joiners])
         self._record_logprobs(logits, joiners, tokens)
         group = KVBatch(cache, mask)
+        if stitchable(cache):
+            growing(cache)
         if self._kv is None or not self._rows:
             self._stitchable = stitchable(cache)
             self._kv, self._rows = group, list(joiners)

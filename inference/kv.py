@@ -13,10 +13,64 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+from transformers.cache_utils import DynamicLayer
 
 
 class NotStitchable(Exception):
     """The model's cache is not a plain per-layer KV list (sliding windows, recurrent state)."""
+
+
+class GrowingLayer(DynamicLayer):
+    """A plain dynamic KV layer that appends each step's keys and values into spare room.
+
+    The stock layer concatenates at every step, copying the whole cache of every row each time
+    (a fifth of a decode step at 32 rows of 256 tokens on CPU). Here `keys`/`values` are views
+    of a buffer with room to grow; a step writes only its own column. Whatever replaces them from
+    outside (a batch stitched, rows cut out, a step rolled back) is taken over at the next step.
+    """
+
+    def __init__(self, keys: torch.Tensor, values: torch.Tensor) -> None:
+        super().__init__()
+        self.device = keys.device
+        self.keys, self.values = keys, values
+        self.is_initialized = True
+        self._room: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args: Any, **kwargs: Any
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        assert self.keys is not None and self.values is not None
+        length, n = int(self.keys.shape[-2]), int(key_states.shape[-2])
+        room = self._room
+        if room is None or not _inside(self.keys, room[0]) or not _inside(self.values, room[1]) \
+                or length + n > room[0].shape[-2]:
+            # A tenth more room than needed, at least 16 columns: few copies, little memory held back.
+            width = length + n + max(16, (length + n) // 10)
+            room = (_roomy(self.keys, key_states, width), _roomy(self.values, value_states, width))
+            room[0][:, :, :length] = self.keys
+            room[1][:, :, :length] = self.values
+            self._room = room
+        room[0][:, :, length:length + n] = key_states
+        room[1][:, :, length:length + n] = value_states
+        self.keys, self.values = room[0][:, :, :length + n], room[1][:, :, :length + n]
+        return self.keys, self.values
+
+
+def _inside(view: torch.Tensor, room: torch.Tensor) -> bool:
+    """Whether `view` is the leading columns of `room` (what `update` left, or a rollback of it)."""
+    return (view.data_ptr() == room.data_ptr() and view.shape[:2] == room.shape[:2]
+            and view.shape[-1] == room.shape[-1] and view.stride() == room.stride())
+
+
+def _roomy(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+    return torch.empty((*new.shape[:2], width, new.shape[-1]), dtype=new.dtype, device=new.device)
+
+
+def growing(cache: Any) -> None:
+    """Swap a stitchable cache's plain layers for growing ones (their tensors kept as they are)."""
+    layers = layers_of(cache)
+    for i, layer in enumerate(layers):
+        if type(layer) is DynamicLayer and layer.keys is not None and layer.values is not None and layer.keys.numel():
+            cache.layers[i] = GrowingLayer(layer.keys, layer.values)
 
 
 def layers_of(cache: Any) -> list[Any]:
@@ -24,9 +78,9 @@ def layers_of(cache: Any) -> list[Any]:
     if layers is None:
         raise NotStitchable(f"{type(cache).__name__} has no per-layer KV")
     for layer in layers:
-        # Exactly the plain dynamic layer: a sliding-window layer keeps only its window, and
-        # padding it to another length would shift what it keeps.
-        if type(layer).__name__ != "DynamicLayer" or not hasattr(layer, "keys"):
+        # Exactly the plain dynamic layer (or ours): a sliding-window layer keeps only its window,
+        # and padding it to another length would shift what it keeps.
+        if type(layer) not in (DynamicLayer, GrowingLayer) or not hasattr(layer, "keys"):
             raise NotStitchable(f"{type(layer).__name__} layers cannot be stitched")
     return list(layers)
 
