@@ -313,6 +313,8 @@ class DecodeLoop(LoopThread):
         self._threads.add(threading.get_ident())
         if self.on_step is not None:
             self.on_step(int(ids.shape[0]))
+        if lm.lean is not None:
+            return lm.lean(ids, mask, positions, cache, all_logits)
         return lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         **{lm.cache_kwarg: cache}, **extra)
 

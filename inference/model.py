@@ -10,6 +10,8 @@ from typing import Any, Protocol
 
 import torch
 
+from inference.lean import LeanForward, lean_forward
+
 BUILTIN_NAME = "gpu-watchdog-builtin-tiny"
 _BUILTIN_SEED = 1234
 _PRINTABLE = range(32, 127)
@@ -147,12 +149,21 @@ class LoadedModel:
     forward_extra: dict[str, Any] = field(default_factory=dict)
     # The forward() keyword of the KV cache; see `cache_keyword`.
     cache_kwarg: str = "past_key_values"
+    # The decode loop's forward pass where the architecture allows (`inference.lean`), else None:
+    # the model's own forward; `forward_path` says which and, if not lean, why.
+    lean: LeanForward | None = None
+    forward_path: str = "transformers"
 
     @property
     def vocab_size(self) -> int:
         """Token ids the model takes (its embedding rows; may exceed the tokenizer's vocabulary)."""
         config = getattr(self.model, "config", None)
         return int(getattr(config, "vocab_size", None) or self.codec.vocab_size)
+
+
+def _forward_path(model: Any) -> dict[str, Any]:
+    lean, why = lean_forward(model)
+    return {"lean": lean, "forward_path": "lean" if lean is not None else f"transformers ({why})"}
 
 
 def last_logits_only(model: Any) -> dict[str, Any]:
@@ -243,6 +254,7 @@ def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
         allowed_tokens=allowed,
         forward_extra=last_logits_only(model),
         cache_kwarg=cache_keyword(model),
+        **_forward_path(model),
     )
 
 
@@ -270,6 +282,7 @@ def load_pretrained(path: str, device: torch.device) -> LoadedModel:
         allowed_tokens=None,
         forward_extra=last_logits_only(model),
         cache_kwarg=cache_keyword(model),
+        **_forward_path(model),
     )
 
 

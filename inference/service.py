@@ -108,7 +108,7 @@ class InferenceService:
                              max_queue=s.max_queue, memory_watermark=s.memory_watermark,
                              on_fatal=self._on_fatal_threadsafe)
         log.info("model_loaded", model=lm.name, served_model_name=self.model_name, device=str(device),
-                 dtype=str(lm.dtype).replace("torch.", ""), context_len=lm.context_len,
+                 dtype=str(lm.dtype).replace("torch.", ""), context_len=lm.context_len, forward=lm.forward_path,
                  seconds=round(self._loop.time() - t0, 3))
         self.admission = await asyncio.to_thread(self._size_admission)
         self.gate.set_capacity(self.admission.capacity)
