@@ -98,13 +98,19 @@ def serve(flags: list[str], log: Path) -> Server:
 
 def machine() -> str:
     cpu = platform.processor() or platform.machine()
+    vector = ""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 cpu = line.split(":", 1)[1].strip()
-                break
+            elif line.startswith("flags") and not vector:
+                # Which vector units the CPU has decides which of vLLM's CPU kernel builds runs.
+                flags = set(line.split(":", 1)[1].split())
+                vector = (", AVX-512 with bf16" if "avx512_bf16" in flags else ", AVX-512" if "avx512f" in flags
+                          else ", AVX2, no AVX-512" if "avx2" in flags else "")
     except OSError:
         pass
+    cpu += vector
     mem = ""
     try:
         kb = int(Path("/proc/meminfo").read_text().split()[1])

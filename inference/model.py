@@ -161,7 +161,9 @@ class LoadedModel:
         return int(getattr(config, "vocab_size", None) or self.codec.vocab_size)
 
 
-def _forward_path(model: Any) -> dict[str, Any]:
+def _forward_path(model: Any, lean_pass: bool) -> dict[str, Any]:
+    if not lean_pass:
+        return {"lean": None, "forward_path": "transformers (asked for)"}
     lean, why = lean_forward(model)
     return {"lean": lean, "forward_path": "lean" if lean is not None else f"transformers ({why})"}
 
@@ -233,7 +235,7 @@ def builtin_config(**overrides: Any) -> Any:
     return LlamaConfig(**settings)
 
 
-def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
+def load_builtin(device: torch.device, lean: bool = True, **config_overrides: Any) -> LoadedModel:
     from transformers import LlamaForCausalLM
 
     config = builtin_config(**config_overrides)
@@ -254,11 +256,11 @@ def load_builtin(device: torch.device, **config_overrides: Any) -> LoadedModel:
         allowed_tokens=allowed,
         forward_extra=last_logits_only(model),
         cache_kwarg=cache_keyword(model),
-        **_forward_path(model),
+        **_forward_path(model, lean),
     )
 
 
-def load_pretrained(path: str, device: torch.device) -> LoadedModel:
+def load_pretrained(path: str, device: torch.device, lean: bool = True) -> LoadedModel:
     """Load a local Hugging Face causal-LM directory; never reaches out to a hub."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -282,7 +284,7 @@ def load_pretrained(path: str, device: torch.device) -> LoadedModel:
         allowed_tokens=None,
         forward_extra=last_logits_only(model),
         cache_kwarg=cache_keyword(model),
-        **_forward_path(model),
+        **_forward_path(model, lean),
     )
 
 
