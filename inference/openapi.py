@@ -23,6 +23,17 @@ def _json(schema: dict[str, Any], description: str) -> dict[str, Any]:
     return {"description": description, "content": {"application/json": {"schema": schema}}}
 
 
+def _body(schema: dict[str, Any], required: bool = True) -> dict[str, Any]:
+    return {"required": required, "content": {"application/json": {"schema": schema}}}
+
+
+def _json_or_sse(schema: dict[str, Any], what: str) -> dict[str, Any]:
+    """A generation route's 200: one JSON answer, or server-sent events when the request streams."""
+    return {"description": f"{what}, or an SSE stream when stream is true. "
+                           "Each event: a JSON chunk, an error object, or [DONE].",
+            "content": {"application/json": {"schema": schema}, "text/event-stream": {"schema": {}}}}
+
+
 def _errors(*codes: int) -> dict[str, Any]:
     words = {400: "invalid input (the error names the field)", 401: "missing or wrong bearer token",
              404: "not available", 408: "body not received in time", 413: "body or prompt too large",
@@ -205,33 +216,24 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str,
         "owned_by": {"type": "string"}, "max_model_len": {"type": "integer"}}}
     probe = {"type": "object"}
     fails = (400, 404, 408, 413, 500, 503)
-    stream_doc = "Each event: a JSON chunk, an error object, or [DONE]."
     generation: dict[str, Any] = {
         "/v1/completions": {"post": {
             "operationId": "completions",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": request}}},
-            "responses": {"200": {"description": "a completion, or an SSE stream when stream is true. "
-                                                 + stream_doc,
-                                  "content": {"application/json": {"schema": completion},
-                                              "text/event-stream": {"schema": {}}}},
-                          **_errors(*fails)}}},
+            "requestBody": _body(request),
+            "responses": {"200": _json_or_sse(completion, "a completion"), **_errors(*fails)}}},
         "/v1/chat/completions": {"post": {
             "operationId": "chat_completions",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": chat_request}}},
-            "responses": {"200": {"description": "a chat completion, or an SSE stream when stream is true. "
-                                                 + stream_doc,
-                                  "content": {"application/json": {"schema": chat_completion},
-                                              "text/event-stream": {"schema": {}}}},
-                          **_errors(*fails)}}},
+            "requestBody": _body(chat_request),
+            "responses": {"200": _json_or_sse(chat_completion, "a chat completion"), **_errors(*fails)}}},
         "/predict": {"post": {
             "operationId": "predict",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+            "requestBody": _body(plain_request),
             "responses": {"200": _json({"type": "object", "required": ["result"], "properties": {
                 "result": {"type": "string"}, "completion_tokens": {"type": "integer"}}}, "the generated text"),
                 **_errors(*fails)}}},
         "/stream": {"post": {
             "operationId": "stream",
-            "requestBody": {"required": True, "content": {"application/json": {"schema": plain_request}}},
+            "requestBody": _body(plain_request),
             "responses": {"200": {"description": "the generated text, streamed",
                                   "content": {"text/plain": {"schema": {"type": "string"}}}},
                           **_errors(*fails)}}},
@@ -308,7 +310,7 @@ def control_spec() -> dict[str, Any]:
                 **_errors(401, 503)}}},
             "/control/canary": {"post": {
                 "operationId": "canary",
-                "requestBody": {"required": False, "content": {"application/json": {"schema": timeout_body}}},
+                "requestBody": _body(timeout_body, required=False),
                 "responses": {"200": _json({"type": "object", "required": ["ok", "latency_s", "error_class"],
                                             "properties": {"ok": {"type": "boolean"},
                                                            "latency_s": {"type": "number"},
