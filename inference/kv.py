@@ -45,7 +45,7 @@ class GrowingLayer(DynamicLayer):
                 or length + n > room[0].shape[-2]:
             # A tenth more room than needed, at least 16 columns: few copies, little memory held back.
             width = length + n + max(16, (length + n) // 10)
-            room = (_roomy(self.keys, key_states, width), _roomy(self.values, value_states, width))
+            room = (_roomy(key_states, width), _roomy(value_states, width))
             room[0][:, :, :length] = self.keys
             room[1][:, :, :length] = self.values
             self._room = room
@@ -61,7 +61,7 @@ def _inside(view: torch.Tensor, room: torch.Tensor) -> bool:
             and view.shape[-1] == room.shape[-1] and view.stride() == room.stride())
 
 
-def _roomy(old: torch.Tensor, new: torch.Tensor, width: int) -> torch.Tensor:
+def _roomy(new: torch.Tensor, width: int) -> torch.Tensor:
     return torch.empty((*new.shape[:2], width, new.shape[-1]), dtype=new.dtype, device=new.device)
 
 

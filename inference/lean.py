@@ -37,9 +37,7 @@ class LeanForward:
     """Calls as the decode loop calls a model: (ids, mask, positions, cache, all_logits)."""
 
     def __init__(self, model: Any) -> None:
-        self.model = model
         inner = model.model
-        config = model.config
         self.embed = inner.embed_tokens
         self.norm = inner.norm
         self.rotary = inner.rotary_emb
@@ -48,7 +46,7 @@ class LeanForward:
         tied = head.weight.data_ptr() == self.embed.weight.data_ptr()
         plain = type(head) is torch.nn.Linear and head.bias is None
         self.lm_head: Any = _Product(head) if plain and not tied else head
-        self.config = config
+        self.config = model.config
         self.layers = [_Layer(layer) for layer in inner.layers]
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
