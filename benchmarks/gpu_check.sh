@@ -102,6 +102,17 @@ batched = engine.generate([GenRequest(prompt_ids=lm.codec.encode(p), max_tokens=
 assert [r.text for r in batched] == references, "batched decoding diverged from solo decoding"
 print("cached decoding, alone and batched: OK; largest batch", engine.probe().largest_batch)
 engine.stop()
+# Prompts over the prefill budget in chunks, and beginnings reused from the prefix cache, on this device.
+chunked = Engine(lm, prefill_tokens=8)
+chunked.enable_prefix_cache(64 << 20)
+shared = "a shared beginning, long enough for two whole blocks of the cache: "
+more = [(shared + "one", 10), (shared + "two", 10), ("the quick brown fox", 20)]
+expected = [lm.codec.decoder().feed(greedy_without_cache(lm, p, n)) for p, n in more]
+got = [chunked.generate([GenRequest(prompt_ids=lm.codec.encode(p), max_tokens=n)])[0] for p, n in more]
+assert [r.text for r in got] == expected, "chunked or cache-reusing prefill diverged"
+assert got[1].cached_tokens >= 32, f"the shared beginning was not reused: {got[1].cached_tokens}"
+print("chunked prefill and prefix cache: OK; cached tokens", [r.cached_tokens for r in got])
+chunked.stop()
 PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"

@@ -1,10 +1,12 @@
 """The decode loop: one thread per device runs every forward pass, one step at a time.
 
-At each step, waiting sequences that the batch-taker admits are prefilled together and stitched
-into the running batch; then every running sequence decodes one token. A sequence leaves the
-moment it finishes, its rows and admission share freed for the next step. Streams are rows like
-any other. Only this thread touches the model, so there is one cuBLAS workspace, not one per
-request thread.
+At each step, waiting sequences that the batch-taker admits (within the step's prefill budget)
+are prefilled together and stitched into the running batch; then every running sequence decodes
+one token. A prompt longer than the budget is prefilled a chunk per step, the running sequences
+decoding between its chunks, so that no prompt stalls them for longer than one budget's worth of
+prefill. A sequence leaves the moment it finishes, its rows and admission share freed for the
+next step. Streams are rows like any other. Only this thread touches the model, so there is one
+cuBLAS workspace, not one per request thread.
 """
 
 from __future__ import annotations
@@ -22,10 +24,21 @@ import torch
 
 from inference import batch, recovery
 from inference.admission import AdmissionGate, Grant
+from inference.cpu_threads import ThreadSetter, plan
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.kv import KVBatch, NotStitchable, growing, prefill_inputs, stitchable
+from inference.kv import (
+    KVBatch,
+    NotStitchable,
+    cache_holding,
+    growing,
+    layers_of,
+    prefill_after,
+    prefill_inputs,
+    stitchable,
+)
 from inference.loop_thread import LoopHooks, LoopThread
 from inference.model import LoadedModel, StreamDecoder
+from inference.prefix_cache import BLOCK, Hit, PrefixCache
 from inference.sampling import (
     History,
     SamplingParams,
@@ -35,6 +48,7 @@ from inference.sampling import (
     sample,
     token_logprobs,
 )
+from inference.settings import DEFAULT_PREFILL_TOKENS
 
 
 @dataclass
@@ -75,6 +89,8 @@ class GenResult:
     logprobs: tuple[TokenLogprob, ...] | None = None
     # One per prompt token, None for the first (nothing predicts it).
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+    # Prompt tokens whose keys and values came from the prefix cache (OpenAI's `cached_tokens`).
+    cached_tokens: int = 0
 
 
 @dataclass(frozen=True)
@@ -117,6 +133,7 @@ class Seq:
         self.logprobs: list[TokenLogprob] = []
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.end_token: int | None = None
+        self.cached_tokens = 0
 
     def history(self, eos_id: int | None) -> History:
         return History(self.request.prompt_ids, self.generated, eos_id)
@@ -126,7 +143,13 @@ class Seq:
         ids = (*self.generated, *(() if self.end_token is None else (self.end_token,)))
         return GenResult(self.text.text, len(req.prompt_ids), len(self.generated), reason, ids,
                          None if req.logprobs is None else tuple(self.logprobs),
-                         None if self.prompt_logprobs is None else tuple(self.prompt_logprobs))
+                         None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
+                         min(self.cached_tokens, len(req.prompt_ids)))
+
+    @property
+    def scoring(self) -> bool:
+        """Its prompt's log-probabilities are still to compute: every position's logits, none cached."""
+        return self.request.prompt_logprobs is not None and self.prompt_logprobs is None
 
     @property
     def prefill_ids(self) -> list[int]:
@@ -137,6 +160,16 @@ class Seq:
 Outcome = GenResult | BaseException
 
 
+@dataclass
+class _Partial:
+    """A prompt longer than the step's budget, part-way through its prefill (admitted, not yet a row)."""
+
+    seq: Seq
+    kv: KVBatch | None = None  # its cache so far: one row, no padding
+    done: int = 0  # prompt tokens already in it
+    looked_up: bool = False  # in the prefix cache, before its first chunk
+
+
 class DecodeLoop(LoopThread):
     def __init__(
         self,
@@ -145,20 +178,27 @@ class DecodeLoop(LoopThread):
         *,
         max_rows: int,
         hooks: LoopHooks,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
     ) -> None:
         super().__init__("decode", hooks)
         self.lm = lm
         self.gate = gate
         self.max_rows = max_rows
+        self.prefill_tokens = prefill_tokens
         self._waiting: deque[Seq] = deque()
         self._rows: list[Seq] = []
         # Admitted and being prefilled: neither waiting nor rows yet, but in flight all the same.
         self._joining: list[Seq] = []
+        self._partial: _Partial | None = None
         self._kv: KVBatch | None = None
         self._stitchable = True
+        self._stitch_known = False  # the first prefill's cache tells
         self._ceiling: int | None = None
         self._ceiling_holders: set[int] = set()
         self._preemptions = 0
+        self._cpu_threads = ThreadSetter(plan(lm.device))
+        # Set by the engine once sizing is done: the measured runs must compute every prompt.
+        self.prefix_cache: PrefixCache | None = None
 
     # -- called from other threads ----------------------------------------------------------
 
@@ -201,7 +241,8 @@ class DecodeLoop(LoopThread):
 
     @property
     def running(self) -> int:
-        return sum(1 for s in (*self._rows, *self._joining) if not s.canary)
+        partial = () if self._partial is None else (self._partial.seq,)
+        return sum(1 for s in (*self._rows, *self._joining, *partial) if not s.canary)
 
     def probe(self) -> EngineProbe:
         return EngineProbe(len(self._rows), self._peak, self._forwards, self._largest, len(self._threads),
@@ -230,12 +271,12 @@ class DecodeLoop(LoopThread):
         with torch.inference_mode():
             while True:
                 with self._cond:
-                    while not self._stopping and not self._rows and not self._waiting:
+                    while not self._stopping and not self._rows and not self._waiting and self._partial is None:
                         self._cond.wait()
                     if self._stopping:
                         return
                     joiners = self._take()
-                if not joiners and not self._rows:
+                if not joiners and not self._rows and self._partial is None:
                     # Waiting sequences that cannot join yet (the budget was just lowered).
                     with self._cond:
                         self._cond.wait(0.01)
@@ -251,13 +292,22 @@ class DecodeLoop(LoopThread):
             else:
                 alive.append(seq)
         self._waiting = alive
+        partial = self._partial
+        if partial is not None and partial.seq.request.cancelled.is_set():
+            self._partial = None
+            self._finish(partial.seq, _cancelled(partial.seq))
         if not alive:
             return []
-        stats = self.gate.stats()
-        limit = self.max_rows if self._ceiling is None else min(self.max_rows, self._ceiling)
-        room = batch.Room(rows=len(self._rows), max_rows=limit, in_use=stats.in_use, capacity=stats.capacity,
-                          can_join_running=self._stitchable)
-        chosen = batch.take([batch.Candidate(s.weight, s.canary, s.grant is not None) for s in alive], room)
+        if self._partial is not None:
+            # Its chunks take the step's budget; only the canary joins beside it.
+            chosen = [i for i, s in enumerate(alive) if s.canary]
+        else:
+            stats = self.gate.stats()
+            limit = self.max_rows if self._ceiling is None else min(self.max_rows, self._ceiling)
+            room = batch.Room(rows=len(self._rows), max_rows=limit, in_use=stats.in_use, capacity=stats.capacity,
+                              can_join_running=self._stitchable, prefill_tokens=self.prefill_tokens)
+            chosen = batch.take([batch.Candidate(s.weight, s.canary, s.grant is not None, self._to_compute(s))
+                                 for s in alive], room)
         joiners: list[Seq] = []
         for i in chosen:
             seq = alive[i]
@@ -269,18 +319,46 @@ class DecodeLoop(LoopThread):
         for seq in joiners:
             self._waiting.remove(seq)
             seq.admitted = True
+        long = [s for s in joiners if self._chunked(s)]
+        if long:
+            # batch.take lets a prompt over the budget in only as the step's one joiner.
+            self._partial = _Partial(long[0])
+            joiners.remove(long[0])
         self._joining = joiners
         return joiners
 
+    def _chunked(self, seq: Seq) -> bool:
+        """Whether this joiner is prefilled over several steps: a plain per-layer cache (sliding
+        windows keep only their window), a prompt over the budget, and no prompt to score (its
+        log-probabilities come from one pass over the whole prompt)."""
+        return (not seq.canary and self._stitchable and not seq.scoring
+                and self._to_compute(seq) > self.prefill_tokens)
+
+    def _cacheable(self, seq: Seq) -> bool:
+        return self.prefix_cache is not None and self._stitchable and not seq.canary
+
+    def _to_compute(self, seq: Seq) -> int:
+        """The prompt tokens its prefill computes: those the prefix cache does not hold."""
+        ids = seq.prefill_ids
+        if not self._cacheable(seq) or seq.scoring:
+            return len(ids)
+        assert self.prefix_cache is not None
+        return len(ids) - self.prefix_cache.peek(ids)
+
     def _step(self, joiners: list[Seq]) -> None:
         width = None
-        pending = joiners  # admitted, not yet rows: their prefill has not succeeded
+        partial = self._partial
+        chunk_pending = partial is not None  # its chunk has not succeeded yet
         try:
+            if partial is not None:
+                if self.faults is not None:
+                    self.faults.before_forward(len(self._rows) + 1)
+                self._prefill_chunk(partial)
+            chunk_pending = False
             if joiners:
                 if self.faults is not None:
                     self.faults.before_forward(len(self._rows) + len(joiners))
                 self._prefill(joiners)
-            pending = []
             if self._rows:
                 if self.faults is not None:
                     self.faults.during_forward(len(self._rows))
@@ -298,6 +376,11 @@ class DecodeLoop(LoopThread):
                     lost, self._rows, self._kv = self._rows, [], None
                     for seq in lost:
                         seq.next_id = None
+            # Admitted, not rows yet: their prefill has not succeeded (passes that did have joined).
+            pending = list(self._joining)
+            if chunk_pending and partial is not None:
+                pending.append(partial.seq)
+                self._partial = None  # its cache goes; it starts over if it is retried
             self._failed(exc, [*lost, *pending])
         finally:
             self._joining = []
@@ -313,6 +396,7 @@ class DecodeLoop(LoopThread):
         self._threads.add(threading.get_ident())
         if self.on_step is not None:
             self.on_step(int(ids.shape[0]))
+        self._cpu_threads.before(int(ids.numel()), prefill=int(ids.shape[1]) > 1)
         if lm.lean is not None:
             return lm.lean(ids, mask, positions, cache, all_logits)
         return lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
@@ -326,28 +410,106 @@ class DecodeLoop(LoopThread):
         return logits
 
     def _prefill(self, joiners: list[Seq]) -> None:
+        """Prefill the step's joiners in passes of like lengths (`batch.passes`), the shortest first:
+        each pass's joiners stream their first token before the next pass is computed."""
+        if not self._stitch_known or not self._stitchable:
+            # Passes are stitched together: a cache that cannot be (or may not be) takes them in one.
+            self._prefill_pass(joiners)
+            return
+        computed = [self._to_compute(s) for s in joiners]
+        for indices in batch.passes(computed):
+            self._prefill_pass([joiners[i] for i in indices])
+
+    def _prefill_pass(self, joiners: list[Seq]) -> None:
         lm = self.lm
-        ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
-        scoring = [s for s in joiners if s.request.prompt_logprobs is not None and s.prompt_logprobs is None]
+        scoring = [s for s in joiners if s.scoring]
+        hits = [self._lookup(s) for s in joiners]
+        past: Any = None
+        if any(h is not None for h in hits):
+            ids, mask, positions, past = prefill_after([s.prefill_ids for s in joiners],
+                                                       [None if h is None else h.kv for h in hits],
+                                                       lm.codec.pad_id, lm.model.config)
+        else:
+            ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
         # Scoring a prompt needs the logits of every position, not only the last one.
-        out = self._forward(ids, mask, positions, None, all_logits=bool(scoring))
+        out = self._forward(ids, mask, positions, past, all_logits=bool(scoring))
         cache = _cache_of(out)
         if scoring:
             self._score_prompts(out.logits, joiners, scoring)
+        group = KVBatch(cache, mask)
+        self._remember(joiners, group)
+        if past is not None:
+            group.compact()
+        self._join(joiners, out, group)
+
+    def _lookup(self, seq: Seq) -> Hit | None:
+        if not self._cacheable(seq) or seq.scoring:
+            return None
+        assert self.prefix_cache is not None
+        hit = self.prefix_cache.lookup(seq.prefill_ids)
+        seq.cached_tokens = 0 if hit is None else hit.tokens
+        if self.on_prefix_lookup is not None:
+            self.on_prefix_lookup(len(seq.prefill_ids), seq.cached_tokens)
+        return hit
+
+    def _remember(self, seqs: list[Seq], kv: KVBatch) -> None:
+        """Keep the blocks of their prompts the prefix cache does not hold yet (each row's last columns)."""
+        wanted = [(row, s) for row, s in enumerate(seqs) if self._cacheable(s)
+                  and len(s.prefill_ids) // BLOCK * BLOCK > s.cached_tokens]
+        if not wanted or not stitchable(kv.cache):
+            return
+        assert self.prefix_cache is not None
+        layers = layers_of(kv.cache)
+        width = kv.width
+        for row, seq in wanted:
+            ids = seq.prefill_ids
+            cols = slice(width - (len(ids) - seq.cached_tokens), width)
+            self.prefix_cache.insert(ids, [layer.keys[row, :, cols] for layer in layers],
+                                     [layer.values[row, :, cols] for layer in layers], start=seq.cached_tokens)
+
+    def _prefill_chunk(self, partial: _Partial) -> None:
+        """The next chunk of a long prompt, on top of its own cache; the last one makes it a row."""
+        lm = self.lm
+        ids = partial.seq.prefill_ids
+        if not partial.looked_up:
+            partial.looked_up = True
+            hit = self._lookup(partial.seq)
+            if hit is not None:
+                mask = torch.ones((1, hit.tokens), dtype=torch.long, device=lm.device)
+                partial.kv, partial.done = KVBatch(cache_holding(hit.kv[:, :, None], lm.model.config), mask), hit.tokens
+        chunk = ids[partial.done: partial.done + self.prefill_tokens]
+        n = len(chunk)
+        new = torch.ones((1, n), dtype=torch.long, device=lm.device)
+        mask = new if partial.kv is None else torch.cat([partial.kv.mask, new], dim=1)
+        positions = torch.arange(partial.done, partial.done + n, device=lm.device)[None, :]
+        out = self._forward(torch.tensor([chunk], dtype=torch.long, device=lm.device), mask, positions,
+                            None if partial.kv is None else partial.kv.cache)
+        cache = _cache_of(out)
+        growing(cache)
+        partial.kv, partial.done = KVBatch(cache, mask), partial.done + n
+        if partial.done < len(ids):
+            return
+        self._partial = None
+        self._remember([partial.seq], partial.kv)
+        self._join([partial.seq], out, partial.kv)
+
+    def _join(self, joiners: list[Seq], out: Any, group: KVBatch) -> None:
+        """Prefilled: sample each joiner's first token and stitch its rows into the batch."""
         logits = self._logits(out)
         tokens = sample(logits, [s.sampling for s in joiners], [s.generator for s in joiners],
-                        [s.history(lm.codec.eos_id) for s in joiners])
+                        [s.history(self.lm.codec.eos_id) for s in joiners])
         self._record_logprobs(logits, joiners, tokens)
-        group = KVBatch(cache, mask)
+        cache = group.cache
         if stitchable(cache):
             growing(cache)
         if self._kv is None or not self._rows:
-            self._stitchable = stitchable(cache)
+            self._stitchable, self._stitch_known = stitchable(cache), True
             self._kv, self._rows = group, list(joiners)
         else:
             self._kv.stitch(group)
             self._rows = [*self._rows, *joiners]
-        self._joining = []
+        joined = {id(s) for s in joiners}
+        self._joining = [s for s in self._joining if id(s) not in joined]
         self._peak = max(self._peak, len(self._rows))
         self._emit(tokens, first=len(self._rows) - len(joiners))
 
@@ -466,12 +628,17 @@ class DecodeLoop(LoopThread):
         """`pending`: admitted in this step, their prefill failed (so they are not rows)."""
         involved = [*self._rows, *pending]
         if is_oom(exc):
+            if self.prefix_cache is not None:
+                self.prefix_cache.clear()  # the memory is worth more to the sequences running
             if self.on_oom is not None:
                 self.on_oom(exc)
             self._recover(involved, exc)
             return
         if is_fatal_cuda(exc):
             reason = str(exc) or type(exc).__name__
+            if self._partial is not None:  # its cache is on the same dead context
+                involved.append(self._partial.seq)
+                self._partial = None
             rows, self._rows, self._kv = involved, [], None
             self.poison(reason)
             for seq in rows:

@@ -25,6 +25,8 @@ from inference.handler import RequestHandler, item_cost
 from inference.loop_thread import LoopHooks
 from inference.metrics import InferenceMetrics
 from inference.model import LoadedModel
+from inference.prefix_cache import PrefixCache
+from inference.settings import DEFAULT_PREFILL_TOKENS
 
 __all__ = ["CanaryResult", "Engine", "EngineProbe", "GenRequest", "GenResult"]
 
@@ -64,6 +66,7 @@ class Engine:
         metrics: InferenceMetrics | None = None,
         faults: FaultInjector | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
+        prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
         max_queue: int = 1 << 20,
         memory_watermark: float = 0.85,
         on_fatal: Callable[[str], object] | None = None,
@@ -85,10 +88,11 @@ class Engine:
         self._loop: DecodeLoop | BatchLoop
         hooks = LoopHooks(faults=faults, on_progress=None if m is None else m.tokens.inc,
                           on_step=None if m is None else m.batch_size.observe,
-                          on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard)
+                          on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
+                          on_prefix_lookup=None if m is None else m.prefix_lookup)
         if handler is None:
             assert lm is not None, "the causal LM engine needs a loaded model"
-            self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks)
+            self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks, prefill_tokens=prefill_tokens)
         else:
             self._loop = BatchLoop(handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens,
                                    window_s=batching.window_s, hooks=hooks)
@@ -189,6 +193,15 @@ class Engine:
         finally:
             timer.cancel()
             self._gauges()
+
+    def enable_prefix_cache(self, max_bytes: int) -> None:
+        """Reuse the keys and values of prompt beginnings already computed, up to `max_bytes`
+        (0: off). Enabled after warm-up and measuring, whose runs must compute every prompt."""
+        self._decode.prefix_cache = PrefixCache(max_bytes) if max_bytes > 0 else None
+
+    @property
+    def prefix_cache(self) -> PrefixCache | None:
+        return self._decode.prefix_cache if isinstance(self._loop, DecodeLoop) else None
 
     def generate(self, requests: list[GenRequest]) -> list[GenResult]:
         """Run requests to completion from a plain thread (warm-up, measuring, checks)."""

@@ -19,6 +19,7 @@ from inference.decode import GenRequest, GenResult
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.handlers.inputs import MAX_INPUTS
 from inference.http_handlers import HandlerRoutes, capabilities
+from inference.mailbox import Mailbox
 from inference.model import NoChatTemplate
 from inference.openai_extras import (
     StreamedLogprobs,
@@ -123,6 +124,14 @@ class PublicAPI:
     def __init__(self, service: InferenceService) -> None:
         self.service = service
         self.created = int(time.time())
+        self._box: Mailbox | None = None
+        self._box_loop: asyncio.AbstractEventLoop | None = None
+
+    def _mailbox(self, loop: asyncio.AbstractEventLoop) -> Mailbox:
+        """One per event loop: every stream's pieces of a step arrive in one wake-up."""
+        if self._box is None or self._box_loop is not loop:
+            self._box, self._box_loop = Mailbox(loop), loop
+        return self._box
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[request_log], client_max_size=self.service.settings.max_body_bytes)
@@ -264,11 +273,13 @@ class PublicAPI:
         return error_response(exc, self.service.settings.retry_after_s)
 
     @staticmethod
-    def _usage(results: list[GenResult], jobs: list[_Job] | None = None) -> dict[str, int]:
+    def _usage(results: list[GenResult], jobs: list[_Job] | None = None) -> dict[str, Any]:
         # A prompt answered n times is counted once, as vLLM and OpenAI count it.
         prompt = sum(r.prompt_tokens for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0)
         completion = sum(r.completion_tokens for r in results)
-        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+        cached = sum(r.cached_tokens for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0)
+        return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+                "prompt_tokens_details": {"cached_tokens": cached}}
 
     # -- routes ------------------------------------------------------------------------------
 
@@ -426,12 +437,14 @@ class PublicAPI:
         engine = self.service.engine
         assert engine is not None
         loop = asyncio.get_running_loop()
+        mailbox = self._mailbox(loop)
         pieces: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
+
         def sink(index: int) -> Callable[[str], object]:
-            return lambda piece: loop.call_soon_threadsafe(pieces.put_nowait, (index, piece))
+            return lambda piece: mailbox.post(pieces.put_nowait, (index, piece))
 
         def logprobs_sink(index: int) -> Callable[[list[Any], bool], object]:
-            return lambda entries, prompt: loop.call_soon_threadsafe(pieces.put_nowait, (index, (entries, prompt)))
+            return lambda entries, prompt: mailbox.post(pieces.put_nowait, (index, (entries, prompt)))
 
         wants = sampling.logprobs is not None
         requests = [self._request(j, sampling, on_text=sink(j.index),

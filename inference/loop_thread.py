@@ -25,6 +25,7 @@ class LoopHooks:
     on_oom: Callable[[BaseException], object] | None = None
     on_fatal: Callable[[str], object] | None = None
     after_release: Callable[[], object] | None = None  # a grant went back to the gate
+    on_prefix_lookup: Callable[[int, int], object] | None = None  # prompt tokens looked up, found cached
 
 
 class LoopThread:
@@ -35,6 +36,7 @@ class LoopThread:
         self.on_oom = hooks.on_oom
         self.on_fatal = hooks.on_fatal
         self.after_release = hooks.after_release
+        self.on_prefix_lookup = hooks.on_prefix_lookup
         self.poisoned: str | None = None
         self._cond = threading.Condition()
         self._stopping = False

@@ -27,3 +27,11 @@ class InferenceMetrics:
         self.empty_cache = Counter("gpu_inference_empty_cache", "Allocator cache flushes", registry=r)
         self.fatal = Counter("gpu_inference_fatal_errors", "Sticky CUDA errors that poisoned the process",
                              registry=r)
+        self.prefix_queried = Counter("gpu_inference_prefix_cache_queried_tokens",
+                                      "Prompt tokens looked up in the prefix cache", registry=r)
+        self.prefix_hits = Counter("gpu_inference_prefix_cache_hit_tokens",
+                                   "Prompt tokens whose keys and values came from the prefix cache", registry=r)
+
+    def prefix_lookup(self, queried: int, hit: int) -> None:
+        self.prefix_queried.inc(queried)
+        self.prefix_hits.inc(hit)

@@ -194,7 +194,9 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str,
         "temperature": common["temperature"]}}
     usage = {"type": "object", "properties": {"prompt_tokens": {"type": "integer"},
                                               "completion_tokens": {"type": "integer"},
-                                              "total_tokens": {"type": "integer"}}}
+                                              "total_tokens": {"type": "integer"},
+                                              "prompt_tokens_details": {"type": "object", "properties": {
+                                                  "cached_tokens": {"type": "integer"}}}}}
     completion = {"type": "object", "required": ["id", "object", "choices", "usage"], "properties": {
         "id": {"type": "string"}, "object": {"type": "string"}, "created": {"type": "integer"},
         "model": {"type": "string"},

@@ -14,7 +14,7 @@ from typing import Any
 import structlog
 import torch
 
-from inference import allocator
+from inference import allocator, cpu_threads, host_memory
 from inference import handler as handler_mod
 from inference import model as model_mod
 from inference.admission import AdmissionGate
@@ -28,25 +28,22 @@ from inference.metrics import InferenceMetrics
 from inference.model import BUILTIN_NAME
 from inference.planner import CostModel, Plan, plan
 from inference.poison import write_termination_log
-from inference.settings import ServeSettings
+from inference.settings import CPU_PREFIX_CACHE_MIB, ServeSettings
 
 log = structlog.get_logger(__name__)
 
 
 def _leave_a_core(device: torch.device) -> None:
-    """On CPU, torch's threads leave one core to the event loop, HTTP and tokenizing.
-
-    A request-level model's forward passes are short and frequent: with a thread on every core,
-    OpenMP threads spinning between passes take the core the event loop needs to answer and
-    queue the next requests (measured: several times fewer items/s on 2 cores). An explicit
-    OMP_NUM_THREADS wins.
+    """A request-level model's passes are short and frequent: with a thread on every core, OpenMP
+    threads spinning between passes take the core the event loop needs to answer and queue the
+    next requests (measured: several times fewer items/s on 2 cores). They all run on the threads
+    `cpu_threads` gives decode steps.
     """
-    cores = os.cpu_count() or 1
-    if device.type != "cpu" or "OMP_NUM_THREADS" in os.environ or cores < 2:
+    threads = cpu_threads.plan(device)
+    if threads is None or threads.stream == torch.get_num_threads():
         return
-    threads = min(torch.get_num_threads(), cores - 1)
-    torch.set_num_threads(threads)
-    log.info("cpu_threads", torch_threads=threads, cores=cores, why="one core left to the event loop")
+    torch.set_num_threads(threads.stream)
+    log.info("cpu_threads", torch_threads=threads.stream, cores=threads.compute, why="one core left to the event loop")
 
 
 @dataclass(frozen=True)
@@ -92,6 +89,9 @@ class InferenceService:
         self._started = self._loop.time()
         s = self.settings
         device = model_mod.pick_device(s.device)
+        if device.type == "cpu":
+            # Before the model and its activations: see host_memory.
+            log.info("host_memory", keep_freed_bytes=host_memory.KEEP_BYTES, outcome=host_memory.keep_freed_memory())
         if s.memory_fraction is not None and device.type == "cuda":
             torch.cuda.set_per_process_memory_fraction(s.memory_fraction, device)
         t0 = self._loop.time()
@@ -105,12 +105,16 @@ class InferenceService:
         # The gate opens wide for the warm-up and the measuring runs; sizing closes it to the budget.
         self.gate = AdmissionGate(float(1 << 30))
         self.engine = Engine(lm, gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
-                             max_queue=s.max_queue, memory_watermark=s.memory_watermark,
-                             on_fatal=self._on_fatal_threadsafe)
+                             prefill_tokens=s.max_prefill_tokens, max_queue=s.max_queue,
+                             memory_watermark=s.memory_watermark, on_fatal=self._on_fatal_threadsafe)
         log.info("model_loaded", model=lm.name, served_model_name=self.model_name, device=str(device),
                  dtype=str(lm.dtype).replace("torch.", ""), context_len=lm.context_len, forward=lm.forward_path,
+                 products=None if lm.lean is None else lm.lean.products,
                  seconds=round(self._loop.time() - t0, 3))
         self.admission = await asyncio.to_thread(self._size_admission)
+        self.engine.enable_prefix_cache(self._prefix_cache_bytes())
+        log.info("prefix_cache", max_bytes=self._prefix_cache_bytes(),
+                 why="auto" if s.prefix_cache_mib is None else "--prefix-cache")
         self.gate.set_capacity(self.admission.capacity)
         self.engine.cost = self.admission.cost
         self.metrics.admission_limit.set(self.admission.limit)
@@ -170,7 +174,8 @@ class InferenceService:
         s = self.settings
         m = measure_items(self.engine, sized, longest)
         total = m.total_bytes if s.memory_fraction is None else int(m.total_bytes * s.memory_fraction)
-        p = plan(total_bytes=total, base_bytes=m.base_bytes, peak_bytes=m.peak_bytes,
+        # The prefix cache, filled, holds its size on the card for good: it counts with the weights.
+        p = plan(total_bytes=total, base_bytes=m.base_bytes + self._prefix_cache_bytes(), peak_bytes=m.peak_bytes,
                  reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
         log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
                  reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
@@ -181,6 +186,12 @@ class InferenceService:
     def _warm_up(self, tokens: int) -> None:
         assert self.engine is not None
         self.engine.generate([GenRequest(prompt_ids=filler(self.engine, tokens - 1), max_tokens=1)])
+
+    def _prefix_cache_bytes(self) -> int:
+        mib = self.settings.prefix_cache_mib
+        if mib is None:
+            mib = 0 if self.engine is not None and self.engine.is_cuda else CPU_PREFIX_CACHE_MIB
+        return mib << 20
 
     def _size_admission(self) -> Admission:
         """Warm up, then measure the memory budget on CUDA (`auto`) or take the configured slots."""
@@ -203,7 +214,8 @@ class InferenceService:
         if s.memory_fraction is not None:
             # Several workers share the card (or a smaller card is emulated): budget only our share.
             total = int(total * s.memory_fraction)
-        p = plan(total_bytes=total, base_bytes=m.base_bytes, peak_bytes=m.peak_bytes,
+        # The prefix cache, filled, holds its size on the card for good: it counts with the weights.
+        p = plan(total_bytes=total, base_bytes=m.base_bytes + self._prefix_cache_bytes(), peak_bytes=m.peak_bytes,
                  reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
         log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
                  reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
@@ -290,6 +302,13 @@ class InferenceService:
         write_termination_log(reason)
         self.fatal_event.set()
 
+    def _prefix_cache_report(self) -> dict[str, Any] | None:
+        cache = None if self.engine is None else self.engine.prefix_cache
+        if cache is None:
+            return None
+        return {"bytes": cache.bytes, "max_bytes": cache.max_bytes, "blocks": len(cache),
+                "queried_tokens": cache.queried_tokens, "hit_tokens": cache.hit_tokens}
+
     def memory_report(self) -> dict[str, Any]:
         assert self.engine is not None and self.gate is not None
         assert self.admission is not None
@@ -331,6 +350,7 @@ class InferenceService:
                 "preemptions": probe.preemptions,
                 "max_batch_size": self.engine.max_rows,
             },
+            prefix_cache=self._prefix_cache_report(),
             faults=None if self.faults is None else self.faults.describe(),
         )
         return figures

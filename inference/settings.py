@@ -13,6 +13,9 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+# Padded prompt tokens one decode step prefills (vLLM's CPU server budgets its steps alike).
+DEFAULT_PREFILL_TOKENS = 2048
+
 
 class SettingsError(ValueError):
     """A setting that cannot be used; the message names the flag."""
@@ -35,6 +38,23 @@ def _concurrency(value: str) -> int | None:
         return _positive_int(value)
     except argparse.ArgumentTypeError:
         raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
+
+
+def _mib_or_auto(value: str) -> int | None:
+    if value == "auto":
+        return None
+    try:
+        n = int(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of MiB (0 = off) or 'auto'") from None
+    if n < 0:
+        raise argparse.ArgumentTypeError("must be a number of MiB (0 = off) or 'auto'")
+    return n
+
+
+# The prefix cache's size when not given: in host memory on CPU; on a GPU it would come out of the
+# admission budget, so it is given explicitly there.
+CPU_PREFIX_CACHE_MIB = 1024
 
 
 BUILTIN_HANDLERS = ("causal-lm", "embeddings", "classifier")
@@ -86,6 +106,14 @@ class ServeSettings:
     max_batch_tokens: int = field(default=16384, metadata=flag(
         "--max-batch-tokens", "request-level handlers: padded tokens in one forward pass (default: 16384)",
         parse=_positive_int))
+    max_prefill_tokens: int = field(default=DEFAULT_PREFILL_TOKENS, metadata=flag(
+        "--max-prefill-tokens", "causal LM: padded prompt tokens one step prefills; a longer prompt is prefilled"
+        f" a chunk per step, the running sequences decoding between chunks (default: {DEFAULT_PREFILL_TOKENS})",
+        parse=_positive_int))
+    prefix_cache_mib: int | None = field(default=None, metadata=flag(
+        "--prefix-cache", "causal LM: MiB of prompt beginnings' keys and values kept for prompts that start the"
+        f" same way (0 = off); auto = {CPU_PREFIX_CACHE_MIB} on CPU, off on CUDA, where the size given comes out"
+        " of the admission budget (default: auto)", parse=_mib_or_auto, metavar="MIB|auto", show=_show_concurrency))
     queue_timeout: float = field(default=30.0, metadata=flag(
         "--queue-timeout", "seconds a request may wait for admission before a 503", parse=float, metavar="S"))
     max_queue: int = field(default=256, metadata=flag("--max-queue", parse=_positive_int))

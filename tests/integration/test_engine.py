@@ -260,3 +260,152 @@ def test_stop_returns_once_the_loop_thread_has_ended(lm: model_mod.LoadedModel) 
     thread = e._decode._thread
     e.stop()
     assert not thread.is_alive()
+
+
+def test_a_prompt_over_the_prefill_budget_is_prefilled_in_chunks_while_the_batch_decodes(
+        lm: model_mod.LoadedModel) -> None:
+    codec = lm.codec
+    long_prompt = "a long prompt that takes several chunks to prefill, " * 4  # 208 tokens
+    chunked = Engine(lm, prefill_tokens=32)
+    whole = Engine(lm)
+    try:
+        [expected] = whole.generate([GenRequest(codec.encode(long_prompt), 12)])
+        order: list[str] = []
+        started = threading.Event()
+
+        def running(_: str) -> None:
+            order.append("running")
+            started.set()
+
+        seq = chunked._sequence(GenRequest(codec.encode("a running one"), 60, on_text=running))
+        chunked._decode.enqueue(seq)
+        assert started.wait(30)
+        [result] = chunked.generate([GenRequest(codec.encode(long_prompt), 12,
+                                                on_text=lambda _: order.append("long"))])
+        seq.future.result(timeout=60)
+    finally:
+        chunked.stop()
+        whole.stop()
+    # The cache built a chunk at a time gives the answer one pass over the prompt gives.
+    assert result.text == expected.text
+    # 208 tokens in chunks of 32 take 7 steps; the running sequence decoded at each of them.
+    chunks = -(-len(codec.encode(long_prompt)) // 32)
+    before_first = order.index("long") - order.index("running")
+    assert before_first >= chunks - 1
+
+
+def test_an_oom_in_a_chunk_sends_that_prompt_back_to_start_over_and_nothing_is_lost(
+        lm: model_mod.LoadedModel) -> None:
+    faults = FaultInjector()
+    e = Engine(lm, faults=faults, prefill_tokens=16)
+    try:
+        codec = lm.codec
+        prompt = codec.encode("chunked prefill meets an out-of-memory error " * 2)
+        [expected] = e.generate([GenRequest(prompt, 8)])
+        [running_alone] = e.generate([GenRequest(codec.encode("keeps decoding"), 40)])
+        started = threading.Event()
+        running = e._sequence(GenRequest(codec.encode("keeps decoding"), 40, on_text=lambda _: started.set()))
+        e._decode.enqueue(running)
+        assert started.wait(30)
+        # Prefills fail, decode steps do not: the long prompt's first chunk runs out of memory.
+        faults.inject("oom", {"count": 1})
+        [result] = e.generate([GenRequest(prompt, 8)])
+        other = running.future.result(timeout=60)
+    finally:
+        e.stop()
+    assert result.text == expected.text
+    assert other.text == running_alone.text
+    assert e.oom_count == 1 and e.probe().preemptions == 1
+
+
+SYSTEM = "You are a careful assistant who answers briefly and exactly. "  # 61 bytes: 3 whole blocks
+
+
+@pytest.mark.parametrize("forward", ["lean", "transformers"])
+def test_prompts_that_begin_alike_reuse_the_cached_beginning_and_answer_the_same(
+        lm: model_mod.LoadedModel, forward: str) -> None:
+    import dataclasses
+
+    loaded = lm if forward == "lean" else dataclasses.replace(lm, lean=None)
+    codec = lm.codec
+    first = SYSTEM + "What is a GPU?"
+    rest = [SYSTEM + "Name a colour.", SYSTEM + SYSTEM + "Again?", "an unrelated prompt", SYSTEM[:40] + "half"]
+    plain, cached = Engine(loaded), Engine(loaded)
+    cached.enable_prefix_cache(64 << 20)
+    try:
+        expected = [r.text for r in plain.generate([GenRequest(codec.encode(p), 12) for p in [first, *rest]])]
+        [alone] = cached.generate([GenRequest(codec.encode(first), 12)])
+        # Joined in one prefill: rows with three, six, none and two cached blocks side by side.
+        together = cached.generate([GenRequest(codec.encode(p), 12) for p in rest])
+        [again] = cached.generate([GenRequest(codec.encode(rest[1]), 12)])
+    finally:
+        plain.stop()
+        cached.stop()
+    assert [alone.text, *(r.text for r in together)] == expected
+    assert alone.cached_tokens == 0
+    assert [r.cached_tokens for r in together] == [48, 48, 0, 32]
+    # The second time, all of it was there but for its last token (BOS + 128 bytes: 8 whole blocks).
+    assert again.text == expected[2] and again.cached_tokens == 128
+    prefix = cached.prefix_cache
+    assert prefix is not None and prefix.hit_tokens == 48 + 48 + 32 + 128
+
+
+def test_a_long_prompt_prefilled_in_chunks_starts_after_its_cached_beginning(lm: model_mod.LoadedModel) -> None:
+    codec = lm.codec
+    long_prompt = SYSTEM * 3 + "and then a question that comes at the very end"
+    plain, cached = Engine(lm), Engine(lm, prefill_tokens=16)
+    cached.enable_prefix_cache(64 << 20)
+    try:
+        [expected] = plain.generate([GenRequest(codec.encode(long_prompt), 10)])
+        cached.generate([GenRequest(codec.encode(SYSTEM * 3), 2)])
+        before = cached.probe().forward_batches
+        [result] = cached.generate([GenRequest(codec.encode(long_prompt), 10)])
+        forwards = cached.probe().forward_batches - before
+    finally:
+        plain.stop()
+        cached.stop()
+    assert result.text == expected.text and result.cached_tokens == 176
+    # 229 tokens, 176 cached: the other 53 in 4 chunks of 16, then 9 decode steps.
+    assert forwards == 4 + 9
+
+
+def test_a_prompt_to_score_is_computed_whole_and_scores_the_same_with_the_cache_on(
+        lm: model_mod.LoadedModel) -> None:
+    codec = lm.codec
+    prompt = codec.encode(SYSTEM + "score me")
+    plain, cached = Engine(lm), Engine(lm)
+    cached.enable_prefix_cache(64 << 20)
+    try:
+        [expected] = plain.generate([GenRequest(prompt, 1, prompt_logprobs=2)])
+        cached.generate([GenRequest(prompt, 1)])
+        [scored] = cached.generate([GenRequest(prompt, 1, prompt_logprobs=2)])
+    finally:
+        plain.stop()
+        cached.stop()
+    assert scored.cached_tokens == 0
+    assert scored.prompt_logprobs is not None and expected.prompt_logprobs is not None
+    assert [e.logprob if e else None for e in scored.prompt_logprobs] == pytest.approx(
+        [e.logprob if e else None for e in expected.prompt_logprobs], abs=1e-5)
+
+
+def test_joiners_found_cached_are_prefilled_apart_and_stream_first(lm: model_mod.LoadedModel) -> None:
+    codec = lm.codec
+    e = Engine(lm)
+    e.enable_prefix_cache(64 << 20)
+    try:
+        e.generate([GenRequest(codec.encode(SYSTEM * 2), 2)])
+        first: list[str] = []
+        cached = [SYSTEM * 2 + f"question {i}" for i in range(3)]
+        fresh = [f"an uncached prompt of about the same length as the others, number {i}" * 2 for i in range(2)]
+        requests = [GenRequest(codec.encode(p), 4, on_text=lambda _, name=name: first.append(name))
+                    for name, p in [*(("cached", p) for p in cached), *(("fresh", p) for p in fresh)]]
+        before = e.probe().forward_batches
+        results = e.generate(requests)
+        forwards = e.probe().forward_batches - before
+    finally:
+        e.stop()
+    # The cached ones (a few tokens each) in one pass, the long uncached ones in another: the
+    # cached three stream their first token before the second pass is computed.
+    assert first[:3] == ["cached"] * 3 and "fresh" in first[3:5]
+    assert [r.cached_tokens for r in results] == [112, 112, 112, 0, 0]
+    assert forwards == 2 + 3  # two prefill passes, then three decode steps

@@ -156,3 +156,27 @@ def test_a_local_model_directory_chats_through_its_own_template(tmp_path: Path) 
         assert r.choices[0].message.content == plain.choices[0].text
     finally:
         srv.proc.stop()
+
+
+def test_a_repeated_beginning_is_reported_as_cached_tokens_and_answers_the_same(server: Server,
+                                                                                 client: openai.OpenAI) -> None:
+    system = {"role": "system", "content": "You answer in one short line, and never more than that. " * 2}
+    first = client.chat.completions.create(model=NAME, messages=[system, {"role": "user", "content": "Hi"}],
+                                           max_tokens=8)
+    again = client.chat.completions.create(model=NAME, messages=[system, {"role": "user", "content": "Hi"}],
+                                           max_tokens=8)
+    other = client.chat.completions.create(model=NAME, messages=[system, {"role": "user", "content": "Bye"}],
+                                           max_tokens=8)
+    assert first.usage is not None and again.usage is not None and other.usage is not None
+    assert again.choices[0].message.content == first.choices[0].message.content
+    details = [u.prompt_tokens_details for u in (first.usage, again.usage, other.usage)]
+    assert all(d is not None for d in details)
+    cached = [d.cached_tokens for d in details if d is not None]
+    # The system prompt and the template around it (well over 100 tokens) came from the cache the
+    # second and third time: whole 16-token blocks, the last token always computed.
+    assert cached[0] == 0
+    assert cached[1] == (again.usage.prompt_tokens - 1) // 16 * 16
+    assert 100 <= cached[2] < other.usage.prompt_tokens
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    hits = [line for line in metrics.splitlines() if line.startswith("gpu_inference_prefix_cache_hit_tokens_total")]
+    assert hits and float(hits[0].split()[-1]) >= cached[1] + cached[2]

@@ -100,3 +100,46 @@ def test_one_waiting_for_budget_never_stops_a_preempted_one_behind_it() -> None:
     waiting = [Candidate(1.0), Candidate(1.0, holds_grant=True), Candidate(1.0), Candidate(1.0, holds_grant=True)]
     assert take(waiting, room(rows=0, max_rows=4, in_use=12.0, capacity=7.0)) == [1, 3]
     assert take(waiting, room(rows=3, max_rows=4, in_use=12.0, capacity=7.0)) == [1]  # rows still bind
+
+
+def test_one_step_prefills_at_most_its_budget_of_prompt_tokens() -> None:
+    budgeted = Room(rows=0, max_rows=64, in_use=0.0, capacity=64.0, prefill_tokens=1024)
+    waiting = [Candidate(1.0, tokens=256) for _ in range(6)]
+    # 4 x 256 fit; the fifth would take the step to 1280.
+    assert take(waiting, budgeted) == [0, 1, 2, 3]
+    # What they compute counts (a cached beginning costs nothing), in order: past 1,024, the rest waits.
+    mixed = [Candidate(1.0, tokens=100), Candidate(1.0, tokens=600), Candidate(1.0, tokens=400),
+             Candidate(1.0, tokens=10)]
+    assert take(mixed, budgeted) == [0, 1]
+
+
+def test_a_prompt_over_the_budget_still_joins_alone_and_the_canary_joins_beside_it() -> None:
+    budgeted = Room(rows=3, max_rows=64, in_use=3.0, capacity=64.0, prefill_tokens=512)
+    waiting = [Candidate(1.0, tokens=5000), Candidate(0.0, canary=True, tokens=2), Candidate(1.0, tokens=8)]
+    assert take(waiting, budgeted) == [0, 1]
+    # Once the budget is spent, later arrivals wait for the next step; the canary never does.
+    spent = [Candidate(1.0, tokens=400), Candidate(1.0, tokens=400), Candidate(0.0, canary=True, tokens=2)]
+    assert take(spent, budgeted) == [0, 2]
+
+
+def test_joiners_are_prefilled_in_passes_of_like_lengths_the_shortest_first() -> None:
+    from inference.batch import passes
+
+    # Five prompts found cached but for 16 tokens beside two that compute all 258: two passes,
+    # the cheap one first, instead of one pass 258 wide for everyone.
+    assert passes([16, 258, 16, 16, 258, 2, 16]) == [[0, 2, 3, 5, 6], [1, 4]]
+    # Alike lengths stay in one pass; every index comes out once.
+    assert passes([250, 256, 240, 256]) == [[0, 1, 2, 3]]
+    # A few short ones beside many long ones would pad little in all, but wait a long pass for nothing.
+    assert passes([130] * 13 + [16] * 3) == [[13, 14, 15], list(range(13))]
+    lengths = [1, 7, 300, 64, 65, 900, 3, 250]
+    out = passes(lengths)
+    assert sorted(i for p in out for i in p) == list(range(len(lengths)))
+    for p in out:
+        widest = max(lengths[i] for i in p)
+        if widest > 64:
+            assert len(p) * widest - sum(lengths[i] for i in p) <= 0.25 * len(p) * widest
+            assert all(2 * lengths[i] >= widest for i in p)
+    # Short rows share a pass whatever their padding: another forward would cost more.
+    assert passes([1, 7, 64, 3]) == [[0, 1, 2, 3]]
+    assert [max(lengths[i] for i in p) for p in out] == sorted(max(lengths[i] for i in p) for p in out)
