@@ -2,12 +2,14 @@
 
 On CPU the event loop that parses requests and streams tokens shares the cores with torch. A
 prefill is arithmetic-bound and streams nothing while it runs: every core shortens it (a batch of
-32 prompts of 256 tokens on 2 cores: 409 against 775 ms on one). So is a decode step of many rows,
-bound by reading their keys and values, which a second core reads alongside (32 rows: 8.2 against
-10.4 ms; served, its attention took a third of the step on one core). A decode step of a few rows
-is a string of small operations, each of which a second thread makes slower (the threads meet at
-every operation: 4 rows, 3.8 against 2.8 ms): those leave one core to the event loop. An explicit
-OMP_NUM_THREADS wins over all of it.
+32 prompts of 256 tokens on 2 cores: 409 against 775 ms on one). A decode step is bound by
+reading weights, keys and values, which a second thread barely speeds up and often slows (the
+threads meet at every one of its small operations; in process, one thread against two: the small
+model 2.0 / 2.1 ms at 4 rows, 4.2 / 4.8 at 16, 8.8 / 8.8 at 32; an 85 M-parameter one 25.6 / 25.0
+at 4, 51.5 / 47.1 at 16, 107 / 131 at 32), while the core it takes is the one the event loop
+needs to stream that step's tokens (served at 16 clients, 256 in / 128 out: 1,828 against 1,557
+output tokens/s). So decode steps, and short prefills, leave one core to the event loop. An
+explicit OMP_NUM_THREADS wins over all of it.
 """
 
 from __future__ import annotations
@@ -18,20 +20,18 @@ from dataclasses import dataclass
 
 import torch
 
-# Below these, a pass's operations are too short to share between threads.
+# Below this, a prefill's operations are too short to share between threads.
 PARALLEL_PREFILL_TOKENS = 64
-PARALLEL_DECODE_ROWS = 16
 
 
 @dataclass(frozen=True)
 class CpuThreads:
-    compute: int  # prefills and decode steps of many rows: every core
-    stream: int  # small passes: one core left to the event loop
+    compute: int  # prefills: every core
+    stream: int  # decode steps and short prefills: one core left to the event loop
 
     def for_pass(self, tokens: int, prefill: bool) -> int:
-        """`tokens`: rows x new tokens per row (a decode step: its rows)."""
-        big = tokens >= (PARALLEL_PREFILL_TOKENS if prefill else PARALLEL_DECODE_ROWS)
-        return self.compute if big else self.stream
+        """`tokens`: rows x new tokens per row."""
+        return self.compute if prefill and tokens >= PARALLEL_PREFILL_TOKENS else self.stream
 
 
 def plan(device: torch.device, cores: int | None = None, env: Mapping[str, str] = os.environ) -> CpuThreads | None:
