@@ -21,14 +21,18 @@ class SettingsError(ValueError):
     """A setting that cannot be used; the message names the flag."""
 
 
-def _positive_int(value: str) -> int:
+def _whole(value: str, least: int, what: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError("must be a positive integer") from None
-    if n < 1:
-        raise argparse.ArgumentTypeError("must be a positive integer")
+        raise argparse.ArgumentTypeError(what) from None
+    if n < least:
+        raise argparse.ArgumentTypeError(what)
     return n
+
+
+def _positive_int(value: str) -> int:
+    return _whole(value, 1, "must be a positive integer")
 
 
 def _concurrency(value: str) -> int | None:
@@ -41,15 +45,7 @@ def _concurrency(value: str) -> int | None:
 
 
 def _mib_or_auto(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        n = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError("must be a number of MiB (0 = off) or 'auto'") from None
-    if n < 0:
-        raise argparse.ArgumentTypeError("must be a number of MiB (0 = off) or 'auto'")
-    return n
+    return None if value == "auto" else _whole(value, 0, "must be a number of MiB (0 = off) or 'auto'")
 
 
 # The prefix cache's size when not given: in host memory on CPU; on a GPU it would come out of the

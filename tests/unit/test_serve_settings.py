@@ -19,9 +19,10 @@ def test_every_flag_round_trips_through_the_childs_argv() -> None:
     argv = ["--model", "/models/m", "--served-model-name", "llama", "--device", "cpu", "--port", "9000",
             "--control-port", "9001", "--max-concurrency", "6", "--max-batch-size", "12", "--queue-timeout", "2.5",
             "--max-queue", "9", "--max-tokens-limit", "64", "--body-timeout", "3", "--memory-fraction", "0.5",
-            "--fault-injection"]
+            "--max-prefill-tokens", "512", "--prefix-cache", "256", "--fault-injection"]
     settings = from_args(parse(argv, for_up=True))
     assert settings.served_model_name == "llama" and settings.max_batch_size == 12 and settings.fault_injection
+    assert settings.max_prefill_tokens == 512 and settings.prefix_cache_mib == 256
     child = from_args(parse(to_argv(settings)))
     assert child == settings
 
@@ -51,6 +52,17 @@ def test_a_value_out_of_range_names_the_flag() -> None:
         from_args(parse(["--served-model-name", " "]))
     with pytest.raises(argparse.ArgumentError, match="max-batch-size"):
         parse(["--max-batch-size", "0"])
+    with pytest.raises(argparse.ArgumentError, match="max-prefill-tokens"):
+        parse(["--max-prefill-tokens", "0"])
+    with pytest.raises(argparse.ArgumentError, match="prefix-cache.*MiB"):
+        parse(["--prefix-cache", "-1"])
+    with pytest.raises(argparse.ArgumentError, match="prefix-cache.*MiB"):
+        parse(["--prefix-cache", "lots"])
+
+
+def test_the_prefix_cache_is_off_at_zero_and_auto_by_default() -> None:
+    assert from_args(parse(["--prefix-cache", "0"])).prefix_cache_mib == 0
+    assert from_args(parse(["--prefix-cache", "auto"])).prefix_cache_mib is None
 
 
 def test_the_handler_flags_round_trip_and_a_bad_handler_names_the_flag() -> None:
