@@ -1,12 +1,17 @@
 """The bundled server beside vLLM's CPU build, both measured by vLLM's own client (`vllm bench serve`).
 
 Usage: python -m benchmarks.vs_vllm_bench [--vllm-python PATH] [--concurrency 1,4,16,32]
-       [--shapes 128x32,256x64,256x128] [--models small,85m] [--prompts-per-client 4]
+       [--shapes 128x32,256x64,256x128] [--models small,85m] [--prompts-per-client 2] [--rounds 3]
 
 For each generated model (random weights, no download: `small` is hidden 256 / 4 layers, `85m`
-hidden 768 / 12 layers), each server runs alone (vLLM at its defaults, then ours at its defaults),
-and `vllm bench serve --dataset-name random` (unchanged: it sends ignore_eos, so every answer has
-its full length) runs every cell of concurrency x (input/output tokens). Writes
+hidden 768 / 12 layers), both servers run at their defaults, started fresh, and
+`vllm bench serve --dataset-name random` (unchanged: it sends ignore_eos, so every answer has its
+full length) runs every cell of concurrency x (input/output tokens) against one, then the other
+(the order alternating from cell to cell), so that a slow minute of a shared machine lands on
+both alike. A round is the whole matrix with one seed for every cell, the client's default way
+(its seed is 0): prompts then repeat from cell to cell, as they would for anyone running it twice,
+and each server's prefix cache (vLLM's is on by default, so is ours) sees the same sequence.
+Each round takes the next seed; the table gives each cell's median over the rounds. Writes
 benchmarks/results/vs_vllm_bench.{md,json,png}: output tokens/s, TTFT and TPOT p50/p99 per cell,
 and ours/vLLM.
 """
@@ -16,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import tempfile
 import time
@@ -41,15 +47,23 @@ def _cells(args: argparse.Namespace) -> list[tuple[int, int, int]]:
     return [(c, i, o) for c in (int(x) for x in args.concurrency.split(",")) for i, o in shapes]
 
 
-def _run(python: Path, url: str, model: Path, cells: list[tuple[int, int, int]], per_client: int
-         ) -> dict[str, dict[str, Any]]:
-    out: dict[str, dict[str, Any]] = {}
-    for c, i, o in cells:
-        r = bench_serve(python, url, SERVED_NAME, model, prompts=max(8, c * per_client), input_len=i, output_len=o,
-                        concurrency=c)
-        row = {k: r.get(k) for k in (*METRICS, "completed", "failed")}
-        out[f"{c}|{i}|{o}"] = row
-        print(f"  c={c} {i}/{o}: {row}", flush=True)
+def _round(python: Path, urls: dict[str, str], model: Path, cells: list[tuple[int, int, int]], per_client: int,
+           seed: int, runs: dict[str, dict[str, list[dict[str, Any]]]]) -> None:
+    for n, (c, i, o) in enumerate(cells):
+        order = ("vllm", "ours") if (n + seed) % 2 == 0 else ("ours", "vllm")
+        for name in order:
+            r = bench_serve(python, urls[name], SERVED_NAME, model, prompts=max(8, c * per_client), input_len=i,
+                            output_len=o, concurrency=c, seed=seed)
+            row = {k: r.get(k) for k in (*METRICS, "completed", "failed")}
+            runs[name].setdefault(f"{c}|{i}|{o}", []).append(row)
+            print(f"  seed {seed} {name} c={c} {i}/{o}: {row}", flush=True)
+
+
+def _median(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key in (*METRICS, "completed", "failed"):
+        values = [r[key] for r in rows if isinstance(r.get(key), int | float)]
+        out[key] = (sum(values) if key == "failed" else statistics.median(values)) if values else None
     return out
 
 
@@ -59,7 +73,8 @@ def main() -> None:
     p.add_argument("--concurrency", default="1,4,16,32")
     p.add_argument("--shapes", default="128x32,256x64,256x128")
     p.add_argument("--models", default="small,85m")
-    p.add_argument("--prompts-per-client", type=int, default=4)
+    p.add_argument("--prompts-per-client", type=int, default=2)
+    p.add_argument("--rounds", type=int, default=3, help="the matrix this many times, seeds 0, 1, ...")
     p.add_argument("--omp-spin", action="store_true",
                    help="leave OMP_WAIT_POLICY alone (default: PASSIVE for both servers)")
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
@@ -75,22 +90,29 @@ def main() -> None:
     work = Path(tempfile.mkdtemp(prefix="vs-vllm-bench-"))
     cells = _cells(args)
     results: dict[str, dict[str, dict[str, Any]]] = {}
+    all_runs: dict[str, dict[str, dict[str, list[dict[str, Any]]]]] = {}
     for name in args.models.split(","):
         model = _model(name, work)
-        started = time.monotonic()
-        vllm = start_vllm(python, model, work / f"vllm-{name}", max_num_seqs=None, eager=False)
-        print(f"{name}: vllm up in {time.monotonic() - started:.0f}s", flush=True)
-        try:
-            results[f"{name}|vllm"] = _run(python, vllm.url, model, cells, args.prompts_per_client)
-        finally:
-            vllm.stop()
-        server = serve(["--model", str(model), "--served-model-name", SERVED_NAME],
-                       out / "logs" / f"vs_vllm_bench-{name}.log")
-        try:
-            results[f"{name}|ours"] = _run(python, server.url, model, cells, args.prompts_per_client)
-        finally:
-            server.running.stop()
-        write_report(args, results, out)
+        runs: dict[str, dict[str, list[dict[str, Any]]]] = {"vllm": {}, "ours": {}}
+        for seed in range(args.rounds):
+            # Fresh servers each round: neither cache carries the last round's prompts over.
+            started = time.monotonic()
+            vllm = start_vllm(python, model, work / f"vllm-{name}-{seed}", max_num_seqs=None, eager=False)
+            server = None
+            try:
+                server = serve(["--model", str(model), "--served-model-name", SERVED_NAME],
+                               out / "logs" / f"vs_vllm_bench-{name}.log")
+                print(f"{name}: both up in {time.monotonic() - started:.0f}s", flush=True)
+                _round(python, {"vllm": vllm.url, "ours": server.url}, model, cells, args.prompts_per_client, seed,
+                       runs)
+            finally:
+                vllm.stop()
+                if server is not None:
+                    server.running.stop()
+        all_runs[name] = runs
+        for side in ("vllm", "ours"):
+            results[f"{name}|{side}"] = {cell: _median(rows) for cell, rows in runs[side].items()}
+        write_report(args, results, out, all_runs)
     print((out / "vs_vllm_bench.md").read_text())
 
 
@@ -103,16 +125,20 @@ def _pair(a: dict[str, Any], b: dict[str, Any], key: str) -> str:
     return f"{x:.1f} / {y:.1f}" if isinstance(x, int | float) and isinstance(y, int | float) else "-"
 
 
-def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str, Any]]], out: Path) -> None:
+def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str, Any]]], out: Path,
+                 runs: dict[str, Any] | None = None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "vs_vllm_bench.json").write_text(json.dumps({"machine": machine(), "args": vars(args),
-                                                         "results": results}, indent=1))
+                                                         "results": results, "runs": runs or {}}, indent=1))
     lines = ["# Ours beside vLLM, measured by `vllm bench serve` (random dataset, ignore_eos)\n",
              f"Machine: {machine()}. Command: `python -m benchmarks.vs_vllm_bench"
              f" --concurrency {args.concurrency} --shapes {args.shapes} --models {args.models}"
-             f" --prompts-per-client {args.prompts_per_client}`. Load average when written:"
-             f" {' '.join(f'{x:.1f}' for x in os.getloadavg())} (other work on the same cores skews the figures);"
-             f" OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} for both servers.\n",
+             f" --prompts-per-client {args.prompts_per_client} --rounds {args.rounds}`: both servers fresh each"
+             f" round, cells alternating which goes first, one seed per round (0, 1, ...) for every cell, so"
+             f" prompts repeat from cell to cell as the client's default seed makes them and both prefix caches"
+             f" see the same sequence; each figure is the median over the rounds (failed: the sum). Load average"
+             f" when written: {' '.join(f'{x:.1f}' for x in os.getloadavg())} (other work on the same cores skews"
+             f" the figures); OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', 'unset')} for both servers.\n",
              "| model | concurrency | in/out | out tok/s ours / vLLM | ratio | p50 TTFT ms ours / vLLM | "
              "p99 TTFT ms ours / vLLM | p99 TTFT ratio | p50 TPOT ms ours / vLLM | p99 TPOT ms ours / vLLM | "
              "failed ours / vLLM |",
@@ -129,6 +155,16 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str
                          f"{_ratio(a.get('p99_ttft_ms'), b.get('p99_ttft_ms'))} | {_pair(a, b, 'p50_tpot_ms')} | "
                          f"{_pair(a, b, 'p99_tpot_ms')} | {a.get('failed', '-')} / {b.get('failed')} |")
     (out / "vs_vllm_bench.md").write_text("\n".join(lines) + "\n")
+    plot(results, out / "vs_vllm_bench.png")
+
+
+PANELS = (("output_throughput", "output tokens/s"), ("p50_ttft_ms", "p50 TTFT"), ("p99_ttft_ms", "p99 TTFT"),
+          ("p50_tpot_ms", "p50 TPOT"), ("p99_tpot_ms", "p99 TPOT"))
+
+
+def plot(results: dict[str, dict[str, dict[str, Any]]], path: Path) -> None:
+    """One panel per metric (rows) and model (columns): ours / vLLM per cell, grouped by concurrency,
+    a bar per tokens in/out. Above 1 is better for tokens/s, below 1 for the latencies."""
     try:
         import matplotlib
 
@@ -136,23 +172,35 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str
         import matplotlib.pyplot as plt
     except ImportError:
         return
-    fig, ax = plt.subplots(figsize=(10, 4))
-    labels, ratios = [], []
-    for model in dict.fromkeys(k.split("|")[0] for k in results):
+    models = list(dict.fromkeys(k.split("|")[0] for k in results))
+    fig, axes = plt.subplots(len(PANELS), len(models), figsize=(5.5 * len(models), 2.2 * len(PANELS)),
+                             squeeze=False, sharex="col")
+    for col, model in enumerate(models):
         ours, theirs = results.get(f"{model}|ours", {}), results.get(f"{model}|vllm", {})
-        for cell, b in theirs.items():
-            a = ours.get(cell, {})
-            if isinstance(a.get("output_throughput"), int | float) and b.get("output_throughput"):
-                labels.append(f"{model}\nc{cell.replace('|', ' ', 1).replace('|', '/')}")
-                ratios.append(a["output_throughput"] / b["output_throughput"])
-    ax.bar(range(len(ratios)), ratios)
-    ax.axhline(1.0, color="k", linewidth=0.8)
-    ax.set_xticks(range(len(ratios)), labels, fontsize=7)
-    ax.set_ylabel("output tokens/s, ours / vLLM")
+        concurrencies = list(dict.fromkeys(cell.split("|")[0] for cell in theirs))
+        shapes = list(dict.fromkeys("/".join(cell.split("|")[1:]) for cell in theirs))
+        width = 0.8 / max(1, len(shapes))
+        for row, (key, title) in enumerate(PANELS):
+            ax = axes[row][col]
+            for k, shape in enumerate(shapes):
+                xs, ys = [], []
+                for x, c in enumerate(concurrencies):
+                    cell = f"{c}|{shape.replace('/', '|')}"
+                    a, b = ours.get(cell, {}), theirs.get(cell, {})
+                    if isinstance(a.get(key), int | float) and isinstance(b.get(key), int | float) and b[key]:
+                        xs.append(x + (k - (len(shapes) - 1) / 2) * width)
+                        ys.append(a[key] / b[key])
+                ax.bar(xs, ys, width, label=f"{shape} tokens")
+            ax.axhline(1.0, color="k", linewidth=0.8)
+            ax.set_ylabel(f"{title}\nours / vLLM", fontsize=8)
+            if row == 0:
+                hint = "  (tokens/s: higher is better; latencies: lower)" if col == 0 else ""
+                ax.set_title(f"model {model}{hint}", fontsize=9)
+                ax.legend(fontsize=7, loc="lower right")
+            ax.set_xticks(range(len(concurrencies)), [f"c={c}" for c in concurrencies], fontsize=8)
     fig.tight_layout()
-    fig.savefig(out / "vs_vllm_bench.png", dpi=100)
+    fig.savefig(path, dpi=100)
     plt.close(fig)
-
 
 if __name__ == "__main__":
     main()
