@@ -275,9 +275,10 @@ class PublicAPI:
     @staticmethod
     def _usage(results: list[GenResult], jobs: list[_Job] | None = None) -> dict[str, Any]:
         # A prompt answered n times is counted once, as vLLM and OpenAI count it.
-        prompt = sum(r.prompt_tokens for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0)
+        firsts = [r for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0]
+        prompt = sum(r.prompt_tokens for r in firsts)
         completion = sum(r.completion_tokens for r in results)
-        cached = sum(r.cached_tokens for i, r in enumerate(results) if jobs is None or jobs[i].choice == 0)
+        cached = sum(r.cached_tokens for r in firsts)
         return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
                 "prompt_tokens_details": {"cached_tokens": cached}}
 

@@ -112,8 +112,9 @@ class InferenceService:
                  products=None if lm.lean is None else lm.lean.products,
                  seconds=round(self._loop.time() - t0, 3))
         self.admission = await asyncio.to_thread(self._size_admission)
-        self.engine.enable_prefix_cache(self._prefix_cache_bytes())
-        log.info("prefix_cache", max_bytes=self._prefix_cache_bytes(),
+        cache_bytes = self._prefix_cache_bytes()
+        self.engine.enable_prefix_cache(cache_bytes)
+        log.info("prefix_cache", max_bytes=cache_bytes,
                  why="auto" if s.prefix_cache_mib is None else "--prefix-cache")
         self.gate.set_capacity(self.admission.capacity)
         self.engine.cost = self.admission.cost
@@ -171,17 +172,22 @@ class InferenceService:
     def _measure_items(self, sized: Callable[[int], Any], longest: int) -> Admission:
         """The memory budget in items of a request-level handler: one item's peak at two sizes, on CUDA."""
         assert self.engine is not None
-        s = self.settings
         m = measure_items(self.engine, sized, longest)
-        total = m.total_bytes if s.memory_fraction is None else int(m.total_bytes * s.memory_fraction)
-        # The prefix cache, filled, holds its size on the card for good: it counts with the weights.
-        p = plan(total_bytes=total, base_bytes=m.base_bytes + self._prefix_cache_bytes(), peak_bytes=m.peak_bytes,
-                 reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
-        log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
-                 reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
-                 per="item", notes=list(p.notes))
+        p = self._plan(m, m.base_bytes, per="item")
         return Admission("bytes", float(max(p.budget_bytes, m.cost.peak_bytes(longest))), max(1, p.max_concurrency),
                          m.cost, longest, p, "measured")
+
+    def _plan(self, m: Any, base_bytes: int, **context: Any) -> Plan:
+        """The budget from measured figures (`m`: total, peak and context bytes), logged."""
+        s = self.settings
+        # Several workers share the card (or a smaller card is emulated): budget only our share.
+        total = m.total_bytes if s.memory_fraction is None else int(m.total_bytes * s.memory_fraction)
+        p = plan(total_bytes=total, base_bytes=base_bytes, peak_bytes=m.peak_bytes, reserve_ratio=s.reserve_ratio,
+                 context_bytes=m.context_bytes)
+        log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
+                 reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
+                 **context, notes=list(p.notes))
+        return p
 
     def _warm_up(self, tokens: int) -> None:
         assert self.engine is not None
@@ -210,16 +216,8 @@ class InferenceService:
             log.info("admission_auto_cpu", note="no CUDA allocator to measure: using a fixed number of slots", slots=n)
             return Admission("slots", float(n), n, None, worst, None, "cpu default (no CUDA budget to measure)")
         m = measure(self.engine, worst - 1, 1)
-        total = m.total_bytes
-        if s.memory_fraction is not None:
-            # Several workers share the card (or a smaller card is emulated): budget only our share.
-            total = int(total * s.memory_fraction)
         # The prefix cache, filled, holds its size on the card for good: it counts with the weights.
-        p = plan(total_bytes=total, base_bytes=m.base_bytes + self._prefix_cache_bytes(), peak_bytes=m.peak_bytes,
-                 reserve_ratio=s.reserve_ratio, context_bytes=m.context_bytes)
-        log.info("admission_measured", total_bytes=total, base_bytes=p.base_bytes, peak_bytes=p.peak_bytes,
-                 reserve_bytes=p.reserve_bytes, budget_bytes=p.budget_bytes, max_concurrency=p.max_concurrency,
-                 notes=list(p.notes))
+        p = self._plan(m, m.base_bytes + self._prefix_cache_bytes())
         limit = max(1, p.max_concurrency)
         return Admission("bytes", float(max(p.budget_bytes, m.cost.peak_bytes(worst))), limit, m.cost, worst, p,
                          "measured")

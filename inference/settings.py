@@ -13,7 +13,8 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-# Padded prompt tokens one decode step prefills (vLLM's CPU server budgets its steps alike).
+# Prompt tokens one decode step prefills, cached beginnings left out (vLLM's CPU server budgets its
+# steps alike).
 DEFAULT_PREFILL_TOKENS = 2048
 
 
@@ -36,12 +37,7 @@ def _positive_int(value: str) -> int:
 
 
 def _concurrency(value: str) -> int | None:
-    if value == "auto":
-        return None
-    try:
-        return _positive_int(value)
-    except argparse.ArgumentTypeError:
-        raise argparse.ArgumentTypeError("must be a positive integer or 'auto'") from None
+    return None if value == "auto" else _whole(value, 1, "must be a positive integer or 'auto'")
 
 
 def _mib_or_auto(value: str) -> int | None:
@@ -103,8 +99,9 @@ class ServeSettings:
         "--max-batch-tokens", "request-level handlers: padded tokens in one forward pass (default: 16384)",
         parse=_positive_int))
     max_prefill_tokens: int = field(default=DEFAULT_PREFILL_TOKENS, metadata=flag(
-        "--max-prefill-tokens", "causal LM: padded prompt tokens one step prefills; a longer prompt is prefilled"
-        f" a chunk per step, the running sequences decoding between chunks (default: {DEFAULT_PREFILL_TOKENS})",
+        "--max-prefill-tokens", "causal LM: prompt tokens one step prefills (cached beginnings left out); a longer"
+        f" prompt is prefilled a chunk per step, the running sequences decoding between chunks (default:"
+        f" {DEFAULT_PREFILL_TOKENS})",
         parse=_positive_int))
     prefix_cache_mib: int | None = field(default=None, metadata=flag(
         "--prefix-cache", "causal LM: MiB of prompt beginnings' keys and values kept for prompts that start the"

@@ -54,9 +54,9 @@ def test_a_value_out_of_range_names_the_flag() -> None:
         parse(["--max-batch-size", "0"])
     with pytest.raises(argparse.ArgumentError, match="max-prefill-tokens"):
         parse(["--max-prefill-tokens", "0"])
-    with pytest.raises(argparse.ArgumentError, match="prefix-cache.*MiB"):
+    with pytest.raises(argparse.ArgumentError, match=r"prefix-cache.*MiB"):
         parse(["--prefix-cache", "-1"])
-    with pytest.raises(argparse.ArgumentError, match="prefix-cache.*MiB"):
+    with pytest.raises(argparse.ArgumentError, match=r"prefix-cache.*MiB"):
         parse(["--prefix-cache", "lots"])
 
 
