@@ -102,7 +102,10 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         if outcome.ok and h.served_at is None and outcome.at >= h.epoch:
             h.served_at = outcome.at
     elif isinstance(outcome, ServerSample):
-        last = next((x for x in reversed(h.server) if x.reachable and x.progress is not None), None)
+        # Only this process's samples: after a restart of ours the counters start again by design,
+        # and the restart already made it a server starting anew until it serves.
+        last = next((x for x in reversed(h.server) if x.reachable and x.progress is not None and x.at >= h.epoch),
+                    None)
         if (outcome.progress is not None and last is not None and last.progress is not None
                 and outcome.progress < last.progress):
             # Its counters started again: the server process was replaced (a container restart,

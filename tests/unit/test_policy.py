@@ -479,6 +479,21 @@ def test_a_counter_that_starts_again_is_a_new_server_starting() -> None:
     assert decide(settings(), h, 5.5) == []
 
 
+def test_the_counters_of_a_process_we_restarted_starting_again_do_not_make_it_start_anew_twice() -> None:
+    h = history()
+    reduce(h, ok(0.5))
+    reduce(h, work(1, 900.0))  # the old process
+    reduce(h, RestartEnded(at=2.0, reason=HANG, done=True, keep_unready=False))
+    reduce(h, ok(2.5))  # the new one serves...
+    reduce(h, work(2.6, 0.0))  # ...and its first scrape, after that canary, counts from 0
+    timeouts(h, [3, 4, 5])
+    reduce(h, work(6, 0.0))
+    # It served once since our restart: failing canaries now are a hang, not a start that takes
+    # until the startup timeout.
+    assert target_state(h, settings(), 6.5) != STARTING
+    assert [x.reason for x in decide(settings(), h, 6.5)] == [HANG]
+
+
 def test_stall_requests_pending_and_no_token_for_the_window() -> None:
     s = settings()
     h = history()
