@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from types import TracebackType
-from typing import Any, NoReturn
+from typing import Any
 
 import structlog
 import torch
@@ -39,8 +39,18 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from inference import allocator
 from inference.admission import AdmissionGate, Grant
+from inference.drain import Drain
 from inference.engine import CanaryResult
-from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, classify, is_fatal_cuda, is_oom
+from inference.errors import (
+    AdmissionTimeout,
+    Draining,
+    FatalCudaError,
+    InferenceOOM,
+    QueueFull,
+    classify,
+    is_fatal_cuda,
+    is_oom,
+)
 from inference.faults import FaultInjector
 from inference.http_control import ControlAPI
 from inference.metrics import InferenceMetrics
@@ -118,7 +128,10 @@ class Admitted:
             fn(arg)
         except BaseException as exc:
             self._release()
-            self._agent._recorded(exc)
+            replacement = self._agent._recorded(exc)
+            if replacement is not None:
+                raise replacement from exc
+            raise
 
     def _release(self) -> None:
         if self._grant is not None:
@@ -128,7 +141,10 @@ class Admitted:
     def __exit__(self, et: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self._release()
         if exc is not None:
-            self._agent._recorded(exc)
+            replacement = self._agent._recorded(exc)
+            if replacement is not None:
+                raise replacement from exc
+        # Anything else goes on as it was raised: the same object, for the app to answer.
 
     async def __aexit__(self, et: type[BaseException] | None, exc: BaseException | None,
                         tb: TracebackType | None) -> None:
@@ -143,7 +159,7 @@ class Agent:
         self.metrics = InferenceMetrics()
         # Tokens and batch sizes are the decode loop's; an app's model call has neither. A
         # counter stuck at 0 would read to the watchdog as an engine making no progress.
-        for family in (self.metrics.tokens, self.metrics.batch_size):
+        for family in (self.metrics.tokens, self.metrics.prompt_tokens, self.metrics.batch_size):
             self.metrics.registry.unregister(family)
         self.metrics.admission_limit.set(s.limit)
         # Read at scrape time from the gate: no per-request cost, no I/O in a scrape.
@@ -152,7 +168,7 @@ class Agent:
         self.faults = FaultInjector() if s.fault_injection else None
         self.device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.instance_id = os.environ.get("GPU_WATCHDOG_INSTANCE_ID") or uuid.uuid4().hex[:12]
-        self.draining = False
+        self.drain = Drain()
         self.oom_count = 0
         self.empty_cache_count = 0
         self.poison_reason: str | None = None
@@ -184,7 +200,9 @@ class Agent:
         try:
             yield
         except BaseException as exc:
-            self._recorded(exc)
+            replacement = self._recorded(exc)
+            if replacement is not None:
+                raise replacement from exc
             raise
 
     def metrics_page(self) -> bytes:
@@ -203,21 +221,27 @@ class Agent:
         if self.draining:
             raise Draining("the server is draining")
 
-    def _recorded(self, exc: BaseException) -> NoReturn:
-        """Turn an OOM into `InferenceOOM` (503) and a sticky CUDA error into `FatalCudaError` (500)."""
-        if isinstance(exc, InferenceOOM | FatalCudaError | AdmissionTimeout | Draining):
-            raise exc
+    def _recorded(self, exc: BaseException) -> BaseException | None:
+        """Record an OOM or a poisoned context raised inside; what to raise instead, or None to let
+        `exc` go on as it is. By type (`inference.errors`): an app's own exception is never either,
+        whatever its message says.
+        """
+        if isinstance(exc, InferenceOOM | AdmissionTimeout | QueueFull | Draining):
+            return None  # already answered (a nested admit)
+        if isinstance(exc, FatalCudaError):
+            self.poison(str(exc)[:300] or type(exc).__name__)  # idempotent: a nested admit's, or injected
+            return None
         if is_oom(exc):
             with self._lock:
                 self.oom_count += 1
             self.metrics.ooms.inc()
             freed = self.empty_cache()
             log.warning("oom", error=str(exc)[:200], freed_bytes=freed)
-            raise InferenceOOM("out of memory; the allocator cache was emptied") from exc
+            return InferenceOOM("out of memory; the allocator cache was emptied")
         if is_fatal_cuda(exc):
             self.poison(str(exc)[:300] or type(exc).__name__)
-            raise FatalCudaError(self.poison_reason or "") from exc
-        raise exc
+            return FatalCudaError(self.poison_reason or "")
+        return None
 
     def poison(self, reason: str) -> None:
         with self._lock:
@@ -270,8 +294,9 @@ class Agent:
     def admission_capacity(self) -> float:
         return self.gate.capacity
 
-    def begin_drain(self) -> None:
-        self.draining = True
+    @property
+    def draining(self) -> bool:
+        return self.drain.active
 
     def set_admission_limit(self, limit: int) -> None:
         self.gate.set_capacity(float(limit))
@@ -296,7 +321,10 @@ class Agent:
                 self.faults.before_forward(self.gate.stats().holders + 1)
             fn()
         except BaseException as exc:
-            self._recorded(exc)
+            replacement = self._recorded(exc)
+            if replacement is not None:
+                raise replacement from exc
+            raise
 
     async def canary(self, timeout: float) -> CanaryResult:
         """The registered function on the canary's reserved slot: a busy app still answers it."""
@@ -332,8 +360,9 @@ class Agent:
             poison_reason=self.poison_reason,
             inflight=stats.holders,
             queued=stats.waiting,
-            draining=self.draining,
-            ready=not self.poisoned and not self.draining,
+            draining=self.drain.active,
+            drain_deadline_left_s=self.drain.left_s(),
+            ready=not self.poisoned and not self.drain.active,
             instance_id=self.instance_id,
             pid=os.getpid(),
             model=self.settings.model,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from inference import batch, recovery
+from inference import batch, recovery, scoring
 from inference.admission import AdmissionGate, Grant
 from inference.cpu_threads import ThreadSetter, plan
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
@@ -168,6 +168,8 @@ class _Partial:
     kv: KVBatch | None = None  # its cache so far: one row, no padding
     done: int = 0  # prompt tokens already in it
     looked_up: bool = False  # in the prefix cache, before its first chunk
+    # A scored prompt's log-probabilities, chunk by chunk (the first token has no prediction).
+    scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])
 
 
 class DecodeLoop(LoopThread):
@@ -179,6 +181,7 @@ class DecodeLoop(LoopThread):
         max_rows: int,
         hooks: LoopHooks,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        score_chunk: int | None = None,
     ) -> None:
         super().__init__("decode", hooks)
         self.lm = lm
@@ -199,6 +202,11 @@ class DecodeLoop(LoopThread):
         self._cpu_threads = ThreadSetter(plan(lm.device))
         # Set by the engine once sizing is done: the measured runs must compute every prompt.
         self.prefix_cache: PrefixCache | None = None
+        # A scored prompt's logits are computed this many positions at a time, through the head
+        # split off the forward pass (decided by the loop thread as it starts; None: not split).
+        self.score_chunk = score_chunk or scoring.chunk_positions(lm.vocab_size)
+        self.score_head: scoring.Head | None = None
+        self._score_head_known = False
 
     # -- called from other threads ----------------------------------------------------------
 
@@ -235,6 +243,17 @@ class DecodeLoop(LoopThread):
         self._release(seq)
         return True
 
+    def scoring_bytes(self, prompt_tokens: int) -> int:
+        """What scoring a prompt of this length holds at once beyond its prefill (`inference.scoring`):
+        a chunk's logits, or, where the head is not split off (or not known to be yet), a whole
+        pass's: the prefill budget's worth where prompts are prefilled in chunks, else the prompt."""
+        positions = prompt_tokens
+        if self._score_head_known and self.score_head is not None:
+            positions = self.score_chunk
+        elif self._stitch_known and self._stitchable:
+            positions = self.prefill_tokens
+        return scoring.working_set_bytes(prompt_tokens, self.lm.vocab_size, positions)
+
     @property
     def waiting(self) -> int:
         return len(self._waiting)
@@ -269,6 +288,8 @@ class DecodeLoop(LoopThread):
 
     def _run(self) -> None:
         with torch.inference_mode():
+            self.score_head = scoring.resolve(self.lm)
+            self._score_head_known = True
             while True:
                 with self._cond:
                     while not self._stopping and not self._rows and not self._waiting and self._partial is None:
@@ -329,10 +350,8 @@ class DecodeLoop(LoopThread):
 
     def _chunked(self, seq: Seq) -> bool:
         """Whether this joiner is prefilled over several steps: a plain per-layer cache (sliding
-        windows keep only their window), a prompt over the budget, and no prompt to score (its
-        log-probabilities come from one pass over the whole prompt)."""
-        return (not seq.canary and self._stitchable and not seq.scoring
-                and self._to_compute(seq) > self.prefill_tokens)
+        windows keep only their window) and a prompt over the budget, scored or not."""
+        return not seq.canary and self._stitchable and self._to_compute(seq) > self.prefill_tokens
 
     def _cacheable(self, seq: Seq) -> bool:
         return self.prefix_cache is not None and self._stitchable and not seq.canary
@@ -386,7 +405,7 @@ class DecodeLoop(LoopThread):
             self._joining = []
 
     def _forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 all_logits: bool = False) -> Any:
+                 all_logits: bool = False, states: bool = False) -> Any:
         lm = self.lm
         extra = lm.forward_extra
         if all_logits and "logits_to_keep" in extra:
@@ -398,7 +417,7 @@ class DecodeLoop(LoopThread):
             self.on_step(int(ids.shape[0]))
         self._cpu_threads.before(int(ids.numel()), prefill=int(ids.shape[1]) > 1)
         if lm.lean is not None:
-            return lm.lean(ids, mask, positions, cache, all_logits)
+            return lm.lean(ids, mask, positions, cache, all_logits, states=states)
         return lm.model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                         **{lm.cache_kwarg: cache}, **extra)
 
@@ -422,7 +441,7 @@ class DecodeLoop(LoopThread):
 
     def _prefill_pass(self, joiners: list[Seq]) -> None:
         lm = self.lm
-        scoring = [s for s in joiners if s.scoring]
+        scored = [s for s in joiners if s.scoring]
         hits = [self._lookup(s) for s in joiners]
         past: Any = None
         if any(h is not None for h in hits):
@@ -431,11 +450,16 @@ class DecodeLoop(LoopThread):
                                                        lm.codec.pad_id, lm.model.config)
         else:
             ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
-        # Scoring a prompt needs the logits of every position, not only the last one.
-        out = self._forward(ids, mask, positions, past, all_logits=bool(scoring))
+        if scored:
+            out, rows, head = self._scoring_forward(ids, mask, positions, past)
+            self._score_prompts(rows, head, joiners, scored)
+            del rows
+        else:
+            out = self._forward(ids, mask, positions, past)
+        if self.on_prefill is not None:
+            self.on_prefill(sum(len(s.prefill_ids) - (0 if h is None else h.tokens)
+                                for s, h in zip(joiners, hits, strict=True)))
         cache = _cache_of(out)
-        if scoring:
-            self._score_prompts(out.logits, joiners, scoring)
         group = KVBatch(cache, mask)
         self._remember(joiners, group)
         if past is not None:
@@ -482,14 +506,29 @@ class DecodeLoop(LoopThread):
         new = torch.ones((1, n), dtype=torch.long, device=lm.device)
         mask = new if partial.kv is None else torch.cat([partial.kv.mask, new], dim=1)
         positions = torch.arange(partial.done, partial.done + n, device=lm.device)[None, :]
-        out = self._forward(torch.tensor([chunk], dtype=torch.long, device=lm.device), mask, positions,
-                            None if partial.kv is None else partial.kv.cache)
+        chunk_ids = torch.tensor([chunk], dtype=torch.long, device=lm.device)
+        past = None if partial.kv is None else partial.kv.cache
+        seq = partial.seq
+        if seq.scoring:
+            out, rows, head = self._scoring_forward(chunk_ids, mask, positions, past)
+            # This chunk's positions predict the prompt's next tokens (the last one, the answer's first).
+            targets = seq.request.prompt_ids[partial.done + 1: partial.done + n + 1]
+            partial.scored += scoring.score(rows[0, : len(targets)], head, targets,
+                                            int(seq.request.prompt_logprobs or 0), lm.allowed_tokens,
+                                            self.score_chunk)
+            del rows
+        else:
+            out = self._forward(chunk_ids, mask, positions, past)
+        if self.on_prefill is not None:
+            self.on_prefill(n)
         cache = _cache_of(out)
         growing(cache)
         partial.kv, partial.done = KVBatch(cache, mask), partial.done + n
         if partial.done < len(ids):
             return
         self._partial = None
+        if seq.scoring:
+            self._scored(seq, partial.scored)
         self._remember([partial.seq], partial.kv)
         self._join([partial.seq], out, partial.kv)
 
@@ -540,23 +579,42 @@ class DecodeLoop(LoopThread):
             if seq.request.on_logprobs is not None:
                 seq.request.on_logprobs([entry], False)
 
-    def _score_prompts(self, logits: torch.Tensor, joiners: list[Seq], scoring: list[Seq]) -> None:
-        """Prompt log-probabilities from a prefill's full logits [rows, width, vocab] (left-padded rows)."""
-        allowed = self.lm.allowed_tokens
-        width = int(logits.shape[1])
-        for seq in scoring:
+    def _scoring_forward(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any
+                         ) -> tuple[Any, torch.Tensor, scoring.Head | None]:
+        """A prefill pass whose prompts are scored: its output (the last position's logits, for the
+        first token), and the rows to score, [rows, width, ...]: every position's final states with
+        the head that makes them logits, or, where the head is not split off, the logits themselves."""
+        head = self.score_head
+        if self.lm.lean is not None and head is not None:
+            out = self._forward(ids, mask, positions, cache, states=True)
+            return out, out.hidden, head
+        if isinstance(head, torch.nn.Module):
+            with scoring.states_into(head) as captured:
+                out = self._forward(ids, mask, positions, cache, all_logits=True)
+            return out, captured[0], head
+        out = self._forward(ids, mask, positions, cache, all_logits=True)
+        return out, out.logits, None
+
+    def _score_prompts(self, rows: torch.Tensor, head: scoring.Head | None, joiners: list[Seq],
+                       scored: list[Seq]) -> None:
+        """Prompt log-probabilities from a prefill pass's rows (`_scoring_forward`; left-padded)."""
+        width = int(rows.shape[1])
+        for seq in scored:
             row = joiners.index(seq)
             prompt = seq.request.prompt_ids
-            # Position j's logits predict token j+1; the first token has no prediction.
-            preds = logits[row, width - len(prompt): width - 1].float()
-            if allowed is not None:
-                preds = preds.masked_fill(~allowed[: preds.shape[-1]], float("-inf"))
+            # Position j predicts token j+1; the first token has no prediction.
             entries: list[TokenLogprob | None] = [None]
             if len(prompt) > 1:
-                entries += token_logprobs(preds, prompt[1:], int(seq.request.prompt_logprobs or 0))
-            seq.prompt_logprobs = entries
-            if seq.request.on_logprobs is not None:
-                seq.request.on_logprobs(entries, True)
+                entries += scoring.score(rows[row, width - len(prompt): width - 1], head, prompt[1:],
+                                         int(seq.request.prompt_logprobs or 0), self.lm.allowed_tokens,
+                                         self.score_chunk)
+            self._scored(seq, entries)
+
+    @staticmethod
+    def _scored(seq: Seq, entries: list[TokenLogprob | None]) -> None:
+        seq.prompt_logprobs = entries
+        if seq.request.on_logprobs is not None:
+            seq.request.on_logprobs(entries, True)
 
     def _emit(self, tokens: list[int], first: int) -> None:
         """Hand each row its new token (rows from `first` on), then let finished rows leave."""

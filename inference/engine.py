@@ -19,6 +19,7 @@ from inference import allocator
 from inference.admission import AdmissionGate
 from inference.batch_loop import BatchLoop, Job
 from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
+from inference.drain import Drain
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
 from inference.faults import FaultInjector
 from inference.handler import RequestHandler, item_cost
@@ -63,36 +64,44 @@ class Engine:
         batching: Batching = Batching(),
         gate: AdmissionGate | None = None,
         cost: Callable[[int], float] = lambda tokens: 1.0,
+        bytes_cost: Callable[[float], float] = lambda nbytes: 0.0,
         metrics: InferenceMetrics | None = None,
         faults: FaultInjector | None = None,
         max_rows: int = DEFAULT_MAX_ROWS,
         prefill_tokens: int = DEFAULT_PREFILL_TOKENS,
+        score_chunk: int | None = None,
         max_queue: int = 1 << 20,
         memory_watermark: float = 0.85,
         on_fatal: Callable[[str], object] | None = None,
+        drain: Drain | None = None,
     ) -> None:
         self._lm = lm
         self.handler = handler
         self.device = lm.device if lm is not None else device if device is not None else torch.device("cpu")
         self.gate = gate if gate is not None else AdmissionGate(float(1 << 30))
         self.cost = cost
+        # Memory a sequence holds beyond what its tokens cost (a scored prompt's logits), in the
+        # gate's units; nothing until admission is sized, while the gate is wide open.
+        self.bytes_cost = bytes_cost
         self.metrics = metrics
         self.faults = faults
         self.max_queue = max_queue
         self.memory_watermark = memory_watermark
-        self.draining = False
+        self.drain = drain if drain is not None else Drain()
         self.oom_count = 0
         self.empty_cache_count = 0
         self._on_fatal = on_fatal
         m = metrics
         self._loop: DecodeLoop | BatchLoop
         hooks = LoopHooks(faults=faults, on_progress=None if m is None else m.tokens.inc,
+                          on_prefill=None if m is None else m.prompt_tokens.inc,
                           on_step=None if m is None else m.batch_size.observe,
                           on_oom=self._count_oom, on_fatal=self._fatal, after_release=self._memory_guard,
                           on_prefix_lookup=None if m is None else m.prefix_lookup)
         if handler is None:
             assert lm is not None, "the causal LM engine needs a loaded model"
-            self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks, prefill_tokens=prefill_tokens)
+            self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks, prefill_tokens=prefill_tokens,
+                                    score_chunk=score_chunk)
         else:
             self._loop = BatchLoop(handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens,
                                    window_s=batching.window_s, hooks=hooks)
@@ -129,6 +138,10 @@ class Engine:
         return self._loop.poisoned
 
     @property
+    def draining(self) -> bool:
+        return self.drain.active
+
+    @property
     def is_cuda(self) -> bool:
         return self.device.type == "cuda"
 
@@ -161,8 +174,15 @@ class Engine:
     def _sequence(self, request: GenRequest) -> Seq:
         if self.poisoned is not None:
             raise FatalCudaError(self.poisoned)
+        return self._decode.new_sequence(request, self.weight(request))
+
+    def weight(self, request: GenRequest) -> float:
+        """Its share of the admission budget: the predicted peak of its prompt + max_tokens, and, for a
+        prompt to score, the logits that scoring holds at once (`inference.scoring`)."""
         weight = self.cost(len(request.prompt_ids) + request.max_tokens)
-        return self._decode.new_sequence(request, weight)
+        if request.prompt_logprobs is not None:
+            weight += self.bytes_cost(float(self._decode.scoring_bytes(len(request.prompt_ids))))
+        return weight
 
     async def submit(self, request: GenRequest, timeout: float) -> GenResult:
         """Queue a request; its result once generated. `timeout` bounds the wait for admission only."""
@@ -188,7 +208,10 @@ class Engine:
         except asyncio.CancelledError:
             # The client went away: out of the queue now, or out of the batch at the next step.
             request.cancelled.set()
-            self._decode.withdraw(seq)
+            if not self._decode.withdraw(seq):
+                # A row leaves at the next step, after this returns: the gauges follow it then,
+                # set on the event loop like every other update of theirs.
+                seq.future.add_done_callback(lambda _: self._gauges_from_thread(loop))
             raise
         finally:
             timer.cancel()
@@ -278,6 +301,12 @@ class Engine:
         if self.metrics is not None:
             self.metrics.queued.set(self._loop.waiting)
             self.metrics.inflight.set(self._loop.running)
+
+    def _gauges_from_thread(self, loop: asyncio.AbstractEventLoop) -> None:
+        try:
+            loop.call_soon_threadsafe(self._gauges)
+        except RuntimeError:  # the loop is closed: nobody left to read them
+            pass
 
     async def canary(self, timeout: float) -> CanaryResult:
         """A real one-token generation on the same path, joining the running batch at the next step.

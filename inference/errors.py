@@ -1,28 +1,35 @@
-"""Classify what went wrong inside the engine: recoverable OOM, a poisoned CUDA context, or other."""
+"""Classify what went wrong inside the engine, by the exception's type: OOM, a poisoned CUDA context, or other.
+
+Never by text alone: an application's own exception whose message merely contains "out of memory"
+or "CUDA error" is an ordinary failure. OOM is `torch.OutOfMemoryError` (or our `InferenceOOM`).
+A sticky error is our `FatalCudaError`, or an error torch raised from its own CUDA checks
+(`torch.AcceleratorError`, or a plain `RuntimeError` whose message starts the way c10's checks
+write it) *and* confirmed by the device: a sticky error makes every later CUDA call fail, so a
+process that never initialised CUDA, or whose device still runs a one-element kernel, is not
+poisoned.
+"""
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
 from typing import Literal
+
+import structlog
+
+log = structlog.get_logger(__name__)
 
 ErrorClass = Literal["oom", "fatal_cuda", "timeout", "other"]
 
-# Sticky errors leave the CUDA context unusable: every later kernel fails, so the only cure is a
-# new process. Out-of-memory is not among them.
-_STICKY_MARKERS = (
-    "illegal memory access",
-    "device-side assert",
-    "unspecified launch failure",
-    "misaligned address",
-    "uncorrectable ecc",
-    "ecc error",
-    "illegal instruction",
-    "context is destroyed",
-    "cuda error: an illegal",
-    "cudaerrorlaunchfailure",
-    "gpu has fallen off the bus",
-    "cublas_status_execution_failed",
-    "launch timed out",
-)
+# How c10's CUDA checks (C10_CUDA_CHECK, the driver and cuBLAS checks) and Triton's launcher begin
+# their messages. Only a plain RuntimeError counts: that is the type torch raises them as.
+_TORCH_CUDA_PREFIXES = ("CUDA error:", "CUDA driver error:", "Triton Error [CUDA]:")
+
+# A device that cannot run one element within this long after a CUDA error is not serving.
+PROBE_TIMEOUT_S = 5.0
+
+# True while the CUDA context still runs work.
+ContextProbe = Callable[[], bool]
 
 
 class AdmissionTimeout(Exception):
@@ -46,43 +53,98 @@ class FatalCudaError(Exception):
 
 
 def is_oom(exc: BaseException) -> bool:
-    try:
-        import torch
-
-        if isinstance(exc, torch.OutOfMemoryError):
-            return True
-    except ImportError:  # pragma: no cover - torch is present wherever the engine runs
-        pass
-    return isinstance(exc, InferenceOOM) or "out of memory" in str(exc).lower()
-
-
-def is_fatal_cuda(exc: BaseException) -> bool:
-    if isinstance(exc, FatalCudaError):
+    if isinstance(exc, InferenceOOM):
         return True
+    oom = _torch_type("OutOfMemoryError")
+    return oom is not None and isinstance(exc, oom)
+
+
+def sticky_candidate(exc: BaseException) -> bool:
+    """Raised by torch's own CUDA checks, so possibly sticky: the device decides (`is_fatal_cuda`). Pure."""
     if is_oom(exc):
         return False
-    accel = _accelerator_error_type()
+    accel = _torch_type("AcceleratorError")
     if accel is not None and isinstance(exc, accel):
         return True
-    text = str(exc).lower()
-    if "cuda error" in text or "cuda driver error" in text:
+    # Exactly RuntimeError: a subclass is someone's own exception class, not torch's.
+    return type(exc) is RuntimeError and str(exc).lstrip().startswith(_TORCH_CUDA_PREFIXES)
+
+
+def _touch_devices() -> None:
+    """One element on every device this process holds memory on, on a stream of its own, waited for."""
+    import torch
+
+    devices = [i for i in range(torch.cuda.device_count()) if torch.cuda.memory_reserved(i) > 0]
+    for index in devices or [torch.cuda.current_device()]:
+        with torch.cuda.device(index):
+            # A fresh stream: waiting on it does not wait for the other requests' kernels.
+            stream = torch.cuda.Stream()
+            with torch.cuda.stream(stream):
+                torch.ones(1, device=f"cuda:{index}").add_(1)
+            stream.synchronize()
+
+
+def _cuda_initialized() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_initialized())
+
+
+def cuda_context_alive(initialized: Callable[[], bool] = _cuda_initialized,
+                       touch: Callable[[], None] = _touch_devices, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
+    """Whether the CUDA context still runs work: never initialised, or a one-element kernel succeeds.
+
+    The kernel runs in a thread of its own and is waited for at most `timeout_s`: a device that
+    cannot answer that is not serving. An OOM while probing still proves the context alive.
+    """
+    if not initialized():
         return True
-    return any(marker in text for marker in _STICKY_MARKERS) and isinstance(exc, RuntimeError)
+    outcome: list[BaseException | None] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            touch()
+            outcome.append(None)
+        except BaseException as exc:  # whatever the device says is the answer
+            outcome.append(exc)
+        finally:
+            done.set()
+
+    threading.Thread(target=run, name="cuda-context-probe", daemon=True).start()
+    if not done.wait(timeout_s):
+        return False
+    failure = outcome[0]
+    return failure is None or is_oom(failure)
 
 
-def classify(exc: BaseException) -> ErrorClass:
+def is_fatal_cuda(exc: BaseException, probe: ContextProbe = cuda_context_alive) -> bool:
+    """Our own `FatalCudaError`, or a torch CUDA error the device confirms (`probe` False)."""
+    if isinstance(exc, FatalCudaError):
+        return True
+    if not sticky_candidate(exc):
+        return False
+    if probe():
+        log.warning("cuda_error_not_sticky", error_type=type(exc).__name__, error=str(exc)[:200],
+                    why="the CUDA context still runs work (or was never initialised)")
+        return False
+    return True
+
+
+def classify(exc: BaseException, probe: ContextProbe = cuda_context_alive) -> ErrorClass:
     if isinstance(exc, TimeoutError | AdmissionTimeout):
         return "timeout"
     if is_oom(exc):
         return "oom"
-    if is_fatal_cuda(exc):
+    if is_fatal_cuda(exc, probe):
         return "fatal_cuda"
     return "other"
 
 
-def _accelerator_error_type() -> type[BaseException] | None:
+def _torch_type(name: str) -> type[BaseException] | None:
     try:
         import torch
-    except ImportError:  # pragma: no cover
+    except ImportError:  # pragma: no cover - torch is present wherever the engine runs
         return None
-    return getattr(torch, "AcceleratorError", None)
+    found = getattr(torch, name, None)
+    return found if isinstance(found, type) and issubclass(found, BaseException) else None

@@ -12,8 +12,12 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+from inference.errors import FatalCudaError
+
 FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear")
 
+# Raised as the engine's own types (`FatalCudaError`, `torch.OutOfMemoryError`): errors are told
+# apart by type, and no text makes an exception sticky or an OOM.
 INJECTED_FATAL_MESSAGE = "CUDA error: an illegal memory access was encountered (injected fault)"
 
 
@@ -98,7 +102,7 @@ class FaultInjector:
                 self.injected_ooms += 1
             slow = self._slow_s
         if fatal:
-            raise RuntimeError(INJECTED_FATAL_MESSAGE)
+            raise FatalCudaError(INJECTED_FATAL_MESSAGE)
         if oom:
             raise _oom_error()
         if self._hang.is_set():
@@ -114,7 +118,7 @@ class FaultInjector:
         """Called between decoding steps: a lost context fails the very next kernel, a hang stops it,
         and more sequences than the simulated card holds run out of memory."""
         if self._context_loss:
-            raise RuntimeError(INJECTED_FATAL_MESSAGE)
+            raise FatalCudaError(INJECTED_FATAL_MESSAGE)
         with self._lock:
             over = self._over_cap(active_sequences)
             if over:

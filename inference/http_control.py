@@ -14,6 +14,7 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
+from inference.drain import Drain
 from inference.faults import FaultError, FaultInjector
 from inference.openapi import control_spec
 from inference.validation import BadRequest, parse_json_object
@@ -60,6 +61,14 @@ def _number(body: dict[str, Any], name: str, default: float, lo: float, hi: floa
     return float(value)
 
 
+def _deadline(body: dict[str, Any]) -> float:
+    value = body.get("deadline", contract.DRAIN_DEADLINE_DEFAULT_S)
+    top = contract.DRAIN_DEADLINE_MAX_S
+    if isinstance(value, bool) or not isinstance(value, int | float) or not 0 < value <= top:
+        raise BadRequest(400, "deadline", f"deadline must be a number of seconds greater than 0 and at most {top:g}")
+    return float(value)
+
+
 class CanaryAnswer(Protocol):
     @property
     def ok(self) -> bool: ...
@@ -78,6 +87,8 @@ class ControlTarget(Protocol):
     faults: FaultInjector | None
     # Set once the poisoned state was reported through the control API (to the watchdog).
     poison_reported: asyncio.Event
+    # Whether new work is refused; the control API begins and lifts its drains here.
+    drain: Drain
 
     @property
     def started(self) -> bool: ...
@@ -93,7 +104,6 @@ class ControlTarget(Protocol):
     def memory_report(self) -> dict[str, Any]: ...
     def empty_cache(self) -> int: ...
     async def canary(self, timeout: float) -> CanaryAnswer: ...
-    def begin_drain(self) -> None: ...
     def set_admission_limit(self, limit: int) -> None: ...
 
 
@@ -101,6 +111,8 @@ class ControlAPI:
     def __init__(self, service: ControlTarget, token: str) -> None:
         self.service = service
         self.token = token
+        # Wakes when the control drain's deadline passes, to lift it and say so.
+        self._lapse: asyncio.TimerHandle | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[bearer_auth(self.token)], client_max_size=64 * 1024)
@@ -109,6 +121,7 @@ class ControlAPI:
         r.add_post(contract.EMPTY_CACHE, self.empty_cache)
         r.add_post(contract.CANARY, self.canary)
         r.add_post(contract.DRAIN, self.drain)
+        r.add_delete(contract.DRAIN, self.undrain)
         r.add_post(contract.ADMISSION, self.admission)
         r.add_post(contract.FAULT, self.fault)
         r.add_get(contract.CONTROL_OPENAPI, self.openapi)
@@ -146,27 +159,77 @@ class ControlAPI:
         log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
         if self.service.poisoned:
             self.service.poison_reported.set()
+        # The canary runs while drained (the model is still checked); the flag says the server refuses traffic.
         return web.json_response({"ok": result.ok, "latency_s": result.latency_s, "error_class": result.error_class,
-                                  "error": result.error, "instance_id": self.service.instance_id})
+                                  "error": result.error, "instance_id": self.service.instance_id,
+                                  "draining": self.service.drain.active})
 
     async def drain(self, request: web.Request) -> web.Response:
-        """Stop admitting (readyz turns 503) and wait, bounded, for in-flight work to finish."""
+        """Stop admitting (readyz turns 503) until `deadline` s from now at most, and wait, bounded
+        by `timeout` s, for in-flight work to finish."""
         self._require_started()
         sched = self.service
         try:
             body = await _optional_body(request)
             timeout = _number(body, "timeout", 30.0, 0.0, 3600.0)
+            deadline_s = _deadline(body)
         except BadRequest as exc:
             return _bad(exc)
-        sched.begin_drain()
-        log.info("drain_started", inflight=sched.inflight, queued=sched.queued, timeout_s=timeout)
+        sched.drain.begin(deadline_s)
+        self._wake_in(deadline_s)
+        log.info("drain_started", inflight=sched.inflight, queued=sched.queued, timeout_s=timeout,
+                 deadline_s=deadline_s)
         loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout
-        while (sched.inflight or sched.queued) and loop.time() < deadline:
+        until = loop.time() + timeout
+        while (sched.inflight or sched.queued) and loop.time() < until:
             await asyncio.sleep(0.05)
         drained = not (sched.inflight or sched.queued)
         log.info("drain_finished", drained=drained, inflight=sched.inflight, queued=sched.queued)
-        return web.json_response({"drained": drained, "inflight": sched.inflight, "queued": sched.queued})
+        return web.json_response({"drained": drained, "inflight": sched.inflight, "queued": sched.queued,
+                                  "draining": sched.drain.active, "deadline_left_s": sched.drain.left_s()})
+
+    async def undrain(self, request: web.Request) -> web.Response:
+        """Lift the control drain now (idempotent). The shutdown's drain is not the control API's to lift."""
+        sched = self.service
+        if sched.drain.shutdown:
+            log.warning("drain_lift_refused", by="control", why="shutting down")
+            return web.json_response({"error": {"message": "the process is shutting down; its drain stays",
+                                                "type": "shutting_down", "param": None, "code": None},
+                                      "draining": True}, status=409)
+        self._note_lapse()  # one that ran out a moment ago is logged as such, not as lifted here
+        lifted = sched.drain.lift()
+        if self._lapse is not None:
+            self._lapse.cancel()
+            self._lapse = None
+        if lifted:
+            log.info("drain_lifted", by="control", inflight=sched.inflight, queued=sched.queued)
+        else:
+            log.info("drain_lift_ignored", by="control", why="not draining")
+        return web.json_response({"draining": sched.drain.active, "lifted": lifted, "inflight": sched.inflight,
+                                  "queued": sched.queued})
+
+    def _wake_in(self, seconds: float) -> None:
+        if self._lapse is not None:
+            self._lapse.cancel()
+        self._lapse = asyncio.get_running_loop().call_later(seconds, self._deadline_passed)
+
+    def _deadline_passed(self) -> None:
+        self._lapse = None
+        if not self._note_lapse():
+            left = self.service.drain.left_s()
+            if left is not None:  # woken a hair early
+                self._wake_in(left)
+
+    def _note_lapse(self) -> bool:
+        """Log a control drain whose deadline has passed (once); whether there was one."""
+        drain = self.service.drain
+        if not drain.lapse():
+            return False
+        if drain.shutdown:
+            log.info("drain_deadline_passed", kept_by="shutdown")
+        else:
+            log.info("drain_lifted", by="deadline", inflight=self.service.inflight, queued=self.service.queued)
+        return True
 
     async def admission(self, request: web.Request) -> web.Response:
         self._require_started()

@@ -6,7 +6,7 @@ import asyncio
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,7 +20,6 @@ from inference.errors import AdmissionTimeout, Draining, FatalCudaError, Inferen
 from inference.handlers.inputs import MAX_INPUTS
 from inference.http_handlers import HandlerRoutes, capabilities
 from inference.mailbox import Mailbox
-from inference.model import NoChatTemplate
 from inference.openai_extras import (
     StreamedLogprobs,
     TokenText,
@@ -37,9 +36,7 @@ from inference.validation import (
     CompletionParams,
     Limits,
     Sampling,
-    chat_params,
     check_context,
-    completion_params,
     parse_json_object,
 )
 
@@ -48,6 +45,9 @@ log = structlog.get_logger(__name__)
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SERVICE_KEY = web.AppKey("service", InferenceService)
 _EXPECTED = (BadRequest, AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
+# The code recorded for a request whose client left before its answer ended (nginx's "client closed
+# request"): nobody received a status, and a gone client is not the server's failure (no 5xx).
+CLIENT_CLOSED = 499
 
 
 def error_response(exc: BaseException, retry_after: int) -> web.Response:
@@ -82,7 +82,7 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
     status = 500
     try:
         response = await handler(request)
-        status = response.status
+        status = CLIENT_CLOSED if request.get("client_gone") else response.status
         if not response.prepared:
             response.headers.setdefault("X-Request-Id", rid)
         return response
@@ -96,6 +96,10 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
             return web.json_response(
                 {"error": {"message": f"no route {request.method} {request.path}", "type": "not_found",
                            "param": None, "code": None}}, status=exc.status)
+        raise
+    except asyncio.CancelledError:
+        # The client closed the connection (the public app cancels its handlers then).
+        status = CLIENT_CLOSED
         raise
     finally:
         elapsed = time.perf_counter() - start
@@ -206,7 +210,7 @@ class PublicAPI:
             raise BadRequest(408, "body", f"request body not received within {s.settings.body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(413, "body", f"request body larger than {s.settings.max_body_bytes} bytes") from None
-        return parse_json_object(raw)
+        return await http_tokenize.off_loop(request, parse_json_object, raw)
 
     def _jobs(self, request: web.Request, prompts: list[list[int]], sampling: Sampling) -> list[_Job]:
         engine = self.service.engine
@@ -230,21 +234,17 @@ class PublicAPI:
         engine = self.service.engine
         data = await self._body(request)
         assert engine is not None
-        params = completion_params(data, self._limits(), vocab_size=engine.lm.vocab_size, strict=strict,
-                                   allow_stream=allow_stream)
-        codec = engine.lm.codec
-        prompts = [codec.encode(p) if isinstance(p, str) else list(p) for p in params.prompts]
+        params, prompts = await http_tokenize.off_loop(request, http_tokenize.completion_prompts, data, self._limits(),
+                                                       engine.lm.codec, engine.lm.vocab_size, strict=strict,
+                                                       allow_stream=allow_stream)
         return params, self._jobs(request, prompts, params.sampling)
 
     async def _chat_jobs(self, request: web.Request) -> tuple[ChatParams, list[_Job]]:
         engine = self.service.engine
         data = await self._body(request)
         assert engine is not None
-        params = chat_params(data, self._limits(), vocab_size=engine.lm.vocab_size)
-        try:
-            ids = engine.lm.codec.chat([{"role": m.role, "content": m.content} for m in params.messages])
-        except NoChatTemplate as exc:
-            raise BadRequest(400, "messages", str(exc)) from None
+        params, ids = await http_tokenize.off_loop(request, http_tokenize.chat_prompt, data, self._limits(),
+                                                   engine.lm.codec, engine.lm.vocab_size)
         return params, self._jobs(request, [ids], params.sampling)
 
     def _request(self, job: _Job, sampling: Sampling, on_text: Callable[[str], object] | None = None,
@@ -257,15 +257,32 @@ class PublicAPI:
         engine = self.service.engine
         assert engine is not None
         timeout = self.service.settings.queue_timeout
-        tasks = [asyncio.ensure_future(engine.submit(self._request(j, sampling), timeout)) for j in jobs]
+        requests = [self._request(j, sampling) for j in jobs]
+        tasks = [asyncio.ensure_future(engine.submit(r, timeout)) for r in requests]
         try:
             results = await asyncio.gather(*tasks)
+        except asyncio.CancelledError:
+            self._client_left(request, requests, tasks)
+            raise
         except BaseException:
             for t in tasks:
                 t.cancel()
             raise
         request["completion_tokens"] = sum(r.completion_tokens for r in results)
         return list(results)
+
+    @staticmethod
+    def _client_left(request: web.Request, requests: Sequence[GenRequest],
+                     tasks: Sequence[asyncio.Future[GenResult]]) -> None:
+        """The client closed its connection: every sequence of the request leaves at the next step,
+        its admission share freed, rather than generating for nobody."""
+        for r, t in zip(requests, tasks, strict=True):
+            r.cancelled.set()  # seen by the decode loop at once, before the tasks' cancellation runs
+            t.cancel()
+        if not request.get("client_gone"):
+            request["client_gone"] = True
+            log.info("request_cancelled", request_id=request.get("rid"), reason="client_disconnected",
+                     sequences=len(tasks))
 
     def _fail(self, request: web.Request, exc: BaseException) -> web.Response:
         if not isinstance(exc, _EXPECTED):
@@ -461,7 +478,11 @@ class PublicAPI:
                 r.cancelled.set()
                 t.cancel()
 
-        first = await pieces.get()
+        try:
+            first = await pieces.get()
+        except asyncio.CancelledError:  # gone while queued or prefilled, before any header went out
+            self._client_left(request, requests, tasks)
+            raise
         if first is None and whole.exception() is not None:
             exc = whole.exception()
             assert exc is not None
@@ -479,24 +500,26 @@ class PublicAPI:
                 if data:  # an empty write could end a chunked body early
                     await response.write(data)
                 item = await pieces.get()
-        except (ConnectionResetError, asyncio.CancelledError):
-            cancel()
+            exc = whole.exception()
+            if exc is not None:
+                cancel()
+                # Never end silently: an SSE client gets an error event; a plain-text client gets a
+                # truncated chunked body (no terminating chunk), which every HTTP client reports.
+                log.warning("stream_failed", request_id=request["rid"], error=str(exc)[:200])
+                if sse and error_event is not None:
+                    await response.write(error_event(exc))
+                    await response.write_eof()
+                elif request.transport is not None:
+                    request.transport.close()
+                return response
+            results = list(whole.result())
+            request["completion_tokens"] = sum(r.completion_tokens for r in results)
+            if closing is not None:
+                await response.write(closing(results))
+            await response.write_eof()
+        except ConnectionResetError:  # a write found the connection closed by the client
+            self._client_left(request, requests, tasks)
+        except asyncio.CancelledError:  # the connection closed while waiting for the next pieces
+            self._client_left(request, requests, tasks)
             raise
-        exc = whole.exception()
-        if exc is not None:
-            cancel()
-            # Never end silently: an SSE client gets an error event; a plain-text client gets a
-            # truncated chunked body (no terminating chunk), which every HTTP client reports.
-            log.warning("stream_failed", request_id=request["rid"], error=str(exc)[:200])
-            if sse and error_event is not None:
-                await response.write(error_event(exc))
-                await response.write_eof()
-            elif request.transport is not None:
-                request.transport.close()
-            return response
-        results = list(whole.result())
-        request["completion_tokens"] = sum(r.completion_tokens for r in results)
-        if closing is not None:
-            await response.write(closing(results))
-        await response.write_eof()
         return response

@@ -33,6 +33,9 @@ _ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 class LeanOutput:
     logits: torch.Tensor
     past_key_values: Any
+    # Every position's final (normed) states, when asked for: a scored prompt's logits come from
+    # them a chunk at a time (`inference.scoring`).
+    hidden: torch.Tensor | None = None
 
 
 class LeanForward:
@@ -63,7 +66,7 @@ class LeanForward:
         return "onednn" if self.packing == "ok" else f"matmul ({self.packing})"
 
     def __call__(self, ids: torch.Tensor, mask: torch.Tensor, positions: torch.Tensor, cache: Any,
-                 all_logits: bool = False) -> LeanOutput:
+                 all_logits: bool = False, states: bool = False) -> LeanOutput:
         from transformers.cache_utils import DynamicCache
 
         if cache is None:
@@ -81,9 +84,17 @@ class LeanForward:
             attn_mask = None
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, attn_mask, causal, cache, i, rows, steps)
+        if states:
+            x = self.norm(x)
+            return LeanOutput(logits=self.lm_head(x[:, -1:].contiguous()), past_key_values=cache, hidden=x)
         if not all_logits:
             x = x[:, -1:]
         return LeanOutput(logits=self.lm_head(self.norm(x)), past_key_values=cache)
+
+    def head(self, states: torch.Tensor) -> torch.Tensor:
+        """Logits of final states [rows, positions, hidden] (`states=True`'s `hidden`)."""
+        logits: torch.Tensor = self.lm_head(states)
+        return logits
 
 
 class _Layer:

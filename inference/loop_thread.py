@@ -21,6 +21,9 @@ class LoopHooks:
     # Units of work done (tokens generated, items answered): a watcher reads the counter as proof
     # of progress, and a long generation must not look like a stalled one.
     on_progress: Callable[[int], object] | None = None
+    # Prompt tokens a prefill pass (or a chunk of a long prompt) computed: progress too, so that a
+    # long prefill on an otherwise idle server is not taken for a stall.
+    on_prefill: Callable[[int], object] | None = None
     on_step: Callable[[int], object] | None = None  # rows in each forward pass
     on_oom: Callable[[BaseException], object] | None = None
     on_fatal: Callable[[str], object] | None = None
@@ -32,6 +35,7 @@ class LoopThread:
     def __init__(self, name: str, hooks: LoopHooks) -> None:
         self.faults = hooks.faults
         self.on_progress = hooks.on_progress
+        self.on_prefill = hooks.on_prefill
         self.on_step = hooks.on_step
         self.on_oom = hooks.on_oom
         self.on_fatal = hooks.on_fatal

@@ -24,7 +24,10 @@ log = structlog.get_logger(__name__)
 async def _serve(settings: ServeSettings) -> int:
     token, token_path = ensure_token(settings.token_file)
     service = InferenceService(settings)
-    public = web.AppRunner(PublicAPI(service).app(), handle_signals=False, access_log=None)
+    # A client that leaves cancels its handler (aiohttp does not by default), which cancels its
+    # sequences at the next decode step: nothing notices a gone client of a plain response otherwise.
+    public = web.AppRunner(PublicAPI(service).app(), handle_signals=False, access_log=None,
+                           handler_cancellation=True)
     control = web.AppRunner(ControlAPI(service, token).app(), handle_signals=False, access_log=None)
     await public.setup()
     await control.setup()
@@ -66,9 +69,10 @@ async def _serve(settings: ServeSettings) -> int:
         log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
         return EXIT_POISONED
 
+    # For good: no drain deadline and no control lift ends the shutdown's drain.
+    service.drain.begin_shutdown()
     sched = service.engine
     if sched is not None:
-        sched.draining = True
         deadline = loop.time() + settings.shutdown_grace_s
         log.info("shutdown_drain", inflight=sched.inflight, queued=sched.queued, grace_s=settings.shutdown_grace_s)
         while (sched.inflight or sched.queued) and loop.time() < deadline:

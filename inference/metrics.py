@@ -24,6 +24,11 @@ class InferenceMetrics:
         self.batch_size = Histogram("gpu_inference_batch_size", "Sequences per forward batch",
                                     buckets=BATCH_BUCKETS, registry=r)
         self.tokens = Counter("gpu_inference_generated_tokens", "Tokens generated", registry=r)
+        # Counted a prefill pass (or a long prompt's chunk) at a time: with the generated tokens, the
+        # watchdog's proof of progress, which a long prefill on an idle server would otherwise lack.
+        self.prompt_tokens = Counter("gpu_inference_prompt_tokens",
+                                     "Prompt tokens computed by prefill (those from the prefix cache not counted)",
+                                     registry=r)
         self.empty_cache = Counter("gpu_inference_empty_cache", "Allocator cache flushes", registry=r)
         self.fatal = Counter("gpu_inference_fatal_errors", "Sticky CUDA errors that poisoned the process",
                              registry=r)

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 from inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT
+from watchdog.contract import DRAIN_DEADLINE_DEFAULT_S, DRAIN_DEADLINE_MAX_S
 from watchdog.contract import VERSION as __version__
 
 ERROR = {
@@ -318,15 +319,30 @@ def control_spec() -> dict[str, Any]:
                                                            "latency_s": {"type": "number"},
                                                            "error_class": {"type": "string", "nullable": True,
                                                                            "enum": ["oom", "fatal_cuda", "timeout",
-                                                                                    "other", None]}}},
-                                           "one real one-token generation"), **_errors(400, 401, 503)}}},
+                                                                                    "other", None]},
+                                                           "draining": {"type": "boolean"}}},
+                                           "one real one-token generation; `draining`: the server refuses "
+                                           "traffic meanwhile"), **_errors(400, 401, 503)}}},
             "/control/drain": {"post": {
                 "operationId": "drain",
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {
-                    "type": "object", "properties": {"timeout": {"type": "number", "minimum": 0,
-                                                                 "maximum": 3600}}}}}},
-                "responses": {"200": _json(obj, "admission stopped; in-flight work finished or timed out"),
-                              **_errors(400, 401, 503)}}},
+                    "type": "object", "properties": {
+                        "timeout": {"type": "number", "minimum": 0, "maximum": 3600,
+                                    "description": "seconds to wait for in-flight work (default 30)"},
+                        "deadline": {"type": "number", "exclusiveMinimum": True, "minimum": 0,
+                                     "maximum": DRAIN_DEADLINE_MAX_S,
+                                     "description": "seconds until the server lifts the drain by itself "
+                                                    f"(default {DRAIN_DEADLINE_DEFAULT_S:g})"}}}}}},
+                "responses": {"200": _json(obj, "admission stopped until the deadline; in-flight work finished "
+                                                "or timed out"), **_errors(400, 401, 503)}},
+                "delete": {
+                "operationId": "undrain",
+                "responses": {"200": _json({"type": "object", "required": ["draining", "lifted"],
+                                            "properties": {"draining": {"type": "boolean"},
+                                                           "lifted": {"type": "boolean"}}},
+                                           "the drain lifted (idempotent: `lifted` false when there was none)"),
+                              "409": _json(ERROR, "shutting down: the shutdown's drain is not lifted"),
+                              **_errors(401)}}},
             "/control/admission": {"post": {
                 "operationId": "admission",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {

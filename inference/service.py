@@ -7,18 +7,19 @@ import os
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import structlog
 import torch
 
-from inference import allocator, cpu_threads, host_memory
+from inference import allocator, cpu_threads, host_memory, scoring
 from inference import handler as handler_mod
 from inference import model as model_mod
 from inference.admission import AdmissionGate
 from inference.decode import GenRequest
+from inference.drain import Drain
 from inference.engine import Batching, CanaryResult, Engine
 from inference.faults import FaultInjector
 from inference.handler import Handler, RequestHandler
@@ -57,9 +58,20 @@ class Admission:
     worst_case_tokens: int
     plan: Plan | None
     source: str
+    # What one slot stands for in bytes (slots mode): the keys and values of a sequence at the
+    # worst-case length, from the model's shapes (`scoring.kv_bytes`); 0 where not known.
+    slot_bytes: float = 0.0
 
     def cost(self, tokens: int) -> float:
         return 1.0 if self.cost_model is None else self.cost_model.peak_bytes(tokens)
+
+    def bytes_cost(self, nbytes: float) -> float:
+        """Memory a sequence holds beyond what its tokens cost (a scored prompt's logits), in the
+        budget's units: bytes as they are; in slots, the share of a slot they amount to (one more
+        slot where a slot's size is not known)."""
+        if self.cost_model is not None or nbytes <= 0:
+            return max(nbytes, 0.0)
+        return nbytes / self.slot_bytes if self.slot_bytes > 0 else 1.0
 
     def capacity_for(self, limit: int) -> float:
         return float(limit) if self.cost_model is None else limit * self.cost(self.worst_case_tokens)
@@ -75,6 +87,8 @@ class InferenceService:
         self.fatal_event = asyncio.Event()
         # Set once the poisoned state was reported through the control API (to the watchdog).
         self.poison_reported = asyncio.Event()
+        # Whether new work is refused: the control API's drains and the shutdown's (engine and probes read it).
+        self.drain = Drain()
         self.engine: Engine | None = None
         self.gate: AdmissionGate | None = None
         self.admission: Admission | None = None
@@ -106,7 +120,8 @@ class InferenceService:
         self.gate = AdmissionGate(float(1 << 30))
         self.engine = Engine(lm, gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
                              prefill_tokens=s.max_prefill_tokens, max_queue=s.max_queue,
-                             memory_watermark=s.memory_watermark, on_fatal=self._on_fatal_threadsafe)
+                             memory_watermark=s.memory_watermark, on_fatal=self._on_fatal_threadsafe,
+                             drain=self.drain)
         log.info("model_loaded", model=lm.name, served_model_name=self.model_name, device=str(device),
                  dtype=str(lm.dtype).replace("torch.", ""), context_len=lm.context_len, forward=lm.forward_path,
                  products=None if lm.lean is None else lm.lean.products,
@@ -118,6 +133,7 @@ class InferenceService:
                  why="auto" if s.prefix_cache_mib is None else "--prefix-cache")
         self.gate.set_capacity(self.admission.capacity)
         self.engine.cost = self.admission.cost
+        self.engine.bytes_cost = self.admission.bytes_cost
         self.metrics.admission_limit.set(self.admission.limit)
         log.info("admission", mode=self.admission.mode, limit=self.admission.limit,
                  capacity=self.admission.capacity, source=self.admission.source, max_batch_size=s.max_batch_size)
@@ -142,7 +158,7 @@ class InferenceService:
         self.engine = Engine(None, handler=handler, device=device, batching=Batching(s.max_batch_tokens, window),
                              gate=self.gate, metrics=self.metrics, faults=self.faults, max_rows=s.max_batch_size,
                              max_queue=s.max_queue, memory_watermark=s.memory_watermark,
-                             on_fatal=self._on_fatal_threadsafe)
+                             on_fatal=self._on_fatal_threadsafe, drain=self.drain)
         log.info("model_loaded", handler=s.handler, served_model_name=self.model_name, device=str(device),
                  capabilities=sorted(handler.capabilities), max_tokens=self.engine.context_len,
                  seconds=round(self._loop.time() - t0, 3))
@@ -209,12 +225,13 @@ class InferenceService:
         if s.max_concurrency is not None:
             self._warm_up(worst)
             return Admission("slots", float(s.max_concurrency), s.max_concurrency, None, worst, None,
-                             "--max-concurrency")
+                             "--max-concurrency", float(scoring.kv_bytes(self.engine.lm, worst)))
         if not self.engine.is_cuda:
             self._warm_up(worst)
             n = s.cpu_default_concurrency
             log.info("admission_auto_cpu", note="no CUDA allocator to measure: using a fixed number of slots", slots=n)
-            return Admission("slots", float(n), n, None, worst, None, "cpu default (no CUDA budget to measure)")
+            return Admission("slots", float(n), n, None, worst, None, "cpu default (no CUDA budget to measure)",
+                             float(scoring.kv_bytes(self.engine.lm, worst)))
         m = measure(self.engine, worst - 1, 1)
         # The prefix cache, filled, holds its size on the card for good: it counts with the weights.
         p = self._plan(m, m.base_bytes + self._prefix_cache_bytes())
@@ -246,7 +263,7 @@ class InferenceService:
 
     @property
     def draining(self) -> bool:
-        return self.engine is not None and self.engine.draining
+        return self.drain.active
 
     def is_ready(self) -> bool:
         return self.ready and not self.poisoned and not self.draining
@@ -277,15 +294,10 @@ class InferenceService:
         assert self.engine is not None
         return await self.engine.canary(timeout)
 
-    def begin_drain(self) -> None:
-        assert self.engine is not None
-        self.engine.draining = True
-
     def set_admission_limit(self, limit: int) -> None:
         assert self.gate is not None and self.admission is not None
         self.gate.set_capacity(self.admission.capacity_for(limit))
-        self.admission = Admission(self.admission.mode, self.gate.capacity, limit, self.admission.cost_model,
-                                   self.admission.worst_case_tokens, self.admission.plan, "control api")
+        self.admission = replace(self.admission, capacity=self.gate.capacity, limit=limit, source="control api")
         self.metrics.admission_limit.set(limit)
         log.info("admission_limit_changed", limit=limit, capacity=self.gate.capacity)
 
@@ -322,7 +334,8 @@ class InferenceService:
             poison_reason=self.fatal_reason,
             inflight=self.engine.inflight,
             queued=self.engine.queued,
-            draining=self.engine.draining,
+            draining=self.drain.active,
+            drain_deadline_left_s=self.drain.left_s(),
             ready=self.is_ready(),
             instance_id=self.instance_id,
             pid=os.getpid(),

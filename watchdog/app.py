@@ -294,7 +294,7 @@ class Watchdog:
 
     async def _sample_canary(self) -> None:
         samplers = self.running.samplers
-        if self.history.restart_in_progress:
+        if self.history.restart_in_progress and not self.history.restart_waiting:
             return
         sample = await samplers.canary.sample()
         if not sample.ok and samplers.control is not None and (
@@ -397,7 +397,7 @@ class Watchdog:
                     drain=decision.drain, detail=decision.detail,
                     budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
                                                              from_events) - 1)
-        ended, record = await self.executor.restart(decision)
+        ended, record = await self.executor.restart(decision, self._fold)
         self._record(decision, record, ended.at)
         self._fold(ended)
         if ended.done:
@@ -419,7 +419,8 @@ class Watchdog:
             server_metrics_url=self.server_metrics_url,
             canary={} if run is None else run.samplers.canary.describe(),
             strategy=self.restarter.strategy,
-            restart_failed=None if executor is None else executor.restart_failed, decisions=self.decisions,
+            restart_failed=None if executor is None else executor.restart_failed,
+            restart_not_recorded=None if executor is None else executor.restart_not_recorded, decisions=self.decisions,
             idle_memory=self.episodes.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,

@@ -209,7 +209,7 @@ class KubernetesSettings:
     # The node this pod runs on (downward API spec.nodeName): where a suspect GPU is reported.
     node_name: str = "${NODE_NAME}"
     # The workload whose restart budget this pod shares with every generation of its pods (the
-    # chart sets its Deployment's name). Empty: derived from a Deployment pod's name.
+    # chart sets its Deployment's name). Empty: the pod's controller, read from the API at start.
     workload: str = "${GPU_WATCHDOG_WORKLOAD}"
 
 

@@ -20,10 +20,15 @@ ENV_VAR = "GPU_WATCHDOG_TOKEN"
 MEMORY = "/control/memory"
 EMPTY_CACHE = "/control/empty_cache"
 CANARY = "/control/canary"
-DRAIN = "/control/drain"
+DRAIN = "/control/drain"  # POST drains (until its `deadline`), DELETE lifts the drain
 ADMISSION = "/control/admission"
 FAULT = "/control/fault"
 CONTROL_OPENAPI = "/control/openapi.json"
+
+# A drain the server lifts by itself once its deadline passes, so a sidecar that dies mid-restart
+# cannot leave the pod drained for good (seconds; `POST /control/drain {"deadline": S}`).
+DRAIN_DEADLINE_DEFAULT_S = 300.0
+DRAIN_DEADLINE_MAX_S = 3600.0
 
 
 class TokenError(RuntimeError):

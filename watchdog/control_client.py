@@ -63,5 +63,14 @@ class ControlClient:
     async def set_admission(self, limit: int, timeout: float = 10.0) -> dict[str, Any]:
         return await self._call("POST", contract.ADMISSION, {"limit": limit}, timeout)
 
-    async def drain(self, timeout: float) -> dict[str, Any]:
-        return await self._call("POST", contract.DRAIN, {"timeout": timeout}, timeout + 5.0)
+    async def drain(self, timeout: float, deadline: float | None = None) -> dict[str, Any]:
+        """Stop admission and wait up to `timeout` s for in-flight work; the server lifts the drain
+        by itself `deadline` s from now (its default, `contract.DRAIN_DEADLINE_DEFAULT_S`, when None)."""
+        body: dict[str, Any] = {"timeout": timeout}
+        if deadline is not None:
+            body["deadline"] = deadline
+        return await self._call("POST", contract.DRAIN, body, timeout + 5.0)
+
+    async def undrain(self, timeout: float = 10.0) -> dict[str, Any]:
+        """Lift the drain now (`DELETE /control/drain`; lifting none is not an error)."""
+        return await self._call("DELETE", contract.DRAIN, None, timeout)

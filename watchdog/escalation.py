@@ -46,6 +46,20 @@ class Suspect:
         return sorted({r.xid for r in self.restarts if r.xid is not None})
 
 
+# How far ahead of our clock a record may be dated and still be believed (clocks of nodes differ).
+CLOCK_SKEW_S = 60.0
+
+
+def believable(records: list[RestartRecord], now: float) -> tuple[list[RestartRecord], list[RestartRecord]]:
+    """The records to count, and those dated in the future, which are not: a record dated ahead would
+    keep counting until it expired (a forged Event, or a node's clock far off).
+
+    The API does not say who wrote an Event, so a forged one that claims to be ours is counted: it
+    can only spend the budget (fewer restarts), never grant one."""
+    kept = [r for r in records if r.at <= now + CLOCK_SKEW_S]
+    return kept, [r for r in records if r.at > now + CLOCK_SKEW_S]
+
+
 def suspects(settings: EscalationSettings, records: list[RestartRecord], now: float,
              ours: tuple[str, ...] | None) -> list[Suspect]:
     """Our GPUs with at least `restarts` curing restarts within `window`."""

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 from watchdog import escalation, ladder, logs
 from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import Restarter
+from watchdog.actions.restart import NOT_RECORDED, Drain, NoDrain, Restarter
 from watchdog.config import Settings
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.escalation import RestartRecord, Suspect, workload_restarts
@@ -22,12 +22,66 @@ from watchdog.ladder import Change
 from watchdog.metrics import WatchdogMetrics
 from watchdog.names import RUNG_POD
 from watchdog.policy import Decision
-from watchdog.state import AdmissionAnswered, PodGpus, RestartEnded, WorkloadRestarts
+from watchdog.state import AdmissionAnswered, Outcome, PodGpus, RestartEnded, RestartWaiting, WorkloadRestarts
 
 log = logs.get("watchdog")
 
 POD_GPUS_RETRY_S, POD_GPUS_RETRY_MAX_S = 5.0, 300.0
 ESCALATION_RETRY_S, ESCALATION_RETRY_MAX_S = 30.0, 3600.0
+# The server lifts a drain by itself this long after `drain_timeout`, should we never say more
+# (a sidecar killed mid-restart): an accepted eviction replaces the pod well before.
+DRAIN_DEADLINE_MARGIN_S = 120.0
+
+
+class ServerDrain:
+    """The bundled server's drain through its control API, told to the loop as it changes.
+
+    `fold` hands the loop an outcome: while a restart waits, the server serves and is ready."""
+
+    def __init__(self, control: ControlClient, timeout: float, fold: Callable[[Outcome], None],
+                 clock: Callable[[], float]) -> None:
+        self.control = control
+        self.timeout = timeout
+        self.fold = fold
+        self.clock = clock
+        self.drained = False
+
+    async def begin(self) -> None:
+        self.fold(RestartWaiting(self.clock(), False))
+        if self.drained:
+            return
+        self.drained = True  # even a drain call that timed out may have reached the server
+        try:
+            drained = await self.control.drain(self.timeout, self.timeout + DRAIN_DEADLINE_MARGIN_S)
+            log.info("drained", **{k: drained.get(k) for k in ("drained", "inflight", "queued")})
+        except ControlError as exc:
+            log.warning("drain_failed", error=str(exc))
+
+    async def lift(self, why: str) -> None:
+        self.fold(RestartWaiting(self.clock(), True))
+        if not self.drained:
+            return
+        self.drained = False
+        try:
+            await self.control.undrain()
+            log.warning("drain_lifted", why=why, by="watchdog")
+        except ControlError as exc:
+            log.error("drain_lift_failed", why=why, error=str(exc),
+                      deadline_s=self.timeout + DRAIN_DEADLINE_MARGIN_S, action="the server lifts it at its deadline")
+
+
+class WaitOnly(NoDrain):
+    """No drain to make (not asked, or no control API): only the waiting is told."""
+
+    def __init__(self, fold: Callable[[Outcome], None], clock: Callable[[], float]) -> None:
+        self.fold = fold
+        self.clock = clock
+
+    async def begin(self) -> None:
+        self.fold(RestartWaiting(self.clock(), False))
+
+    async def lift(self, why: str) -> None:
+        self.fold(RestartWaiting(self.clock(), True))
 
 
 class RestartEvents(Protocol):
@@ -53,10 +107,12 @@ class Executor:
         self._pod_gpus = pod_gpus
         # What the edges last said, reported once per kind rather than at every attempt.
         self.restart_failed: str | None = None
+        self.restart_not_recorded: str | None = None
         self.budget_read_error: str | None = None
         self.pod_gpus_error: str | None = None
         self.pod_gpus_retry_s = POD_GPUS_RETRY_S
         self.suspects: dict[str, Suspect] = {}
+        self._ignored_records: set[tuple[str, float]] = set()
         self._escalation_errors: set[str] = set()
         self.escalation_retry_at = 0.0
         self._escalation_backoff = ESCALATION_RETRY_S
@@ -91,20 +147,19 @@ class Executor:
 
     # -- restarts ------------------------------------------------------------------------------
 
-    async def restart(self, decision: Decision) -> tuple[RestartEnded, str]:
-        """Drain where asked and possible, then the restarter's strategy; the outcome and its record."""
+    async def restart(self, decision: Decision, fold: Callable[[Outcome], None]) -> tuple[RestartEnded, str]:
+        """The restarter's strategy with the drain where asked and possible; the outcome and its record.
+
+        A restart that did not happen lifts the drain it made: a drained server that is not going
+        away serves nothing, the zombie this sidecar exists to prevent."""
         s = self.settings
         started = self.clock()
         reported_only = self.restarter.strategy == "none"
         done, keep_unready, rung, record = False, False, decision.rung, "failed"
+        drain: Drain = ServerDrain(self.control, s.restart.drain_timeout, fold, self.clock) \
+            if decision.drain and not reported_only and self.control is not None else WaitOnly(fold, self.clock)
         try:
-            if decision.drain and not reported_only and self.control is not None:
-                try:
-                    drained = await self.control.drain(s.restart.drain_timeout)
-                    log.info("drained", **{k: drained.get(k) for k in ("drained", "inflight", "queued")})
-                except ControlError as exc:
-                    log.warning("drain_failed", error=str(exc))
-            outcome = await self.restarter.restart(decision)
+            outcome = await self.restarter.restart(decision, drain)
             done, rung = outcome.done, outcome.rung
             if done:
                 self.restart_failed = None
@@ -116,13 +171,27 @@ class Executor:
                 record = "reported"
             else:
                 self.restart_failed = outcome.detail
+                await drain.lift("restart_failed")
+            self._not_recorded(outcome.not_recorded, decision, outcome.detail)
+            if outcome.not_recorded:
+                record = "not_recorded"
             log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy, rung=rung,
                         done=done, detail=outcome.detail, attempts=outcome.attempts,
                         seconds=round(self.clock() - started, 3))
         except Exception as exc:
             self.restart_failed = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
+            await drain.lift("restart_failed")
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung), record
+
+    def _not_recorded(self, now: bool, decision: Decision, detail: str) -> None:
+        """`restart_not_recorded` is an episode: said when it starts and when a restart is recorded again."""
+        if now and self.restart_not_recorded is None:
+            log.error("restart_not_recorded_episode", reason=decision.reason, detail=detail,
+                      action="no restart until its Event can be written; retried with backoff")
+        elif not now and self.restart_not_recorded is not None:
+            log.info("restart_recorded_again", reason=decision.reason)
+        self.restart_not_recorded = detail if now else None
 
     async def read_budget(self) -> WorkloadRestarts:
         """The workload's restarts from the Events; unreadable, slow or partial means spent (fail safe)."""
@@ -139,7 +208,19 @@ class Executor:
         if self.budget_read_error is not None:
             log.info("restart_budget_read", workload=self.workload, restarts=len(records))
         self.budget_read_error = None
-        return WorkloadRestarts(self.clock(), self.wall_clock(), workload_restarts(records, self.workload))
+        wall_now = self.wall_clock()
+        return WorkloadRestarts(self.clock(), wall_now, workload_restarts(self._believable(records, wall_now),
+                                                                          self.workload))
+
+    def _believable(self, records: list[RestartRecord], wall_now: float) -> list[RestartRecord]:
+        kept, ignored = escalation.believable(records, wall_now)
+        seen = {(r.pod, r.at) for r in ignored}
+        if ignored and seen != self._ignored_records:
+            log.warning("restart_records_ignored", why="dated in the future", count=len(ignored),
+                        pods=sorted({r.pod for r in ignored}),
+                        ahead_s=round(max(r.at for r in ignored) - wall_now, 1))
+        self._ignored_records = seen
+        return kept
 
     # -- which GPUs, and those restarts did not cure -------------------------------------------
 
@@ -168,7 +249,9 @@ class Executor:
         except Exception as exc:  # 403, timeouts, garbage: reported once per kind, retried later
             self._escalation_failed("list_events", exc)
             return
-        for suspect in escalation.suspects(self.settings.policy.escalation, records, self.wall_clock(), ours):
+        wall_now = self.wall_clock()
+        for suspect in escalation.suspects(self.settings.policy.escalation, self._believable(records, wall_now),
+                                           wall_now, ours):
             if suspect.uuid in self.suspects:
                 continue
             log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, restarts=len(suspect.restarts),
@@ -193,4 +276,5 @@ class Executor:
         self._escalation_backoff = min(self._escalation_backoff * 2, ESCALATION_RETRY_MAX_S)
 
     def describe(self) -> dict[str, Any]:
-        return {"strategy": self.restarter.strategy, "restart_failed": self.restart_failed}
+        return {"strategy": self.restarter.strategy, "restart_failed": self.restart_failed,
+                NOT_RECORDED: self.restart_not_recorded}

@@ -45,8 +45,13 @@ NVML_UNAVAILABLE = "nvml_unavailable"
 GPUS_UNKNOWN = "gpus_unknown"
 SERVER_METRICS_UNAVAILABLE = "server_metrics_unavailable"
 GPU_SUSPECT = "gpu_suspect"
+# A restart decided and waiting for permission (the disruption budget), the server serving meanwhile.
+RESTART_WAITING = "restart_waiting"
+# The last restart was not carried out because its Event could not be written.
+RESTART_NOT_RECORDED = "restart_not_recorded"
 STATES = (HEALTHY, STARTING, SATURATED, PROGRESS_UNKNOWN, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING,
-          BUDGET_EXHAUSTED, NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT)
+          BUDGET_EXHAUSTED, NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT,
+          RESTART_WAITING, RESTART_NOT_RECORDED)
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

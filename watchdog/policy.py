@@ -79,7 +79,9 @@ def budget_remaining(settings: PolicySettings, history: History, now: float, fro
         # Read back: every generation's restarts up to the read; ours since are not in it yet.
         times = [t for t in history.workload_restarts if now - t < window]
         times += [a.at for a in history.restarts_within(now, window) if a.at > read_at]
-        return max(0, settings.restart_budget.max_restarts - len(times))
+        # Belt and braces: what this sidecar did itself counts even where the Events lost it.
+        used = max(len(times), len(history.restarts_within(now, window)))
+        return max(0, settings.restart_budget.max_restarts - used)
     used = len(history.restarts_within(now, window))
     return max(0, settings.restart_budget.max_restarts - used)
 
@@ -131,14 +133,16 @@ def _held_back(h: History, reason: str, now: float) -> bool:
     """
     served = [c.at for c in h.canaries if c.ok]
     episode_start = served[-1] if served else float("-inf")
-    misses = [a for a in h.actions if a.reason == reason and a.at > episode_start
-              and a.action in (RESTART_REPORTED, RESTART_FAILED)]
-    if not misses:
-        return False
-    if misses[-1].action == RESTART_REPORTED:
+    ours = [a for a in h.actions if a.reason == reason]
+    if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
         return True
-    failures = sum(1 for a in misses if a.action == RESTART_FAILED)
-    return now - misses[-1].at < min(RESTART_RETRY_S * 2 ** (failures - 1), RESTART_RETRY_MAX_S)
+    # Failures count for this process whether or not it serves meanwhile: a restart refused while
+    # the server goes on serving (a disruption budget, an API that will not record it) must not
+    # be asked again at the next canary.
+    failures = [a for a in ours if a.action == RESTART_FAILED and a.at >= h.epoch]
+    if not failures:
+        return False
+    return now - failures[-1].at < min(RESTART_RETRY_S * 2 ** (len(failures) - 1), RESTART_RETRY_MAX_S)
 
 
 def _admission_rule(settings: PolicySettings, h: History, now: float) -> list[Decision]:
@@ -284,7 +288,8 @@ def serviceable(h: History, settings: PolicySettings, now: float) -> bool:
     with its canary, as a saturated server's does), for at most `hang.no_evidence_after`: missing
     evidence is no reason to act, in either direction, until it has been missing that long.
     """
-    return not h.restart_in_progress and target_state(h, settings, now) in (HEALTHY, SATURATED, PROGRESS_UNKNOWN)
+    return (not h.restart_in_progress or h.restart_waiting) and target_state(h, settings, now) in (
+        HEALTHY, SATURATED, PROGRESS_UNKNOWN)
 
 
 def canary_delay(settings: CanarySettings, policy: PolicySettings, h: History, now: float) -> float:

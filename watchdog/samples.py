@@ -67,6 +67,7 @@ class CanarySample:
     error: str | None = None
     instance_id: str | None = None
     route: str | None = None  # /control/canary, /v1/completions or /v1/chat/completions
+    draining: bool = False  # the bundled server answered while refusing traffic (drained)
 
     @property
     def started_at(self) -> float:
@@ -135,6 +136,9 @@ class History:
     xids: deque[XidEvent] = field(default_factory=lambda: deque(maxlen=256))
     actions: deque[ActionRecord] = field(default_factory=lambda: deque(maxlen=256))
     restart_in_progress: bool = False
+    # A restart in progress that waits for permission (the disruption budget) with nothing drained:
+    # the server serves as before, and is ready while its evidence says it can serve.
+    restart_waiting: bool = False
 
     def canaries_since_epoch(self) -> list[CanarySample]:
         return [c for c in self.canaries if c.at >= self.epoch]

@@ -46,6 +46,14 @@ class RestartBegun:
 
 
 @dataclass(frozen=True)
+class RestartWaiting:
+    """The restart in progress waits (drain lifted, serving) or goes ahead (draining, acting)."""
+
+    at: float
+    waiting: bool
+
+
+@dataclass(frozen=True)
 class RestartEnded:
     at: float
     reason: str
@@ -92,7 +100,8 @@ class AdmissionAnswered:
 
 
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
-           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled)
+           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
+           | RestartWaiting)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -124,9 +133,11 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, PodGpus):
         h.pod_gpus = outcome.uuids or None
     elif isinstance(outcome, RestartBegun):
-        h.restart_in_progress = True
+        h.restart_in_progress, h.restart_waiting = True, False
+    elif isinstance(outcome, RestartWaiting):
+        h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):
-        h.restart_in_progress = outcome.keep_unready
+        h.restart_in_progress, h.restart_waiting = outcome.keep_unready, False
         if not outcome.done:
             # Nothing was restarted: the process, its evidence and its service go on as they were,
             # and the restart budget is not spent.
@@ -138,7 +149,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.epoch = outcome.at
         h.served_at = None
     elif isinstance(outcome, RestartCancelled):
-        h.restart_in_progress = False
+        h.restart_in_progress, h.restart_waiting = False, False
     elif isinstance(outcome, WorkloadRestarts):
         h.workload_read_at = outcome.at
         h.workload_restarts = None if outcome.restarts is None else tuple(

@@ -22,6 +22,7 @@ class Extras:
     canary: dict[str, Any]
     strategy: str
     restart_failed: str | None
+    restart_not_recorded: str | None
     decisions: list[dict[str, Any]]
     idle_memory: IdleMemory | None
     pod_gpus_error: str | None
@@ -36,12 +37,14 @@ class Extras:
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
     out: set[str] = set()
     target = policy.target_state(h, settings.policy, now)
-    if target is not None and not h.restart_in_progress:
+    if target is not None and (not h.restart_in_progress or h.restart_waiting):
         out.add(target)
     last_canary = h.canaries[-1] if h.canaries else None
     last_torch = h.torch[-1] if h.torch else None
     if h.restart_in_progress:
-        out.add(names.RESTARTING)
+        out.add(names.RESTART_WAITING if h.restart_waiting else names.RESTARTING)
+    if x.restart_not_recorded is not None:
+        out.add(names.RESTART_NOT_RECORDED)
     if last_canary is not None and not last_canary.ok and target not in (names.SATURATED, names.PROGRESS_UNKNOWN):
         out.add(names.CANARY_FAILING)
     if (last_canary is not None and last_canary.error_class == "unreachable") or (
@@ -103,6 +106,9 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "target": {"state": policy.target_state(h, settings.policy, now), "served_at_s": None
                    if h.served_at is None else round(h.served_at - h.started_at, 3), "canary": x.canary,
                    "saturation": sat_figures if sat else None,
+                   # The server said so in its last canary answer: drained (by us, an operator or its
+                   # own shutdown), admitting nothing; a control drain ends at its deadline.
+                   "draining": bool(h.canaries and h.canaries[-1].draining),
                    "progress_unknown": unknown_figures if unknown else None},
         "nvml": {"available": x.nvml_available, "reason": unavailable},
         "gpus": {"ours": list(ours) if ours else None, "source": "kubelet" if h.pod_gpus else
@@ -119,7 +125,9 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
                            "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1)},
         "event_loop_lag_s": x.loop_lag,
         "restart_in_progress": h.restart_in_progress,
+        "restart_waiting": h.restart_waiting,
         "restart_failed": x.restart_failed,
+        "restart_not_recorded": x.restart_not_recorded,
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},

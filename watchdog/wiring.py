@@ -24,7 +24,30 @@ def _kube_reachable(settings: Settings) -> bool:
     return settings.restart.strategy == "container" and bool(k.pod_name and k.namespace)
 
 
-def build_restarter(settings: Settings) -> Restarter:
+log = logs.get("watchdog")
+
+
+def resolve_workload(settings: Settings) -> str:
+    """The restart budget's key: `kubernetes.workload` where an operator set it; else our pod's
+    controller, read from the API at start; the pod's name pattern only where the pod cannot be read."""
+    k = settings.kubernetes
+    if k.workload or not _kube_reachable(settings):
+        return workload_of(settings)
+    from watchdog.actions.kube import PodActions, load_api_client
+
+    try:
+        api = load_api_client(k.kubeconfig, k.request_timeout)
+        workload = PodActions(api, k.pod_name, k.namespace, k.request_timeout).owner_workload()
+    except Exception as exc:  # 403, timeouts, an API not yet reachable: the name is the best we know
+        fallback = workload_of(settings)
+        log.warning("workload_unknown", error=f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}",
+                    workload=fallback, source="pod name")
+        return fallback
+    log.info("workload", workload=workload, source="ownerReferences")
+    return workload
+
+
+def build_restarter(settings: Settings, workload: str | None = None) -> Restarter:
     from watchdog.actions.kube import PodActions, load_api_client
     from watchdog.actions.restart import ContainerRestarter, KubeRestarter
 
@@ -41,7 +64,7 @@ def build_restarter(settings: Settings) -> Restarter:
         pod_settings = dataclasses.replace(settings.restart, strategy="evict") if strategy == "container" \
             else settings.restart
         pod = KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), pod_settings,
-                            workload=workload_of(settings))
+                            workload=workload if workload is not None else workload_of(settings))
     if strategy == "container":
         return ContainerRestarter(settings.restart.verdict_file, pod)
     assert pod is not None
@@ -75,7 +98,8 @@ def run_main(config_path: str) -> int:
     logs.configure("watchdog")
     try:
         settings = load(config_path)
-        restarter = build_restarter(settings)
+        workload = resolve_workload(settings)
+        restarter = build_restarter(settings, workload)
         node = build_node_reporter(settings)
     except ConfigError as exc:
         for line in exc.errors:
@@ -86,7 +110,7 @@ def run_main(config_path: str) -> int:
         print(f"gpu-watchdog run: {exc}", file=sys.stderr)
         return 2
     try:
-        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload_of(settings))
+        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload)
         asyncio.run(run_until_signal(watchdog))
     except OSError as exc:
         print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",

@@ -9,7 +9,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.helpers import free_port, json_lines, spawn, start_server
+from tests.helpers import Proc, free_port, json_lines, spawn, start_server
 from tests.integration.test_kubernetes import serve_events
 
 NS, POD = "serving", "model-7f9c"
@@ -34,54 +34,73 @@ async def until(predicate: Any, timeout: float, what: str) -> None:
     raise AssertionError(f"timed out waiting for {what}")
 
 
-async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: Any, tmp_path: Path) -> None:
+def our_pod(kmock: Any) -> None:
     kmock.objects["v1/pods", NS, POD] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD, "namespace": NS},
                                          "spec": {"containers": [{"name": "inference", "image": "x"}]}}
     serve_events(kmock)
-    eviction = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 201 << {"kind": "Status"}
-    server = await asyncio.to_thread(start_server, tmp_path, "--fault-injection")
+
+
+def real(req: Any) -> bool:
+    return "dryRun" not in req.params
+
+
+def run_watchdog(kmock: Any, tmp_path: Path, server: Any, **config: Any) -> tuple[Proc, str]:
+    """`gpu-watchdog run` on `server`, evicting through the emulator; its process and its base URL."""
     kc = tmp_path / "kubeconfig"
     kubeconfig(kc, str(kmock.url).rstrip("/"))
     token_file = tmp_path / "token"
     token_file.write_text(server.token + "\n")
     wport = free_port()
-    config = tmp_path / "watchdog.yaml"
-    config.write_text(yaml.safe_dump({
+    path = tmp_path / "watchdog.yaml"
+    path.write_text(yaml.safe_dump({
         "target": {"control_url": server.control, "token_file": str(token_file)},
         "sampling": {"torch_interval": "300ms"},
         "canary": {"interval": "300ms", "timeout": "1s"},
-        "restart": {"strategy": "evict", "drain_timeout": "2s", "retry_initial": "100ms"},
         "kubernetes": {"pod_name": "${POD_NAME}", "namespace": "${POD_NAMESPACE}", "kubeconfig": str(kc)},
         "server": {"host": "127.0.0.1", "port": wport},
+        **config,
     }))
     env = {"POD_NAME": POD, "POD_NAMESPACE": NS, "GPU_WATCHDOG_TOKEN": ""}
-    watchdog = spawn(["run", "--config", str(config)], tmp_path / "watchdog.log", env=env)
-    base = f"http://127.0.0.1:{wport}"
+    return spawn(["run", "--config", str(path)], tmp_path / "watchdog.log", env=env), f"http://127.0.0.1:{wport}"
+
+
+async def status_of(http: aiohttp.ClientSession, url: str) -> int:
+    try:
+        async with http.get(url) as r:
+            return r.status
+    except aiohttp.ClientError:
+        return 0
+
+
+async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: Any, tmp_path: Path) -> None:
+    our_pod(kmock)
+    eviction = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 201 << {"kind": "Status"}
+    server = await asyncio.to_thread(start_server, tmp_path, "--fault-injection")
+    watchdog, base = run_watchdog(kmock, tmp_path, server,
+                                  restart={"strategy": "evict", "drain_timeout": "2s", "retry_initial": "100ms"})
     try:
         async with aiohttp.ClientSession() as http:
             async def ready() -> bool:
-                try:
-                    async with http.get(base + "/readyz") as r:
-                        return r.status == 200
-                except aiohttp.ClientError:
-                    return False
+                return await status_of(http, base + "/readyz") == 200
 
             await until(ready, 60, "watchdog ready")
             async with http.post(server.control + "/control/fault", json={"kind": "context_loss"},
                                  headers=server.auth()) as r:
                 assert r.status == 200
-            await until(lambda: len(eviction) >= 1, 30, "eviction request")
+            await until(lambda: any(real(req) for req in eviction), 30, "eviction request")
             await until(lambda: any(getattr(k[0], "plural", None) == "events" for k in kmock.objects), 10, "event")
             # The pod is going away: the watchdog stays unready so the Service stops routing to it.
             assert not await ready()
-        assert len(eviction) == 1
-        assert eviction[0].url.path == f"/api/v1/namespaces/{NS}/pods/{POD}/eviction"
-        assert eviction[0].data["metadata"] == {"name": POD, "namespace": NS}
+        # Asked first (a dry run the disruption budget answers), then evicted, once.
+        assert [real(req) for req in eviction] == [False, True]
+        for req in eviction:
+            assert req.url.path == f"/api/v1/namespaces/{NS}/pods/{POD}/eviction"
+            assert req.data["metadata"] == {"name": POD, "namespace": NS}
         [event] = [dict(getattr(kmock.objects[k], "raw", None) or kmock.objects[k]) for k in kmock.objects
                    if getattr(k[0], "plural", None) == "events"]
         assert event["reason"] == "ContextLoss" and event["regarding"]["name"] == POD
         assert "illegal memory access" in event["note"]
-        # Only our pod was ever touched.
+        # Only our pod was ever touched (read at start for its owner, then evicted).
         pod_requests = [req for req in kmock if "/pods" in str(req.url)]
         assert pod_requests and all(f"/pods/{POD}" in str(req.url) for req in pod_requests)
     finally:
@@ -89,3 +108,56 @@ async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: A
         server.proc.stop()
     decisions = [e for e in json_lines(watchdog.log()) if e.get("event") == "decision"]
     assert decisions and decisions[0]["reason"] == "context_loss" and decisions[0]["strategy"] == "evict"
+
+
+async def test_a_refused_eviction_lifts_the_drain_and_the_server_serves_on(kmock: Any, tmp_path: Path) -> None:
+    """A `max_age` restart of a healthy server: the disruption budget allows the dry run, then refuses
+    every eviction (another replica went first). The drain made for it must not outlive the refusal."""
+    our_pod(kmock)
+    url = f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"
+    kmock[url][lambda req: not real(req)] << 201 << {"kind": "Status", "status": "Success"}
+    refused = kmock[url][real] << 429 << {"kind": "Status", "code": 429, "message": "would violate the budget"}
+    server = await asyncio.to_thread(start_server, tmp_path)
+    watchdog, base = run_watchdog(
+        kmock, tmp_path, server, policy={"max_age": "4s", "max_age_jitter": 0.0},
+        restart={"strategy": "evict", "drain_timeout": "2s", "retry_initial": "300ms", "retry_max": "300ms",
+                 "max_attempts": 4})
+    seen: list[tuple[float, int, int]] = []  # (time, server /readyz, watchdog /readyz)
+    try:
+        async with aiohttp.ClientSession() as http:
+            loop = asyncio.get_running_loop()
+            started = loop.time()
+
+            async def after_failure() -> bool:
+                nonlocal reported_at
+                seen.append((loop.time() - started, await status_of(http, server.url + "/readyz"),
+                             await status_of(http, base + "/readyz")))
+                try:
+                    async with http.get(base + "/status") as r:
+                        status = await r.json()
+                except aiohttp.ClientError:
+                    return False  # not listening yet
+                if status["restart_failed"] and reported_at is None:
+                    reported_at = seen[-1][0]
+                return reported_at is not None and seen[-1][1:] == (200, 200)
+
+            reported_at: float | None = None
+            await until(after_failure, 60, "the failed restart reported, both ready again")
+            assert reported_at is not None
+            async with http.post(server.url + "/v1/completions", json={"prompt": "hi", "max_tokens": 2}) as r:
+                assert r.status == 200  # serving, not a zombie
+        assert len(refused) == 4
+        # Ready again within the drain timeout of the report, not at the server's own deadline (122 s).
+        assert seen[-1][0] - reported_at < 2.0
+        assert kmock.objects["v1/pods", NS, POD] is not None  # still there, and serving
+    finally:
+        watchdog.stop()
+        server.proc.stop()
+    lines = json_lines(watchdog.log())
+    # Drained right before each eviction the dry run allowed, and lifted after each refusal.
+    drains = [e["event"] for e in json_lines(server.proc.log()) if e.get("event") in ("drain_started", "drain_lifted")]
+    assert drains == ["drain_started", "drain_lifted"] * 4
+    assert [e["by"] for e in json_lines(server.proc.log()) if e.get("event") == "drain_lifted"] == ["control"] * 4
+    assert len([e for e in lines if e.get("event") == "drain_lifted"]) == 4
+    [finished] = [e for e in lines if e.get("event") == "restart_finished"][:1]
+    assert finished["done"] is False and "429" in finished["detail"]

@@ -8,7 +8,7 @@ import pytest
 from kubernetes import client
 
 from watchdog.actions.kube import PodActions, RefusedError
-from watchdog.actions.restart import KubeRestarter
+from watchdog.actions.restart import NOT_RECORDED, KubeRestarter
 from watchdog.config import RestartSettings
 from watchdog.policy import Decision
 
@@ -35,6 +35,32 @@ def events(kmock: Any) -> list[dict[str, Any]]:
     return out
 
 
+class RecordingDrain:
+    """The drain's calls, in order (the restarter owns when; the executor owns how)."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def begin(self) -> None:
+        self.calls.append("begin")
+
+    async def lift(self, why: str) -> None:
+        self.calls.append(f"lift:{why}")
+
+
+def dry(req: Any) -> bool:
+    return req.params.get("dryRun") == "All"
+
+
+def real(req: Any) -> bool:
+    return "dryRun" not in req.params
+
+
+BLOCKED = {"kind": "Status", "code": 429,
+           "message": "Cannot evict pod as it would violate the pod's disruption budget."}
+EVICTION = f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"
+
+
 DECISION = Decision("restart", "context_loss", {"evidence": "canary", "error": "illegal memory access"}, drain=False)
 
 
@@ -50,15 +76,19 @@ def restarter(api: client.ApiClient, **changes: Any) -> tuple[KubeRestarter, lis
 
 
 async def test_eviction_url_body_and_event(kmock: Any, api: client.ApiClient) -> None:
-    spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 201 << {"kind": "Status", "status": "Success"}
+    spy = kmock[EVICTION] << 201 << {"kind": "Status", "status": "Success"}
     r, slept = restarter(api, grace_period=20.0)
-    outcome = await r.restart(DECISION)
+    drain = RecordingDrain()
+    outcome = await r.restart(DECISION, drain)
     assert outcome.done and outcome.attempts == 1 and slept == []
-    assert len(spy) == 1
-    assert str(spy[0].method).upper().endswith("POST")
-    assert spy[0].url.path == f"/api/v1/namespaces/{NS}/pods/{POD}/eviction"
-    assert spy[0].data["metadata"] == {"name": POD, "namespace": NS}
-    assert spy[0].data["deleteOptions"]["gracePeriodSeconds"] == 20
+    # Asked first (a dry run the disruption budget answers), then evicted for real.
+    assert [dry(req) for req in spy] == [True, False]
+    for req in spy:
+        assert str(req.method).upper().endswith("POST")
+        assert req.url.path == f"/api/v1/namespaces/{NS}/pods/{POD}/eviction"
+        assert req.data["metadata"] == {"name": POD, "namespace": NS}
+        assert req.data["deleteOptions"]["gracePeriodSeconds"] == 20
+    assert drain.calls == ["begin"]
     [ev] = events(kmock)
     assert ev["reason"] == "ContextLoss" and ev["type"] == "Warning" and ev["action"] == "Evict"
     assert ev["regarding"]["name"] == POD and ev["regarding"]["kind"] == "Pod"
@@ -67,37 +97,71 @@ async def test_eviction_url_body_and_event(kmock: Any, api: client.ApiClient) ->
 
 
 async def test_pdb_429_is_retried_with_backoff_then_succeeds(kmock: Any, api: client.ApiClient) -> None:
-    blocked = {"kind": "Status", "code": 429,
-               "message": "Cannot evict pod as it would violate the pod's disruption budget."}
-    url = f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"
-    refused = kmock[url][:3] << 429 << blocked
-    accepted = kmock[url] << 201 << {"kind": "Status", "status": "Success"}
+    refused = kmock[EVICTION][:3] << 429 << BLOCKED
+    accepted = kmock[EVICTION] << 201 << {"kind": "Status", "status": "Success"}
     r, slept = restarter(api)
-    outcome = await r.restart(DECISION)
+    drain = RecordingDrain()
+    outcome = await r.restart(DECISION, drain)
     assert outcome.done and outcome.attempts == 4
-    assert len(refused) == 3 and len(accepted) == 1
+    assert [dry(req) for req in refused] == [True] * 3 and [dry(req) for req in accepted] == [True, False]
     assert slept == [1.0, 2.0, 4.0]
+    # Nothing drained while the budget said no; drained once it said yes, right before the eviction.
+    assert drain.calls == ["lift:eviction_refused"] * 3 + ["begin"]
+    [ev] = events(kmock)  # one Event, written once the eviction was allowed
+    assert ev["reason"] == "ContextLoss"
+
+
+async def test_a_refusal_after_the_dry_run_lifts_the_drain(kmock: Any, api: client.ApiClient) -> None:
+    """The budget can change between the question and the eviction (another pod went first)."""
+    kmock[EVICTION][dry] << 201 << {"kind": "Status", "status": "Success"}
+    refused = kmock[EVICTION][real][:1] << 429 << BLOCKED
+    accepted = kmock[EVICTION][real] << 201 << {"kind": "Status", "status": "Success"}
+    r, slept = restarter(api)
+    drain = RecordingDrain()
+    outcome = await r.restart(DECISION, drain)
+    assert outcome.done and outcome.attempts == 2 and slept == [1.0]
+    assert len(refused) == 1 and len(accepted) == 1
+    assert drain.calls == ["begin", "lift:eviction_refused", "begin"]
+    assert len(events(kmock)) == 1  # the same restart: recorded once
+
+
+async def test_no_event_no_restart(kmock: Any, api: client.ApiClient) -> None:
+    """An Event the API refuses (an admission webhook, an events quota) while listing works: an
+    unrecorded restart would be invisible to the next pod generation's budget, so none happens."""
+    evictions = kmock[EVICTION] << 201 << {"kind": "Status", "status": "Success"}
+    refused = kmock[f"post /apis/events.k8s.io/v1/namespaces/{NS}/events"] << 403 << {
+        "kind": "Status", "code": 403, "message": "events is forbidden: exceeded quota"}
+    r, slept = restarter(api)
+    drain = RecordingDrain()
+    outcome = await r.restart(DECISION, drain)
+    assert outcome.done is False and outcome.not_recorded
+    assert outcome.detail.startswith(NOT_RECORDED) and "403" in outcome.detail
+    assert len(refused) == 3 and slept == [1.0, 2.0]  # three tries, then given up for now
+    assert [dry(req) for req in evictions] == [True]  # asked, never evicted
+    assert drain.calls == []  # and never drained
+    assert kmock.objects["v1/pods", NS, POD] is not None
 
 
 async def test_a_pdb_that_never_relents_never_leads_to_a_delete(kmock: Any, api: client.ApiClient) -> None:
     """A 429 is the budget saying "not now": going around it with a DELETE would break the fleet's PDB."""
-    blocked = {"kind": "Status", "code": 429,
-               "message": "Cannot evict pod as it would violate the pod's disruption budget."}
-    refused = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 429 << blocked
+    refused = kmock[EVICTION] << 429 << BLOCKED
     deletes = kmock[f"delete /api/v1/namespaces/{NS}/pods/{POD}"] << 200 << pod()
     r, slept = restarter(api, max_attempts=5)
-    outcome = await r.restart(DECISION)
+    drain = RecordingDrain()
+    outcome = await r.restart(DECISION, drain)
     assert outcome.done is False and outcome.attempts == 5 and "429" in outcome.detail
     assert slept == [1.0, 2.0, 4.0, 8.0]  # backing off between attempts, never around the budget
-    assert len(refused) == 5 and len(deletes) == 0
+    assert len(refused) == 5 and all(dry(req) for req in refused) and len(deletes) == 0
     assert kmock.objects["v1/pods", NS, POD] is not None  # the pod is still there
+    assert "begin" not in drain.calls  # never drained: it served all along
+    assert events(kmock) == []  # nothing happened, so nothing is recorded against the budget
 
 
 async def test_403_is_reported_not_raised(kmock: Any, api: client.ApiClient) -> None:
     spy = kmock[f"post /api/v1/namespaces/{NS}/pods/{POD}/eviction"] << 403 << {"kind": "Status", "code": 403,
                                                                              "message": "forbidden"}
     r, slept = restarter(api, max_attempts=3)
-    outcome = await r.restart(DECISION)
+    outcome = await r.restart(DECISION, RecordingDrain())
     assert outcome.done is False
     assert "403" in outcome.detail and outcome.attempts == 3
     assert len(spy) == 3 and slept == [1.0, 2.0]
@@ -107,8 +171,9 @@ async def test_delete_strategy_deletes_our_pod(kmock: Any, api: client.ApiClient
     ours = kmock[f"delete /api/v1/namespaces/{NS}/pods/{POD}"] << 200 << pod()
     theirs = kmock[f"delete /api/v1/namespaces/{NS}/pods/neighbour"] << 200 << pod("neighbour")
     r, _ = restarter(api, strategy="delete", grace_period=5.0)
-    outcome = await r.restart(Decision("restart", "hang", {"consecutive_timeouts": 3}, drain=False))
-    assert outcome.done
+    drain = RecordingDrain()
+    outcome = await r.restart(Decision("restart", "hang", {"consecutive_timeouts": 3}, drain=False), drain)
+    assert outcome.done and drain.calls == ["begin"]
     assert len(ours) == 1 and len(theirs) == 0
     assert ours[0].params.get("gracePeriodSeconds") == "5"
     [ev] = events(kmock)

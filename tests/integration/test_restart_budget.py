@@ -9,24 +9,28 @@ restarter, which writes the Event the next generation reads back.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 from aiohttp import web
 from kubernetes import client
 
+from tests.e2e.test_run_evicts import kubeconfig
 from tests.integration.test_kubernetes import NS, events, pod
 from tests.integration.test_restart_metrics import NoNvml
 from tests.integration.test_watchdog_robustness import serve_everything
-from watchdog.actions.kube import PodActions
+from watchdog.actions.kube import CONTROLLER, PodActions, workload_from_pod
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import KubeRestarter, annotations_for, event_reason, note_for
 from watchdog.app import Watchdog
 from watchdog.config import from_mapping, workload_of
 from watchdog.names import BUDGET_EXHAUSTED, HANG
 from watchdog.policy import Decision
+from watchdog.wiring import resolve_workload
 
 EVENTS = f"get /apis/events.k8s.io/v1/namespaces/{NS}/events"
 # Pods of the Deployment "model", as its ReplicaSets name them: three generations and the fourth.
@@ -55,8 +59,9 @@ async def hanging_server() -> AsyncIterator[str]:
 
 
 def generation(api: client.ApiClient, kmock: Any, pod_name: str, url: str, request_timeout: float = 5.0,
-               max_restarts: int = 3) -> Watchdog:
-    kmock.objects["v1/pods", NS, pod_name] = pod(pod_name)
+               max_restarts: int = 3, workload: str | None = None) -> Watchdog:
+    if ("v1/pods", NS, pod_name) not in kmock.objects:
+        kmock.objects["v1/pods", NS, pod_name] = pod(pod_name)
     settings = from_mapping({
         "target": {"openai_url": url, "metrics_url": None},
         # The first answer must come within the timeout even on a loaded machine; the hang never comes.
@@ -67,7 +72,7 @@ def generation(api: client.ApiClient, kmock: Any, pod_name: str, url: str, reque
         "kubernetes": {"pod_name": pod_name, "namespace": NS, "node_name": "", "request_timeout": request_timeout},
         "server": {"host": "127.0.0.1", "port": 0},
     })
-    workload = workload_of(settings)
+    workload = workload or workload_of(settings)
     restarter = KubeRestarter(PodActions(api, pod_name, NS, request_timeout), settings.restart, workload=workload)
     reader = NodeReporter(api, NS, "", request_timeout, False)
     return Watchdog(settings, restarter, nvml_backend=NoNvml(), restart_events=reader,  # type: ignore[arg-type]
@@ -106,7 +111,7 @@ async def test_the_budget_holds_across_pod_generations(kmock: Any, api: client.A
             "kind": "Status", "status": "Success"}
         async with hanging_server() as url:
             first, last = await live(generation(api, kmock, pod_name, url))
-        evictions.append(len(spy))
+        evictions.append(sum(1 for req in spy if "dryRun" not in req.params))
         assert first["restart_budget"]["scope"] == "workload" and first["restart_budget"]["workload"] == "model"
         # A new sidecar knows at once what its predecessors did.
         assert first["restart_budget_remaining"] == 3 - n if n < 3 else first["restart_budget_remaining"] == 0
@@ -166,3 +171,85 @@ def test_the_workload_of_a_pod(pod_name: str, workload: str) -> None:
     assert workload_of(settings) == workload
     named = from_mapping({"kubernetes": {"pod_name": pod_name, "namespace": NS, "workload": "release-x"}})
     assert workload_of(named) == "release-x"
+
+
+def restart_event(api: client.ApiClient, pod_name: str, workload: str) -> None:
+    d = Decision("restart", HANG, {"evidence": "canary"})
+    PodActions(api, pod_name, NS, 5).record_event(pod_name, NS, event_reason(HANG), note_for(d), "Evict",
+                                                  annotations=annotations_for(d, workload))
+
+
+async def test_an_event_the_api_refuses_means_no_restart(kmock: Any, api: client.ApiClient) -> None:
+    """Listing works, creating is refused (an admission webhook, an events quota): no record, no restart."""
+    pod_name = GENERATIONS[0]
+    evictions = kmock[f"post /api/v1/namespaces/{NS}/pods/{pod_name}/eviction"] << 201 << {"kind": "Status"}
+    refused = kmock[f"post /apis/events.k8s.io/v1/namespaces/{NS}/events"] << 403 << {
+        "kind": "Status", "code": 403, "message": "admission webhook denied the request"}
+    async with hanging_server() as url:
+        _, last = await live(generation(api, kmock, pod_name, url))
+    assert len(refused) == 3
+    assert [req.params.get("dryRun") for req in evictions] == ["All"], "asked, never evicted"
+    [d] = [d for d in last["last_decisions"] if d["outcome"] != "started"]
+    assert d["outcome"] == "not_recorded" and d["reason"] == HANG
+    assert "restart_not_recorded" in last["states"] and "403" in last["restart_not_recorded"]
+    assert last["restarts"] == [] and last["restart_budget_remaining"] == 3  # not counted as done
+
+
+async def test_a_future_dated_restart_event_does_not_count(kmock: Any, api: client.ApiClient) -> None:
+    """Anyone who may create Events can date one a day ahead: it would spend the budget for a day."""
+    now = dt.datetime.now(dt.UTC)
+    for n, ahead in enumerate((dt.timedelta(days=1), dt.timedelta(seconds=10))):
+        kmock.objects["events.k8s.io/v1/events", NS, f"forged-{n}"] = {
+            "apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": {
+                "name": f"forged-{n}", "namespace": NS,
+                "annotations": {"gpu-watchdog.io/workload": "model", "gpu-watchdog.io/reason": HANG}},
+            "eventTime": (now + ahead).isoformat().replace("+00:00", "Z"), "reportingController": CONTROLLER,
+            "reportingInstance": "x", "action": "Evict", "reason": "Hang",
+            "regarding": {"kind": "Pod", "name": "model-5d8f9c7b4-zzzzz", "namespace": NS}}
+    wd = generation(api, kmock, GENERATIONS[0], "http://127.0.0.1:9")
+    await wd.start(serve_http=False)
+    try:
+        # Within the clock skew allowed (10 s ahead) it counts; a day ahead it does not.
+        assert wd.status()["restart_budget_remaining"] == 2
+    finally:
+        await wd.stop()
+
+
+async def test_a_pod_shares_its_deployments_budget_through_its_owner(kmock: Any, api: client.ApiClient,
+                                                                   tmp_path: Path) -> None:
+    """A pod whose name says nothing (a custom controller's, a renamed one) but whose controller is a
+    ReplicaSet of the Deployment "model": it counts the restarts of that Deployment's other pods."""
+    pod_name = "gpu-serving-worker"
+    kmock.objects["v1/pods", NS, pod_name] = {
+        **pod(pod_name), "metadata": {
+            "name": pod_name, "namespace": NS, "labels": {"pod-template-hash": "5d8f9c7b4"},
+            "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "model-5d8f9c7b4",
+                                 "uid": "1", "controller": True}]}}
+    for name in GENERATIONS[:2]:
+        await asyncio.to_thread(restart_event, api, name, "model")
+    kc = tmp_path / "kubeconfig"
+    kubeconfig(kc, str(kmock.url).rstrip("/"))
+    settings = from_mapping({"kubernetes": {"pod_name": pod_name, "namespace": NS, "kubeconfig": str(kc),
+                                            "workload": ""}, "restart": {"strategy": "evict"}})
+    assert workload_of(settings) == pod_name  # the name alone would give it a budget of its own
+    assert await asyncio.to_thread(resolve_workload, settings) == "model"
+    wd = generation(api, kmock, pod_name, "http://127.0.0.1:9", workload="model")
+    await wd.start(serve_http=False)
+    try:
+        assert wd.status()["restart_budget_remaining"] == 1
+    finally:
+        await wd.stop()
+    # And where the pod cannot be read, the name is the fallback.
+    del kmock.objects["v1/pods", NS, pod_name]
+    assert await asyncio.to_thread(resolve_workload, settings) == pod_name
+
+
+@pytest.mark.parametrize(("owners", "labels", "workload"), [
+    ([("ReplicaSet", "model-5d8f9c7b4")], {"pod-template-hash": "5d8f9c7b4"}, "model"),
+    ([("ReplicaSet", "standalone")], {}, "standalone"),
+    ([("StatefulSet", "llm")], {}, "llm"),
+    ([("Job", "eval-run")], {}, "eval-run"),
+    ([], {}, "bare-pod")])
+def test_the_workload_from_a_pods_controller(owners: list[tuple[str, str]], labels: dict[str, str],
+                                             workload: str) -> None:
+    assert workload_from_pod("bare-pod", labels, owners) == workload

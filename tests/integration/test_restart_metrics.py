@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from watchdog.actions.restart import RestartOutcome
+from watchdog.actions.restart import Drain, RestartOutcome
 from watchdog.app import Watchdog
 from watchdog.config import from_mapping
 from watchdog.names import RESTART_REASONS
@@ -40,7 +40,7 @@ class Restarter:
         self.done = done
         self.calls: list[str] = []
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
         self.calls.append(decision.reason)
         return RestartOutcome(self.done, "done" if self.done else "refused")
 

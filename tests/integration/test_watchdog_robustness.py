@@ -14,7 +14,7 @@ from aiohttp import web
 from kubernetes import client
 
 from watchdog.actions.kube import PodActions
-from watchdog.actions.restart import KubeRestarter, RestartOutcome
+from watchdog.actions.restart import Drain, KubeRestarter, NoDrain, RestartOutcome
 from watchdog.app import Watchdog
 from watchdog.config import RestartSettings, from_mapping
 from watchdog.policy import Decision
@@ -39,7 +39,7 @@ class RecordingRestarter:
     def __init__(self) -> None:
         self.calls: list[Decision] = []
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
         self.calls.append(decision)
         return RestartOutcome(False, "recorded")
 
@@ -165,7 +165,7 @@ async def test_hanging_kubernetes_api_is_bounded_and_reported(hanging_api: str) 
     r = KubeRestarter(pod, RestartSettings(max_attempts=3, retry_initial=0.1), sleep=fake_sleep)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    outcome = await r.restart(Decision("restart", "hang", {}))
+    outcome = await r.restart(Decision("restart", "hang", {}), NoDrain())
     assert outcome.done is False and outcome.attempts == 3
     assert loop.time() - start < 10
     assert "Timeout" in outcome.detail or "timed out" in outcome.detail.lower()
@@ -178,7 +178,7 @@ async def test_malformed_kubernetes_json_does_not_crash(hanging_api: str) -> Non
         return None
 
     r = KubeRestarter(pod, RestartSettings(strategy="delete", max_attempts=2, retry_initial=0.1), sleep=no_sleep)
-    outcome = await r.restart(Decision("restart", "context_loss", {}))
+    outcome = await r.restart(Decision("restart", "context_loss", {}), NoDrain())
     # The status code is the API's answer (201: accepted); a body that is not JSON only goes unread,
     # and the Event written after it (same garbage back) is reported, not raised.
     assert outcome == RestartOutcome(True, "delete accepted", attempts=1)

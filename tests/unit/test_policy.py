@@ -21,7 +21,7 @@ from watchdog.policy import (
     target_state,
 )
 from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
-from watchdog.state import RestartBegun, RestartEnded, reduce
+from watchdog.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
 
 GiB = 2**30
 UUID = "GPU-aaaa"
@@ -775,3 +775,43 @@ def test_the_restart_budget_is_the_setting() -> None:
     assert (d.allowed, d.blocked_by) == (False, "restart_budget")  # one restart per window
     assert budget_remaining(settings(), h, 100.1) == 2
     assert budget_remaining(s, h, 601.1) == 0 and budget_remaining(s, h, 601.3) == 1  # refilled after 600 s
+
+
+def test_a_refused_restart_of_a_serving_server_waits_out_its_backoff() -> None:
+    """max_age refused by the disruption budget: the server serves on and its canaries succeed, which
+    must not make the same restart be asked again at the next tick."""
+    s = settings(max_age=1000.0, max_age_jitter=0.0)
+    h = history()
+    h.torch.append(torch(10, uptime=1001))
+    [d] = decide(s, h, 10.5)
+    assert d.reason == "max_age"
+    reduce(h, RestartBegun(10.5))
+    reduce(h, RestartEnded(at=20.0, reason=d.reason, done=False, keep_unready=False))
+    reduce(h, ok(21.0))
+    assert decide(s, h, 21.5) == []
+    assert [x.reason for x in decide(s, h, 50.5)] == ["max_age"]  # 30 s after the failure
+
+
+def test_a_restart_waiting_for_permission_is_ready_while_it_serves() -> None:
+    s = settings(max_age=1000.0, max_age_jitter=0.0)
+    h = history()
+    reduce(h, ok(5.0))
+    reduce(h, RestartBegun(10.0))
+    assert not serviceable(h, s, 10.1)  # deciding and acting: out of service
+    reduce(h, RestartWaiting(10.2, True))  # the disruption budget said not now: drain lifted
+    assert serviceable(h, s, 10.3)
+    reduce(h, failed(11.0, "timeout", latency=1.0))
+    reduce(h, RestartWaiting(12.0, False))  # allowed: drained for the eviction
+    assert not serviceable(h, s, 12.1)
+    reduce(h, RestartEnded(at=13.0, reason="max_age", done=False, keep_unready=False))
+    assert not h.restart_waiting and not h.restart_in_progress
+
+
+def test_own_restarts_count_where_the_events_lost_them() -> None:
+    """Belt and braces: the Events read back show none, but this sidecar restarted twice."""
+    s = settings()
+    h = history()
+    for at in (10.0, 20.0):
+        reduce(h, RestartEnded(at=at, reason=HANG, done=True, keep_unready=False))
+    reduce(h, WorkloadRestarts(at=30.0, wall_now=1e9, restarts=()))
+    assert budget_remaining(s, h, 31.0, from_events=True) == s.restart_budget.max_restarts - 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -114,3 +115,44 @@ def test_garbage_is_reported_in_the_sample(page: str) -> None:
 
 def test_every_dialect_is_a_known_server_kind() -> None:
     assert {d.server for d in DIALECTS} | {"unknown"} == set(SERVER_KINDS)
+
+
+def _bundled_page(generated: int, prompt: int) -> str:
+    from inference.metrics import InferenceMetrics
+
+    m = InferenceMetrics()
+    m.inflight.set(1)
+    m.tokens.inc(generated)
+    m.prompt_tokens.inc(prompt)
+    return generate_latest(m.registry).decode()
+
+
+def _vllm_page(generated: int, prompt: int) -> str:
+    return "\n".join([
+        "# TYPE vllm:num_requests_running gauge", 'vllm:num_requests_running{engine="0",model_name="m"} 1',
+        "# TYPE vllm:generation_tokens_total counter",
+        f'vllm:generation_tokens_total{{engine="0",model_name="m"}} {generated}',
+        "# TYPE vllm:prompt_tokens_total counter", f'vllm:prompt_tokens_total{{engine="0",model_name="m"}} {prompt}',
+        ""])
+
+
+@pytest.mark.parametrize("page", [_bundled_page, _vllm_page], ids=["bundled", "vllm"])
+def test_progress_advances_when_only_prompt_tokens_do(page: Callable[[int, int], str]) -> None:
+    # A long prompt being prefilled on an otherwise idle server: no token generated, still work done.
+    before, after = parse(page(40, 1000), at=1.0), parse(page(40, 3048), at=6.0)
+    assert before.generated_tokens == after.generated_tokens == 40.0
+    assert before.progress is not None and after.progress is not None
+    assert after.progress - before.progress == 2048.0
+
+
+def test_sglang_progress_moves_with_its_schedulers_live_counter() -> None:
+    # Its prompt and generation totals only grow as requests finish; the scheduler's counter grows as it runs.
+    def page(realtime: float) -> str:
+        return SGLANG_PAGE + "".join(
+            f'sglang:realtime_tokens_total{{model_name="m",mode="{mode}"}} {realtime * share}\n'
+            for mode, share in (("prefill_compute", 0.5), ("prefill_cache", 0.25), ("decode", 0.25)))
+
+    before, after = parse(page(4000.0), at=1.0), parse(page(4512.0), at=6.0)
+    assert before.generated_tokens == after.generated_tokens == 90210.0
+    assert before.progress == 90210.0 + 1234.0 + 4000.0
+    assert after.progress == 90210.0 + 1234.0 + 4512.0

@@ -43,6 +43,20 @@ def event_reason(rule: str) -> str:
     return "".join(part.capitalize() for part in rule.split("_"))
 
 
+def workload_from_pod(pod_name: str, labels: dict[str, str], owners: list[tuple[str, str]]) -> str:
+    """The restart budget's key, from the pod's controller: a Deployment's name (its ReplicaSet is
+    named `<deployment>-<pod-template-hash>`, the hash also being the pod's label, so no read of the
+    ReplicaSet and no right to it is needed), a StatefulSet's, a Job's, a lone ReplicaSet's, or the
+    pod's own name when nothing controls it."""
+    if not owners:
+        return pod_name
+    kind, name = owners[0]
+    template_hash = labels.get("pod-template-hash")
+    if kind == "ReplicaSet" and template_hash and name.endswith(f"-{template_hash}"):
+        return name[: -len(template_hash) - 1]
+    return name
+
+
 class PodActions:
     """Every call names the pod it acts on and is refused unless that pod is ours."""
 
@@ -65,14 +79,26 @@ class PodActions:
             raise RefusedError(f"refusing to act on pod {namespace}/{name}: the watchdog only acts on its own pod"
                                f" {self.namespace}/{self.pod_name}")
 
-    def evict(self, name: str, namespace: str, grace_period: int | None) -> None:
+    def evict(self, name: str, namespace: str, grace_period: int | None, dry_run: bool = False) -> None:
+        """`dry_run`: ask whether the disruption budget allows the eviction, evicting nothing (the API
+        server runs the same PodDisruptionBudget check and answers 429 where it would refuse)."""
         self._guard(name, namespace)
         body = client.V1Eviction(
             metadata=client.V1ObjectMeta(name=name, namespace=namespace),
             delete_options=client.V1DeleteOptions(grace_period_seconds=grace_period) if grace_period is not None
             else None,
         )
-        self.core.create_namespaced_pod_eviction(name, namespace, body, _request_timeout=self.timeout)
+        kwargs: dict[str, Any] = {"_request_timeout": self.timeout}
+        if dry_run:
+            kwargs["dry_run"] = "All"
+        self.core.create_namespaced_pod_eviction(name, namespace, body, **kwargs)
+
+    def owner_workload(self) -> str:
+        """Blocking: the workload our pod belongs to, from its `ownerReferences` (see `workload_from_pod`)."""
+        found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
+        meta = found.metadata or client.V1ObjectMeta()
+        owners = [(o.kind, o.name) for o in (meta.owner_references or []) if o.controller]
+        return workload_from_pod(self.pod_name, meta.labels or {}, owners)
 
     def delete(self, name: str, namespace: str, grace_period: int | None) -> None:
         self._guard(name, namespace)
@@ -96,4 +122,5 @@ class PodActions:
             type=event_type,
             regarding=client.V1ObjectReference(kind="Pod", api_version="v1", name=name, namespace=namespace),
         )
-        self.events.create_namespaced_event(namespace, body, _request_timeout=self.timeout)
+        # The status says whether it was stored; the echoed body is not needed (nor trusted to parse).
+        self.events.create_namespaced_event(namespace, body, _request_timeout=self.timeout, _preload_content=False)

@@ -23,18 +23,45 @@ log = logs.get("watchdog.restart")
 Sleep = Callable[[float], Awaitable[None]]
 
 
+# Outcome details the loop and the views tell apart.
+NOT_RECORDED = "restart_not_recorded"
+
+
 @dataclass(frozen=True)
 class RestartOutcome:
     done: bool
     detail: str
     attempts: int = 1
     rung: str = RUNG_POD
+    # The restart Event could not be written, so nothing was done: an unrecorded restart would be
+    # invisible to the next pod generation's budget.
+    not_recorded: bool = False
+
+
+class Drain(Protocol):
+    """The server's drain around a restart, owned by the caller.
+
+    `begin` stops the server admitting (bounded, and lifted by the server itself at a deadline);
+    `lift` ends it and says the restart is waiting, the server serving as before. Both are
+    idempotent and never raise: a drain that cannot be lifted ends at the server's deadline.
+    """
+
+    async def begin(self) -> None: ...
+    async def lift(self, why: str) -> None: ...
+
+
+class NoDrain:
+    async def begin(self) -> None:
+        return None
+
+    async def lift(self, why: str) -> None:
+        return None
 
 
 class Restarter(Protocol):
     strategy: str
 
-    async def restart(self, decision: Decision) -> RestartOutcome: ...
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome: ...
 
 
 def annotations_for(decision: Decision, workload: str | None = None) -> dict[str, str]:
@@ -68,28 +95,46 @@ class KubeRestarter:
         self.strategy = settings.strategy
         self.sleep = sleep
 
-    async def event(self, decision: Decision, action: str, prefix: str = "") -> None:
+    async def event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        """Write the restart Event: None once written, else why not (after three tries)."""
+        error = "no attempt"
         for attempt in range(3):
             try:
                 await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace,
                                         prefix + event_reason(decision.reason), note_for(decision, action),
                                         action, annotations=annotations_for(decision, self.workload))
-                return
+                return None
             except RefusedError:
                 raise
             except Exception as exc:
-                log.warning("event_failed", attempt=attempt + 1, error=_describe(exc))
-                await self.sleep(min(self.settings.retry_initial * 2**attempt, self.settings.retry_max))
+                error = _describe(exc)
+                log.warning("event_failed", attempt=attempt + 1, error=error)
+                if attempt < 2:
+                    await self.sleep(min(self.settings.retry_initial * 2**attempt, self.settings.retry_max))
+        return error
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+        """Ask, record, drain, act, in that order: the server is drained only once the disruption
+        budget allows the eviction and the Event is written, and the drain is lifted while waiting."""
         s = self.settings
         grace = None if s.grace_period is None else int(s.grace_period)
-        action = "Evict" if self.strategy == "evict" else "Delete"
-        await self.event(decision, action)
+        evict = self.strategy == "evict"
+        action = "Evict" if evict else "Delete"
+        recorded = False
         delay = s.retry_initial
         for attempt in range(1, s.max_attempts + 1):
             try:
-                if self.strategy == "evict":
+                if evict:
+                    await asyncio.to_thread(self.pod.evict, self.pod.pod_name, self.pod.namespace, grace, True)
+                if not recorded:
+                    error = await self.event(decision, action)
+                    if error is not None:
+                        log.error(NOT_RECORDED, reason=decision.reason, pod=self.pod.pod_name, error=error,
+                                  action="no restart without its Event; tried again later")
+                        return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
+                    recorded = True
+                await drain.begin()
+                if evict:
                     await asyncio.to_thread(self.pod.evict, self.pod.pod_name, self.pod.namespace, grace)
                 else:
                     await asyncio.to_thread(self.pod.delete, self.pod.pod_name, self.pod.namespace, grace)
@@ -102,6 +147,9 @@ class KubeRestarter:
                 status = getattr(exc, "status", None)
                 if status == 404:
                     return RestartOutcome(True, "pod already gone", attempt)
+                # Not now: the server serves on while we wait (the disruption budget refuses exactly
+                # when the other replicas are short).
+                await drain.lift("eviction_refused" if status == 429 else "restart_api_error")
                 if status == 429:
                     log.warning("eviction_blocked_by_pdb", attempt=attempt, retry_in_s=delay,
                                 pod=self.pod.pod_name)
@@ -127,8 +175,9 @@ class LocalRestarter:
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
         # No drain means nothing useful is left to finish (a hung kernel, a dead context): kill at once.
+        await drain.begin()
         ok = await self.supervisor.restart_child(decision.instance_id, decision.reason, graceful=decision.drain)
         return RestartOutcome(ok, "child restarted and ready" if ok else "child did not become ready",
                               rung=RUNG_PROCESS)
@@ -153,14 +202,19 @@ class ContainerRestarter:
         self.written_at: float | None = None
         self._leftover_checked = False
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
         if decision.rung == RUNG_POD:
             if self.pod is None:
                 return RestartOutcome(False, "the pod rung needs the Kubernetes API, which is not configured",
                                       rung=RUNG_POD)
-            return await self.pod.restart(decision)
+            return await self.pod.restart(decision, drain)
         if self.pod is not None:
-            await self.pod.event(decision, "RestartContainer", prefix="ContainerRestart")
+            error = await self.pod.event(decision, "RestartContainer", prefix="ContainerRestart")
+            if error is not None:
+                log.error(NOT_RECORDED, reason=decision.reason, rung=RUNG_CONTAINER, error=error,
+                          action="no restart without its Event; tried again later")
+                return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_CONTAINER, not_recorded=True)
+        await drain.begin()
         at = self.wall_clock()
         try:
             await asyncio.to_thread(write_verdict, self.verdict_file, at, decision.reason)
@@ -205,7 +259,7 @@ def clear_verdict(path: str) -> bool:
 class ReportOnlyRestarter:
     strategy = "none"
 
-    async def restart(self, decision: Decision) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
         log.warning("restart_not_performed", reason=decision.reason, strategy="none", detail=decision.detail)
         return RestartOutcome(False, "strategy none: reported only")
 

@@ -85,7 +85,8 @@ class CanarySampler:
         return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency),
                             error_class=None if answered_ok else error_class,
                             error=None if answered_ok else str(data.get("error"))[:300],
-                            instance_id=instance if isinstance(instance, str) else None, route=self.route)
+                            instance_id=instance if isinstance(instance, str) else None, route=self.route,
+                            draining=data.get("draining") is True)
 
 
 def api_base(url: str) -> str:

@@ -40,28 +40,34 @@ class Dialect:
 
 # Sample names as exposed (counters with their `_total`). For each figure the first name present
 # wins, except progress, which adds up every counter named: prompt tokens count too, so that a
-# long prefill, which generates nothing for a while, is progress.
+# long prefill, which generates nothing for a while, is progress. Only whether the sum moves
+# matters, so counters kept by different rules may be added.
 DIALECTS = (
     # vllm/v1/metrics/loggers.py (PrometheusStatLogger); kv: gpu_cache_usage_perc before v1.
+    # Generated tokens are counted at every step, a prompt's tokens once its prefill is done.
     Dialect("vllm", running=("vllm:num_requests_running",), waiting=("vllm:num_requests_waiting",),
             generated_tokens=("vllm:generation_tokens_total",),
             progress=("vllm:generation_tokens_total", "vllm:prompt_tokens_total"),
             kv_cache_usage=("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc"),
             preemptions=("vllm:num_preemptions_total",)),
     # python/sglang/srt/metrics/collector.py (needs --enable-metrics); retractions are its preemptions.
+    # Its prompt and generation totals grow only when a request finishes; the scheduler's
+    # realtime_tokens_total{mode=prefill_compute|prefill_cache|decode} (newer releases) as it
+    # prefills and decodes, so a long request is progress before it ends.
     Dialect("sglang", running=("sglang:num_running_reqs",), waiting=("sglang:num_queue_reqs",),
             generated_tokens=("sglang:generation_tokens_total",),
-            progress=("sglang:generation_tokens_total", "sglang:prompt_tokens_total"),
+            progress=("sglang:generation_tokens_total", "sglang:prompt_tokens_total", "sglang:realtime_tokens_total"),
             kv_cache_usage=("sglang:token_usage",), preemptions=("sglang:num_retracted_requests_total",)),
     # router/src (metrics crate, exported without `_total`). Tokens are observed when a request
     # ends, so progress is the count of successful prefill/decode steps.
     Dialect("tgi", running=("tgi_batch_current_size",), waiting=("tgi_queue_size",),
             generated_tokens=("tgi_request_generated_tokens_sum",),
             progress=("tgi_batch_inference_success", "tgi_batch_inference_success_total")),
-    # inference/metrics.py: tokens are counted at every decode step.
+    # inference/metrics.py: generated tokens are counted at every decode step, prompt tokens at every
+    # prefill pass and every chunk of a long prompt (vLLM counts a prompt only once it is prefilled).
     Dialect("bundled", running=("gpu_inference_inflight_requests",), waiting=("gpu_inference_queued_requests",),
             generated_tokens=("gpu_inference_generated_tokens_total",),
-            progress=("gpu_inference_generated_tokens_total",)),
+            progress=("gpu_inference_generated_tokens_total", "gpu_inference_prompt_tokens_total")),
 )
 
 
