@@ -94,8 +94,11 @@ def cuda_context_alive(initialized: Callable[[], bool] = _cuda_initialized,
                        touch: Callable[[], None] = _touch_devices, timeout_s: float = PROBE_TIMEOUT_S) -> bool:
     """Whether the CUDA context still runs work: never initialised, or a one-element kernel succeeds.
 
-    The kernel runs in a thread of its own and is waited for at most `timeout_s`: a device that
-    cannot answer that is not serving. An OOM while probing still proves the context alive.
+    The kernel runs in a thread of its own and is waited for at most `timeout_s`. No answer in time
+    is no proof of a poisoned context (a busy card can keep a new stream waiting behind long
+    kernels), and exiting is the one thing that cannot be taken back: the process stays, and a
+    device that really stopped is the sidecar's canary and hang rule to find. An OOM while probing
+    still proves the context alive.
     """
     if not initialized():
         return True
@@ -113,7 +116,8 @@ def cuda_context_alive(initialized: Callable[[], bool] = _cuda_initialized,
 
     threading.Thread(target=run, name="cuda-context-probe", daemon=True).start()
     if not done.wait(timeout_s):
-        return False
+        log.warning("cuda_probe_timeout", timeout_s=timeout_s, action="not taken as a poisoned context")
+        return True
     failure = outcome[0]
     return failure is None or is_oom(failure)
 

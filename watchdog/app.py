@@ -303,11 +303,12 @@ class Watchdog:
             samplers.control.set_token(self._read_token() or self._token)
         served_before = self.history.served_at is not None
         self._fold(sample)
-        if sample.ok and self._target_served is not None:
+        # A drained server's answer is no cure: the verdict stays until a new process serves.
+        if sample.served and self._target_served is not None:
             await self._target_served(self.wall_clock())
         if sample.ok:
             self.metrics.canary_duration.observe(sample.latency_s)
-            if not served_before:
+            if not served_before and self.history.served_at is not None:
                 log.info("target_serving", route=sample.route, latency_s=round(sample.latency_s, 4),
                          starting_s=round(sample.at - max(self.history.started_at, self.history.epoch), 3))
         else:
@@ -420,7 +421,8 @@ class Watchdog:
             canary={} if run is None else run.samplers.canary.describe(),
             strategy=self.restarter.strategy,
             restart_failed=None if executor is None else executor.restart_failed,
-            restart_not_recorded=None if executor is None else executor.restart_not_recorded, decisions=self.decisions,
+            restart_not_recorded=None if executor is None else executor.not_recorded_now(),
+            ignored_records=0 if executor is None else len(executor.ignored_records), decisions=self.decisions,
             idle_memory=self.episodes.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,

@@ -12,9 +12,9 @@ import asyncio
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from watchdog import escalation, ladder, logs
+from watchdog import contract, escalation, ladder, logs
 from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import NOT_RECORDED, Drain, NoDrain, Restarter
+from watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
 from watchdog.config import Settings
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.escalation import RestartRecord, Suspect, workload_restarts
@@ -31,6 +31,10 @@ ESCALATION_RETRY_S, ESCALATION_RETRY_MAX_S = 30.0, 3600.0
 # The server lifts a drain by itself this long after `drain_timeout`, should we never say more
 # (a sidecar killed mid-restart): an accepted eviction replaces the pod well before.
 DRAIN_DEADLINE_MARGIN_S = 120.0
+# `restart_not_recorded` is said while the last attempt's Event was refused and a restart is still
+# wanted: a wanted one is tried again within the longest backoff (15 min), so after twice that
+# without an attempt the restart is no longer wanted and the episode is over.
+NOT_RECORDED_HOLD_S = 1800.0
 
 
 class ServerDrain:
@@ -45,6 +49,8 @@ class ServerDrain:
         self.fold = fold
         self.clock = clock
         self.drained = False
+        # The server refuses a deadline past its bound; a drain timeout that long keeps the bound.
+        self.deadline = min(timeout + DRAIN_DEADLINE_MARGIN_S, contract.DRAIN_DEADLINE_MAX_S)
 
     async def begin(self) -> None:
         self.fold(RestartWaiting(self.clock(), False))
@@ -52,7 +58,7 @@ class ServerDrain:
             return
         self.drained = True  # even a drain call that timed out may have reached the server
         try:
-            drained = await self.control.drain(self.timeout, self.timeout + DRAIN_DEADLINE_MARGIN_S)
+            drained = await self.control.drain(self.timeout, self.deadline)
             log.info("drained", **{k: drained.get(k) for k in ("drained", "inflight", "queued")})
         except ControlError as exc:
             log.warning("drain_failed", error=str(exc))
@@ -66,11 +72,11 @@ class ServerDrain:
             await self.control.undrain()
             log.warning("drain_lifted", why=why, by="watchdog")
         except ControlError as exc:
-            log.error("drain_lift_failed", why=why, error=str(exc),
-                      deadline_s=self.timeout + DRAIN_DEADLINE_MARGIN_S, action="the server lifts it at its deadline")
+            log.error("drain_lift_failed", why=why, error=str(exc), deadline_s=self.deadline,
+                      action="the server lifts it at its deadline")
 
 
-class WaitOnly(NoDrain):
+class WaitOnly:
     """No drain to make (not asked, or no control API): only the waiting is told."""
 
     def __init__(self, fold: Callable[[Outcome], None], clock: Callable[[], float]) -> None:
@@ -108,11 +114,12 @@ class Executor:
         # What the edges last said, reported once per kind rather than at every attempt.
         self.restart_failed: str | None = None
         self.restart_not_recorded: str | None = None
+        self.not_recorded_at = 0.0
         self.budget_read_error: str | None = None
         self.pod_gpus_error: str | None = None
         self.pod_gpus_retry_s = POD_GPUS_RETRY_S
         self.suspects: dict[str, Suspect] = {}
-        self._ignored_records: set[tuple[str, float]] = set()
+        self.ignored_records: set[tuple[str, float]] = set()
         self._escalation_errors: set[str] = set()
         self.escalation_retry_at = 0.0
         self._escalation_backoff = ESCALATION_RETRY_S
@@ -156,7 +163,7 @@ class Executor:
         started = self.clock()
         reported_only = self.restarter.strategy == "none"
         done, keep_unready, rung, record = False, False, decision.rung, "failed"
-        drain: Drain = ServerDrain(self.control, s.restart.drain_timeout, fold, self.clock) \
+        drain: DrainHandle = ServerDrain(self.control, s.restart.drain_timeout, fold, self.clock) \
             if decision.drain and not reported_only and self.control is not None else WaitOnly(fold, self.clock)
         try:
             outcome = await self.restarter.restart(decision, drain)
@@ -172,26 +179,42 @@ class Executor:
             else:
                 self.restart_failed = outcome.detail
                 await drain.lift("restart_failed")
-            self._not_recorded(outcome.not_recorded, decision, outcome.detail)
             if outcome.not_recorded:
                 record = "not_recorded"
+                self._not_recorded(decision, outcome.detail)
+            elif outcome.recorded:
+                self._recorded(decision)
             log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy, rung=rung,
                         done=done, detail=outcome.detail, attempts=outcome.attempts,
                         seconds=round(self.clock() - started, 3))
+        except asyncio.CancelledError:
+            # The sidecar is stopping mid-restart: leave the server serving, not drained until its deadline.
+            await drain.lift("watchdog_stopping")
+            raise
         except Exception as exc:
             self.restart_failed = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
             await drain.lift("restart_failed")
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung), record
 
-    def _not_recorded(self, now: bool, decision: Decision, detail: str) -> None:
-        """`restart_not_recorded` is an episode: said when it starts and when a restart is recorded again."""
-        if now and self.restart_not_recorded is None:
-            log.error("restart_not_recorded_episode", reason=decision.reason, detail=detail,
+    def _not_recorded(self, decision: Decision, detail: str) -> None:
+        """An episode: said when it starts, again when an Event is written, and over when no restart is
+        wanted any more (see NOT_RECORDED_HOLD_S)."""
+        if self.not_recorded_now() is None:
+            log.error(NOT_RECORDED, reason=decision.reason, detail=detail,
                       action="no restart until its Event can be written; retried with backoff")
-        elif not now and self.restart_not_recorded is not None:
+        self.restart_not_recorded, self.not_recorded_at = detail, self.clock()
+
+    def _recorded(self, decision: Decision) -> None:
+        if self.not_recorded_now() is not None:
             log.info("restart_recorded_again", reason=decision.reason)
-        self.restart_not_recorded = detail if now else None
+        self.restart_not_recorded = None
+
+    def not_recorded_now(self) -> str | None:
+        """Why the last restart wanted was not carried out for want of its Event; None: no such episode."""
+        if self.restart_not_recorded is None or self.clock() - self.not_recorded_at >= NOT_RECORDED_HOLD_S:
+            return None
+        return self.restart_not_recorded
 
     async def read_budget(self) -> WorkloadRestarts:
         """The workload's restarts from the Events; unreadable, slow or partial means spent (fail safe)."""
@@ -215,11 +238,11 @@ class Executor:
     def _believable(self, records: list[RestartRecord], wall_now: float) -> list[RestartRecord]:
         kept, ignored = escalation.believable(records, wall_now)
         seen = {(r.pod, r.at) for r in ignored}
-        if ignored and seen != self._ignored_records:
+        if ignored and seen != self.ignored_records:
             log.warning("restart_records_ignored", why="dated in the future", count=len(ignored),
                         pods=sorted({r.pod for r in ignored}),
                         ahead_s=round(max(r.at for r in ignored) - wall_now, 1))
-        self._ignored_records = seen
+        self.ignored_records = seen
         return kept
 
     # -- which GPUs, and those restarts did not cure -------------------------------------------
@@ -277,4 +300,4 @@ class Executor:
 
     def describe(self) -> dict[str, Any]:
         return {"strategy": self.restarter.strategy, "restart_failed": self.restart_failed,
-                NOT_RECORDED: self.restart_not_recorded}
+                NOT_RECORDED: self.not_recorded_now()}

@@ -40,6 +40,8 @@ PROGRESS_UNKNOWN = "progress_unknown"
 CANARY_FAILING = "canary_failing"
 TARGET_UNREACHABLE = "target_unreachable"
 RESTARTING = "restarting"
+# The server answers its canary but admits nothing (drained by us, an operator or its shutdown).
+DRAINING = "draining"
 BUDGET_EXHAUSTED = "budget_exhausted"
 NVML_UNAVAILABLE = "nvml_unavailable"
 GPUS_UNKNOWN = "gpus_unknown"
@@ -51,7 +53,7 @@ RESTART_WAITING = "restart_waiting"
 RESTART_NOT_RECORDED = "restart_not_recorded"
 STATES = (HEALTHY, STARTING, SATURATED, PROGRESS_UNKNOWN, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING,
           BUDGET_EXHAUSTED, NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT,
-          RESTART_WAITING, RESTART_NOT_RECORDED)
+          RESTART_WAITING, RESTART_NOT_RECORDED, DRAINING)
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

@@ -18,6 +18,7 @@ from watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
     CONTEXT_LOSS,
+    DRAINING,
     FRAGMENTATION_DRIFT,
     HANG,
     HEALTHY,
@@ -131,7 +132,7 @@ def _held_back(h: History, reason: str, now: float) -> bool:
     Reported only (strategy `none`): said once, not again until the target serves again. Failed:
     tried again after a backoff that doubles with each failure, not at every tick.
     """
-    served = [c.at for c in h.canaries if c.ok]
+    served = [c.at for c in h.canaries if c.served]
     episode_start = served[-1] if served else float("-inf")
     ours = [a for a in h.actions if a.reason == reason]
     if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
@@ -266,15 +267,15 @@ def progress_unknown(settings: PolicySettings, h: History, now: float) -> tuple[
 
 
 def target_state(h: History, settings: PolicySettings, now: float) -> str | None:
-    """STARTING until the first successful canary since the last restart; then HEALTHY, SATURATED,
-    PROGRESS_UNKNOWN or CANARY_FAILING by the last canary."""
+    """STARTING until the first successful canary since the last restart; then HEALTHY, DRAINING,
+    SATURATED, PROGRESS_UNKNOWN or CANARY_FAILING by the last canary."""
     if h.served_at is None:
         return STARTING
     last = h.canaries[-1] if h.canaries else None
     if last is None:
         return None
     if last.ok:
-        return HEALTHY
+        return DRAINING if last.draining else HEALTHY
     if saturated(h)[0]:
         return SATURATED
     return PROGRESS_UNKNOWN if progress_unknown(settings, h, now)[0] else CANARY_FAILING

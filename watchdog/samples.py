@@ -73,6 +73,11 @@ class CanarySample:
     def started_at(self) -> float:
         return self.at - self.latency_s
 
+    @property
+    def served(self) -> bool:
+        """Answered and admitting: a drained server answers its canary but serves no one."""
+        return self.ok and not self.draining
+
 
 @dataclass(frozen=True)
 class ServerSample:

@@ -108,7 +108,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     """Fold one outcome into the history (in place: the deques are bounded logs) and return it."""
     if isinstance(outcome, CanarySample):
         h.canaries.append(outcome)
-        if outcome.ok and h.served_at is None and outcome.at >= h.epoch:
+        if outcome.served and h.served_at is None and outcome.at >= h.epoch:
             h.served_at = outcome.at
     elif isinstance(outcome, ServerSample):
         # Only this process's samples: after a restart of ours the counters start again by design,
@@ -133,7 +133,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, PodGpus):
         h.pod_gpus = outcome.uuids or None
     elif isinstance(outcome, RestartBegun):
-        h.restart_in_progress, h.restart_waiting = True, False
+        # Nothing is drained or done until the restarter says so (after asking the disruption
+        # budget and writing the Event): the server serves meanwhile.
+        h.restart_in_progress, h.restart_waiting = True, True
     elif isinstance(outcome, RestartWaiting):
         h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):

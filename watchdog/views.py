@@ -32,6 +32,7 @@ class Extras:
     workload: str | None = None
     budget_read_error: str | None = None
     loop_lag: dict[str, float] | None = None  # the sidecar's own event-loop lag: last, p99, max
+    ignored_records: int = 0  # restart records dated in the future at the last read, not counted
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
@@ -68,8 +69,10 @@ def ready(settings: Settings, h: History, now: float) -> tuple[bool, dict[str, A
     if ok:
         return True, {"ready": True, "reason": None, "state": policy.target_state(h, settings.policy, now)}
     last = h.canaries[-1] if h.canaries else None
-    if h.restart_in_progress:
+    if h.restart_in_progress and not h.restart_waiting:
         reason = "restarting"
+    elif last is not None and last.ok and last.draining:
+        reason = "draining: the server admits nothing"
     elif h.served_at is None:
         reason = "no successful canary yet" if last is None or last.ok else f"starting: canary {last.error_class}"
     else:
@@ -122,7 +125,8 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
         "restart_budget": {"scope": "workload" if x.budget_from_events else "pod",
                            "workload": x.workload, "read_error": x.budget_read_error,
-                           "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1)},
+                           "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1),
+                           "ignored_future_records": x.ignored_records},
         "event_loop_lag_s": x.loop_lag,
         "restart_in_progress": h.restart_in_progress,
         "restart_waiting": h.restart_waiting,

@@ -7,6 +7,7 @@ import asyncio
 import dataclasses
 import signal
 import sys
+import time
 
 from watchdog import logs
 from watchdog.actions.node import NodeReporter
@@ -26,6 +27,8 @@ def _kube_reachable(settings: Settings) -> bool:
 
 log = logs.get("watchdog")
 
+WORKLOAD_TRIES = 3  # reads of our own pod at start (1 s, then 2 s apart) before the name stands in
+
 
 def resolve_workload(settings: Settings) -> str:
     """The restart budget's key: `kubernetes.workload` where an operator set it; else our pod's
@@ -35,16 +38,21 @@ def resolve_workload(settings: Settings) -> str:
         return workload_of(settings)
     from watchdog.actions.kube import PodActions, load_api_client
 
-    try:
-        api = load_api_client(k.kubeconfig, k.request_timeout)
-        workload = PodActions(api, k.pod_name, k.namespace, k.request_timeout).owner_workload()
-    except Exception as exc:  # 403, timeouts, an API not yet reachable: the name is the best we know
-        fallback = workload_of(settings)
-        log.warning("workload_unknown", error=f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}",
-                    workload=fallback, source="pod name")
-        return fallback
-    log.info("workload", workload=workload, source="ownerReferences")
-    return workload
+    error = ""
+    for attempt in range(WORKLOAD_TRIES):
+        try:
+            api = load_api_client(k.kubeconfig, k.request_timeout)
+            workload = PodActions(api, k.pod_name, k.namespace, k.request_timeout).owner_workload()
+        except Exception as exc:  # 403, timeouts, an API not yet reachable: try again, then the name
+            error = f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}"
+            if attempt + 1 < WORKLOAD_TRIES:
+                time.sleep(2**attempt)
+            continue
+        log.info("workload", workload=workload, source="ownerReferences")
+        return workload
+    fallback = workload_of(settings)
+    log.warning("workload_unknown", error=error, workload=fallback, source="pod name", tries=WORKLOAD_TRIES)
+    return fallback
 
 
 def build_restarter(settings: Settings, workload: str | None = None) -> Restarter:

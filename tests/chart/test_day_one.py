@@ -367,10 +367,17 @@ def test_node_event_rbac_does_not_clash_between_namespaces() -> None:
     assert len(a) == 2 and len(b) == 2 and not a & b, (a, b)
 
 
-def test_the_budget_is_keyed_on_the_deployment() -> None:
+def test_the_budget_is_keyed_on_the_deployment_the_api_names() -> None:
+    """No name handed down: the sidecar reads its pod's controller (so a renamed or foreign
+    Deployment keys its budget right), which the Role lets it do for its pod alone."""
     docs = render()
     env = {e["name"]: e.get("value") for e in containers(docs)["watchdog"]["env"]}
-    assert env["GPU_WATCHDOG_WORKLOAD"] == by_kind(docs, "Deployment")[0]["metadata"]["name"]
+    assert "GPU_WATCHDOG_WORKLOAD" not in env
+    config = yaml.safe_load(next(d for d in docs if d["kind"] == "ConfigMap"
+                                 and "config.yaml" in d.get("data", {}))["data"]["config.yaml"])
+    assert not (config.get("kubernetes") or {}).get("workload")
+    role = next(d for d in docs if d["kind"] == "Role" and d["metadata"]["name"].endswith("-watchdog"))
+    assert any(r["resources"] == ["pods"] and r["verbs"] == ["get"] for r in role["rules"])
 
 
 # --- 9. the PDB when every replica is unready ------------------------------------------------------

@@ -35,8 +35,12 @@ async def until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def our_pod(kmock: Any) -> None:
-    kmock.objects["v1/pods", NS, POD] = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": POD, "namespace": NS},
-                                         "spec": {"containers": [{"name": "inference", "image": "x"}]}}
+    """Our pod, of the Deployment "llm" (its ReplicaSet's name and the pod's template-hash label say so)."""
+    kmock.objects["v1/pods", NS, POD] = {
+        "apiVersion": "v1", "kind": "Pod", "spec": {"containers": [{"name": "inference", "image": "x"}]},
+        "metadata": {"name": POD, "namespace": NS, "labels": {"pod-template-hash": "5c9d7b6f4"},
+                     "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": "llm-5c9d7b6f4",
+                                          "uid": "u", "controller": True}]}}
     serve_events(kmock)
 
 
@@ -100,6 +104,8 @@ async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: A
                    if getattr(k[0], "plural", None) == "events"]
         assert event["reason"] == "ContextLoss" and event["regarding"]["name"] == POD
         assert "illegal memory access" in event["note"]
+        # The budget's key came from the API: the pod's name alone ("model-…") says nothing of "llm".
+        assert event["metadata"]["annotations"]["gpu-watchdog.io/workload"] == "llm"
         # Only our pod was ever touched (read at start for its owner, then evicted).
         pod_requests = [req for req in kmock if "/pods" in str(req.url)]
         assert pod_requests and all(f"/pods/{POD}" in str(req.url) for req in pod_requests)

@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from watchdog import policy
-from watchdog.actions.restart import Drain, RestartOutcome
+from watchdog.actions.restart import DrainHandle, RestartOutcome
 from watchdog.app import Watchdog
 from watchdog.config import from_mapping
 from watchdog.policy import Decision
@@ -32,7 +32,7 @@ class RecordingRestarter:
     def __init__(self) -> None:
         self.calls: list[Decision] = []
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         self.calls.append(decision)
         return RestartOutcome(False, "recorded")
 

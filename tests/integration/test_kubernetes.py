@@ -174,8 +174,13 @@ async def test_delete_strategy_deletes_our_pod(kmock: Any, api: client.ApiClient
     drain = RecordingDrain()
     outcome = await r.restart(Decision("restart", "hang", {"consecutive_timeouts": 3}, drain=False), drain)
     assert outcome.done and drain.calls == ["begin"]
-    assert len(ours) == 1 and len(theirs) == 0
-    assert ours[0].params.get("gracePeriodSeconds") == "5"
+    # Asked first (a dry run: RBAC and admission answer as they would), recorded, then deleted.
+    # (The emulator knows no dryRun, so its store deleted at the question and answers the delete
+    # itself: "already gone", done either way.)
+    sent = [(str(req.method).rsplit(".", 1)[-1].upper(), req.params.get("dryRun")) for req in kmock
+            if "/pods/" in str(req.url) or "/events" in str(req.url)]
+    assert sent == [("DELETE", "All"), ("POST", None), ("DELETE", None)] and len(theirs) == 0
+    assert ours[0].params.get("gracePeriodSeconds") == "5" and dry(ours[0])
     [ev] = events(kmock)
     assert ev["reason"] == "Hang" and ev["action"] == "Delete"
 

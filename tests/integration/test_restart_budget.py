@@ -216,7 +216,8 @@ async def test_a_future_dated_restart_event_does_not_count(kmock: Any, api: clie
 
 
 async def test_a_pod_shares_its_deployments_budget_through_its_owner(kmock: Any, api: client.ApiClient,
-                                                                   tmp_path: Path) -> None:
+                                                                   tmp_path: Path,
+                                                                   monkeypatch: pytest.MonkeyPatch) -> None:
     """A pod whose name says nothing (a custom controller's, a renamed one) but whose controller is a
     ReplicaSet of the Deployment "model": it counts the restarts of that Deployment's other pods."""
     pod_name = "gpu-serving-worker"
@@ -240,6 +241,7 @@ async def test_a_pod_shares_its_deployments_budget_through_its_owner(kmock: Any,
     finally:
         await wd.stop()
     # And where the pod cannot be read, the name is the fallback.
+    monkeypatch.setattr("watchdog.wiring.WORKLOAD_TRIES", 1)
     del kmock.objects["v1/pods", NS, pod_name]
     assert await asyncio.to_thread(resolve_workload, settings) == pod_name
 

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from watchdog.actions.restart import Drain, RestartOutcome
+from watchdog.actions.restart import DrainHandle, RestartOutcome
 from watchdog.app import Watchdog
 from watchdog.config import from_mapping
 from watchdog.names import RESTART_REASONS
@@ -40,7 +40,7 @@ class Restarter:
         self.done = done
         self.calls: list[str] = []
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         self.calls.append(decision.reason)
         return RestartOutcome(self.done, "done" if self.done else "refused")
 

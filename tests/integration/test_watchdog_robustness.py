@@ -13,8 +13,9 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
+from tests.integration.test_kubernetes import RecordingDrain
 from watchdog.actions.kube import PodActions
-from watchdog.actions.restart import Drain, KubeRestarter, NoDrain, RestartOutcome
+from watchdog.actions.restart import DrainHandle, KubeRestarter, RestartOutcome
 from watchdog.app import Watchdog
 from watchdog.config import RestartSettings, from_mapping
 from watchdog.policy import Decision
@@ -39,7 +40,7 @@ class RecordingRestarter:
     def __init__(self) -> None:
         self.calls: list[Decision] = []
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         self.calls.append(decision)
         return RestartOutcome(False, "recorded")
 
@@ -165,7 +166,7 @@ async def test_hanging_kubernetes_api_is_bounded_and_reported(hanging_api: str) 
     r = KubeRestarter(pod, RestartSettings(max_attempts=3, retry_initial=0.1), sleep=fake_sleep)
     loop = asyncio.get_running_loop()
     start = loop.time()
-    outcome = await r.restart(Decision("restart", "hang", {}), NoDrain())
+    outcome = await r.restart(Decision("restart", "hang", {}), RecordingDrain())
     assert outcome.done is False and outcome.attempts == 3
     assert loop.time() - start < 10
     assert "Timeout" in outcome.detail or "timed out" in outcome.detail.lower()
@@ -178,10 +179,10 @@ async def test_malformed_kubernetes_json_does_not_crash(hanging_api: str) -> Non
         return None
 
     r = KubeRestarter(pod, RestartSettings(strategy="delete", max_attempts=2, retry_initial=0.1), sleep=no_sleep)
-    outcome = await r.restart(Decision("restart", "context_loss", {}), NoDrain())
+    outcome = await r.restart(Decision("restart", "context_loss", {}), RecordingDrain())
     # The status code is the API's answer (201: accepted); a body that is not JSON only goes unread,
     # and the Event written after it (same garbage back) is reported, not raised.
-    assert outcome == RestartOutcome(True, "delete accepted", attempts=1)
+    assert outcome == RestartOutcome(True, "delete accepted", attempts=1, recorded=True)
 
 
 

@@ -105,7 +105,9 @@ def test_the_probe_asks_the_device_only_where_cuda_started() -> None:
     assert cuda_context_alive(initialized=lambda: True, touch=full)
 
 
-def test_a_device_that_cannot_answer_the_probe_is_not_serving() -> None:
+def test_a_probe_that_gets_no_answer_in_time_is_not_taken_for_a_poisoned_context() -> None:
+    """A busy card can keep a new stream waiting: no answer is no proof, and exiting cannot be taken
+    back (a device that really stopped is the canary's and the hang rule's to find)."""
     release = threading.Event()
 
     def hung() -> None:
@@ -113,7 +115,7 @@ def test_a_device_that_cannot_answer_the_probe_is_not_serving() -> None:
 
     start = time.monotonic()
     try:
-        assert not cuda_context_alive(initialized=lambda: True, touch=hung, timeout_s=0.2)
+        assert cuda_context_alive(initialized=lambda: True, touch=hung, timeout_s=0.2)
     finally:
         release.set()
     assert time.monotonic() - start < 2.0

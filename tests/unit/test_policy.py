@@ -797,11 +797,15 @@ def test_a_restart_waiting_for_permission_is_ready_while_it_serves() -> None:
     h = history()
     reduce(h, ok(5.0))
     reduce(h, RestartBegun(10.0))
-    assert not serviceable(h, s, 10.1)  # deciding and acting: out of service
-    reduce(h, RestartWaiting(10.2, True))  # the disruption budget said not now: drain lifted
-    assert serviceable(h, s, 10.3)
+    # Asking the disruption budget and writing the Event (tens of seconds where the API is slow)
+    # takes nothing out of service.
+    assert serviceable(h, s, 10.1)
+    reduce(h, RestartWaiting(10.2, False))  # allowed and recorded: drained for the eviction
+    assert not serviceable(h, s, 10.3)
+    reduce(h, RestartWaiting(10.4, True))  # refused after all: drain lifted, serving again
+    assert serviceable(h, s, 10.5)
     reduce(h, failed(11.0, "timeout", latency=1.0))
-    reduce(h, RestartWaiting(12.0, False))  # allowed: drained for the eviction
+    reduce(h, RestartWaiting(12.0, False))
     assert not serviceable(h, s, 12.1)
     reduce(h, RestartEnded(at=13.0, reason="max_age", done=False, keep_unready=False))
     assert not h.restart_waiting and not h.restart_in_progress
@@ -815,3 +819,17 @@ def test_own_restarts_count_where_the_events_lost_them() -> None:
         reduce(h, RestartEnded(at=at, reason=HANG, done=True, keep_unready=False))
     reduce(h, WorkloadRestarts(at=30.0, wall_now=1e9, restarts=()))
     assert budget_remaining(s, h, 31.0, from_events=True) == s.restart_budget.max_restarts - 2
+
+
+def test_a_drained_servers_answer_is_not_serving() -> None:
+    """A drained server answers its canary (the canary bypasses the drain) and admits nothing: not
+    ready, not "served" (a restarted container that answers drained has not been cured), and no end
+    to a restart episode."""
+    s = settings()
+    h = history(served_at=None)
+    reduce(h, CanarySample(at=1.0, ok=True, latency_s=0.01, error_class=None, draining=True))
+    assert h.served_at is None and target_state(h, s, 1.1) == STARTING and not serviceable(h, s, 1.1)
+    reduce(h, ok(2.0))
+    assert target_state(h, s, 2.1) == "healthy" and serviceable(h, s, 2.1)
+    reduce(h, CanarySample(at=3.0, ok=True, latency_s=0.01, error_class=None, draining=True))
+    assert target_state(h, s, 3.1) == "draining" and not serviceable(h, s, 3.1)

@@ -5,6 +5,7 @@ The client is synchronous; callers run it through `asyncio.to_thread`.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import os
 import secrets
@@ -41,6 +42,22 @@ def event_name(regarding: str) -> str:
 
 def event_reason(rule: str) -> str:
     return "".join(part.capitalize() for part in rule.split("_"))
+
+
+def _options(timeout: float, dry_run: bool = False) -> dict[str, Any]:
+    """For calls whose answer is their status alone: the echoed object is neither needed nor
+    trusted to parse (a proxy's garbage after a 2xx must not turn a stored Event into a failure)."""
+    out: dict[str, Any] = {"_request_timeout": timeout, "_preload_content": False}
+    if dry_run:
+        out["dry_run"] = "All"
+    return out
+
+
+def _discard(response: Any) -> None:
+    """Read and hand back the connection of an answer we do not parse."""
+    with contextlib.suppress(Exception):
+        response.read()
+        response.release_conn()
 
 
 def workload_from_pod(pod_name: str, labels: dict[str, str], owners: list[tuple[str, str]]) -> str:
@@ -88,10 +105,7 @@ class PodActions:
             delete_options=client.V1DeleteOptions(grace_period_seconds=grace_period) if grace_period is not None
             else None,
         )
-        kwargs: dict[str, Any] = {"_request_timeout": self.timeout}
-        if dry_run:
-            kwargs["dry_run"] = "All"
-        self.core.create_namespaced_pod_eviction(name, namespace, body, **kwargs)
+        _discard(self.core.create_namespaced_pod_eviction(name, namespace, body, **_options(self.timeout, dry_run)))
 
     def owner_workload(self) -> str:
         """Blocking: the workload our pod belongs to, from its `ownerReferences` (see `workload_from_pod`)."""
@@ -100,12 +114,13 @@ class PodActions:
         owners = [(o.kind, o.name) for o in (meta.owner_references or []) if o.controller]
         return workload_from_pod(self.pod_name, meta.labels or {}, owners)
 
-    def delete(self, name: str, namespace: str, grace_period: int | None) -> None:
+    def delete(self, name: str, namespace: str, grace_period: int | None, dry_run: bool = False) -> None:
+        """`dry_run`: ask whether the API would delete it (RBAC, admission), deleting nothing."""
         self._guard(name, namespace)
-        kwargs: dict[str, Any] = {"_request_timeout": self.timeout}
+        kwargs = _options(self.timeout, dry_run)
         if grace_period is not None:
             kwargs["grace_period_seconds"] = grace_period
-        self.core.delete_namespaced_pod(name, namespace, **kwargs)
+        _discard(self.core.delete_namespaced_pod(name, namespace, **kwargs))
 
     def record_event(self, name: str, namespace: str, reason: str, note: str, action: str,
                      event_type: str = "Warning", annotations: dict[str, str] | None = None) -> None:
@@ -122,5 +137,4 @@ class PodActions:
             type=event_type,
             regarding=client.V1ObjectReference(kind="Pod", api_version="v1", name=name, namespace=namespace),
         )
-        # The status says whether it was stored; the echoed body is not needed (nor trusted to parse).
-        self.events.create_namespaced_event(namespace, body, _request_timeout=self.timeout, _preload_content=False)
+        _discard(self.events.create_namespaced_event(namespace, body, **_options(self.timeout)))

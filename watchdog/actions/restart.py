@@ -36,9 +36,11 @@ class RestartOutcome:
     # The restart Event could not be written, so nothing was done: an unrecorded restart would be
     # invisible to the next pod generation's budget.
     not_recorded: bool = False
+    # Its Event was written (whatever became of the restart after it).
+    recorded: bool = False
 
 
-class Drain(Protocol):
+class DrainHandle(Protocol):
     """The server's drain around a restart, owned by the caller.
 
     `begin` stops the server admitting (bounded, and lifted by the server itself at a deadline);
@@ -50,18 +52,10 @@ class Drain(Protocol):
     async def lift(self, why: str) -> None: ...
 
 
-class NoDrain:
-    async def begin(self) -> None:
-        return None
-
-    async def lift(self, why: str) -> None:
-        return None
-
-
 class Restarter(Protocol):
     strategy: str
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome: ...
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome: ...
 
 
 def annotations_for(decision: Decision, workload: str | None = None) -> dict[str, str]:
@@ -113,40 +107,34 @@ class KubeRestarter:
                     await self.sleep(min(self.settings.retry_initial * 2**attempt, self.settings.retry_max))
         return error
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
-        """Ask, record, drain, act, in that order: the server is drained only once the disruption
-        budget allows the eviction and the Event is written, and the drain is lifted while waiting."""
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
+        """Ask, record, drain, act, in that order: the server is drained only once the API allows the
+        restart (a dry run: the disruption budget for an eviction, RBAC and admission for a delete)
+        and its Event is written, and the drain is lifted while it waits."""
         s = self.settings
         grace = None if s.grace_period is None else int(s.grace_period)
-        evict = self.strategy == "evict"
-        action = "Evict" if evict else "Delete"
+        action = "Evict" if self.strategy == "evict" else "Delete"
         recorded = False
         delay = s.retry_initial
         for attempt in range(1, s.max_attempts + 1):
             try:
-                if evict:
-                    await asyncio.to_thread(self.pod.evict, self.pod.pod_name, self.pod.namespace, grace, True)
+                await asyncio.to_thread(self._act, grace, True)
                 if not recorded:
                     error = await self.event(decision, action)
                     if error is not None:
-                        log.error(NOT_RECORDED, reason=decision.reason, pod=self.pod.pod_name, error=error,
-                                  action="no restart without its Event; tried again later")
                         return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
                     recorded = True
                 await drain.begin()
-                if evict:
-                    await asyncio.to_thread(self.pod.evict, self.pod.pod_name, self.pod.namespace, grace)
-                else:
-                    await asyncio.to_thread(self.pod.delete, self.pod.pod_name, self.pod.namespace, grace)
+                await asyncio.to_thread(self._act, grace, False)
                 log.warning("pod_restart_requested", strategy=self.strategy, reason=decision.reason,
                             pod=self.pod.pod_name, namespace=self.pod.namespace, attempt=attempt)
-                return RestartOutcome(True, f"{self.strategy} accepted", attempt)
+                return RestartOutcome(True, f"{self.strategy} accepted", attempt, recorded=True)
             except RefusedError:
                 raise
             except Exception as exc:
                 status = getattr(exc, "status", None)
                 if status == 404:
-                    return RestartOutcome(True, "pod already gone", attempt)
+                    return RestartOutcome(True, "pod already gone", attempt, recorded=recorded)
                 # Not now: the server serves on while we wait (the disruption budget refuses exactly
                 # when the other replicas are short).
                 await drain.lift("eviction_refused" if status == 429 else "restart_api_error")
@@ -157,10 +145,18 @@ class KubeRestarter:
                     log.error("restart_api_error", strategy=self.strategy, attempt=attempt, status=status,
                               error=_describe(exc), retry_in_s=delay)
                 if attempt == s.max_attempts:
-                    return RestartOutcome(False, f"gave up after {attempt} attempts: {_describe(exc)}", attempt)
+                    return RestartOutcome(False, f"gave up after {attempt} attempts: {_describe(exc)}", attempt,
+                                          recorded=recorded)
                 await self.sleep(delay)
                 delay = min(delay * 2, s.retry_max)
         return RestartOutcome(False, "no attempts", 0)  # pragma: no cover - max_attempts >= 1
+
+    def _act(self, grace: int | None, dry_run: bool) -> None:
+        """Blocking: evict or delete our pod, or only ask whether the API would (`dry_run`)."""
+        if self.strategy == "evict":
+            self.pod.evict(self.pod.pod_name, self.pod.namespace, grace, dry_run)
+        else:
+            self.pod.delete(self.pod.pod_name, self.pod.namespace, grace, dry_run)
 
 
 class Supervisor(Protocol):
@@ -175,7 +171,7 @@ class LocalRestarter:
     def __init__(self, supervisor: Supervisor) -> None:
         self.supervisor = supervisor
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         # No drain means nothing useful is left to finish (a hung kernel, a dead context): kill at once.
         await drain.begin()
         ok = await self.supervisor.restart_child(decision.instance_id, decision.reason, graceful=decision.drain)
@@ -202,7 +198,7 @@ class ContainerRestarter:
         self.written_at: float | None = None
         self._leftover_checked = False
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         if decision.rung == RUNG_POD:
             if self.pod is None:
                 return RestartOutcome(False, "the pod rung needs the Kubernetes API, which is not configured",
@@ -211,8 +207,6 @@ class ContainerRestarter:
         if self.pod is not None:
             error = await self.pod.event(decision, "RestartContainer", prefix="ContainerRestart")
             if error is not None:
-                log.error(NOT_RECORDED, reason=decision.reason, rung=RUNG_CONTAINER, error=error,
-                          action="no restart without its Event; tried again later")
                 return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_CONTAINER, not_recorded=True)
         await drain.begin()
         at = self.wall_clock()
@@ -220,11 +214,11 @@ class ContainerRestarter:
             await asyncio.to_thread(write_verdict, self.verdict_file, at, decision.reason)
         except OSError as exc:
             return RestartOutcome(False, f"cannot write the verdict {self.verdict_file}: {exc.strerror}",
-                                  rung=RUNG_CONTAINER)
+                                  rung=RUNG_CONTAINER, recorded=self.pod is not None)
         self.written_at = at
         log.warning("container_restart_requested", reason=decision.reason, verdict_file=self.verdict_file)
         return RestartOutcome(True, "verdict written: the kubelet restarts the inference container",
-                              rung=RUNG_CONTAINER)
+                              rung=RUNG_CONTAINER, recorded=self.pod is not None)
 
     async def target_served(self, at_wall: float) -> None:
         """The target serves again (a new container, or the old one recovered): the verdict is spent.
@@ -259,7 +253,7 @@ def clear_verdict(path: str) -> bool:
 class ReportOnlyRestarter:
     strategy = "none"
 
-    async def restart(self, decision: Decision, drain: Drain) -> RestartOutcome:
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         log.warning("restart_not_performed", reason=decision.reason, strategy="none", detail=decision.detail)
         return RestartOutcome(False, "strategy none: reported only")
 

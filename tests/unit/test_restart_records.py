@@ -1,0 +1,62 @@
+"""What the executor says about restarts it could not record: an episode, said once and over when
+no restart is wanted any more."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from watchdog.actions.restart import NOT_RECORDED, DrainHandle, RestartOutcome
+from watchdog.config import from_mapping
+from watchdog.executor import NOT_RECORDED_HOLD_S, Executor
+from watchdog.metrics import WatchdogMetrics
+from watchdog.names import HANG
+from watchdog.policy import Decision
+
+
+class Scripted:
+    """Answers each restart with the next outcome of its script."""
+
+    strategy = "evict"
+
+    def __init__(self, *outcomes: RestartOutcome) -> None:
+        self.outcomes = list(outcomes)
+
+    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
+        return self.outcomes.pop(0)
+
+
+def executor(restarter: Scripted, now: list[float]) -> Executor:
+    settings = from_mapping({"target": {"openai_url": "http://127.0.0.1:9", "metrics_url": None},
+                             "kubernetes": {"pod_name": "model-0", "namespace": "serving"}})
+    return Executor(settings, restarter, WatchdogMetrics(lambda: None),  # type: ignore[arg-type]
+                    lambda: now[0], lambda: 1e9 + now[0], None, None, None, "model", lambda: None)
+
+
+REFUSED = RestartOutcome(False, f"{NOT_RECORDED}: HTTP 403 Forbidden", not_recorded=True)
+DECISION = Decision("restart", HANG, {})
+
+
+async def test_not_recorded_is_an_episode_over_when_an_event_is_written(capsys: Any) -> None:
+    now = [100.0]
+    ex = executor(Scripted(REFUSED, REFUSED, RestartOutcome(False, "gave up: 429"),
+                           RestartOutcome(True, "evict accepted", recorded=True)), now)
+    outcomes = []
+    for _ in range(4):
+        _, record = await ex.restart(DECISION, lambda _: None)
+        outcomes.append((record, ex.not_recorded_now() is not None))
+        now[0] += 60
+    # Refused twice (one episode); a try that never reached the Event (a disruption budget's
+    # 429s) says nothing about it; a written Event ends it.
+    assert outcomes == [("not_recorded", True), ("not_recorded", True), ("failed", True), ("done", False)]
+    out = capsys.readouterr().out
+    assert out.count(NOT_RECORDED + " ") == 1 and out.count("restart_recorded_again") == 1
+
+
+async def test_not_recorded_ends_when_no_restart_is_wanted_any_more() -> None:
+    now = [0.0]
+    ex = executor(Scripted(REFUSED), now)
+    await ex.restart(DECISION, lambda _: None)
+    now[0] = NOT_RECORDED_HOLD_S - 1
+    assert ex.not_recorded_now() is not None
+    now[0] = NOT_RECORDED_HOLD_S + 1  # no attempt for longer than the longest backoff allows
+    assert ex.not_recorded_now() is None
