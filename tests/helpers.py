@@ -30,12 +30,18 @@ class Proc:
         return stop_process(self.proc, timeout)
 
 
-def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+def spawn_python(argv: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+    """`python ARGV...` in the repository, its output in `log_path`."""
     full_env = {**os.environ, **(env or {})}
-    fh = open(log_path, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
-                            env=full_env, cwd=str(cwd or ROOT))
+    with open(log_path, "wb") as fh:
+        proc = subprocess.Popen([sys.executable, *argv], stdout=fh, stderr=subprocess.STDOUT, env=full_env,
+                                cwd=str(cwd or ROOT))
     return Proc(proc, log_path)
+
+
+def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
+    """`gpu-watchdog ARGS...`."""
+    return spawn_python(["-m", "watchdog", *args], log_path, env, cwd)
 
 
 def wait_http(url: str, proc: Proc, timeout: float = 90.0, status: int = 200) -> None:
@@ -87,6 +93,19 @@ def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None,
         proc.stop()
         raise
     return server
+
+
+def start_app(script: Path, tmp_path: Path, token: str, *flags: str, ready: str = "/healthz") -> Server:
+    """A service of a user's kind (`script --port P --control-port C FLAGS...`), up and answering `ready`."""
+    port, control_port = free_port(), free_port()
+    proc = spawn_python([str(script), "--port", str(port), "--control-port", str(control_port), *flags],
+                        tmp_path / f"{script.stem}-{port}.log", env={"GPU_WATCHDOG_TOKEN": token})
+    try:
+        wait_http(f"http://127.0.0.1:{port}{ready}", proc, timeout=120)
+    except BaseException:
+        proc.stop()
+        raise
+    return Server(port, control_port, token, proc)
 
 
 def metric(url: str, name: str, labels: dict[str, str] | None = None) -> float | None:

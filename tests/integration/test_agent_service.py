@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -14,7 +11,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.helpers import ROOT, Proc, free_port, metric, spawn, wait_for, wait_http
+from tests.helpers import ROOT, Proc, free_port, metric, spawn, spawn_python, wait_for, wait_http
 
 TOKEN = "agent-e2e-token"
 
@@ -70,12 +67,8 @@ def service(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Service]:
     tmp = tmp_path_factory.mktemp("agent")
     port, control_port, watchdog_port = free_port(), free_port(), free_port()
     env = {"GPU_WATCHDOG_TOKEN": TOKEN}
-    log_path = tmp / "app.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "examples/fastapi_service/app.py"), "--port", str(port),
-                                 "--control-port", str(control_port), "--fault-injection"],
-                                stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, **env}, cwd=str(ROOT))
-    app = Proc(proc, log_path)
+    app = spawn_python([str(ROOT / "examples/fastapi_service/app.py"), "--port", str(port),
+                        "--control-port", str(control_port), "--fault-injection"], tmp / "app.log", env=env)
     config = tmp / "watchdog.yaml"
     config.write_text(CONFIG.format(port=port, control_port=control_port, watchdog_port=watchdog_port))
     watchdog: Proc | None = None

@@ -6,11 +6,8 @@ shutdown's drain (SIGTERM) is the one no deadline or lift ends.
 
 from __future__ import annotations
 
-import os
 import re
 import signal
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -20,7 +17,7 @@ import aiohttp
 import pytest
 import requests
 
-from tests.helpers import ROOT, Proc, Server, free_port, json_lines, start_server, wait_for, wait_http
+from tests.helpers import ROOT, Server, json_lines, start_app, start_server, wait_for
 from watchdog import contract
 from watchdog.control_client import ControlClient
 from watchdog.samplers.canary import CanarySampler
@@ -141,62 +138,39 @@ def test_the_shutdown_drain_outlives_an_earlier_deadline(server: Server) -> None
 TOKEN = "drain-agent-token"
 
 
-class AgentApp:
-    def __init__(self, proc: Proc, port: int, control_port: int) -> None:
-        self.proc = proc
-        self.api = f"http://127.0.0.1:{port}"
-        self.control = f"http://127.0.0.1:{control_port}"
-
-    def ctl(self, method: str, path: str, body: Any = None) -> requests.Response:
-        return requests.request(method, self.control + path, json=body,
-                                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-
-    def memory(self) -> dict[str, Any]:
-        data: dict[str, Any] = self.ctl("GET", "/control/memory").json()
-        return data
-
-    def predict(self) -> requests.Response:
-        return requests.post(self.api + "/predict", json={"inputs": "hello", "max_new_tokens": 2}, timeout=30)
+def predict(app: Server) -> requests.Response:
+    return requests.post(app.url + "/predict", json={"inputs": "hello", "max_new_tokens": 2}, timeout=30)
 
 
 @pytest.fixture(scope="module")
-def agent_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[AgentApp]:
-    tmp = tmp_path_factory.mktemp("drain-agent")
-    port, control_port = free_port(), free_port()
-    log_path = tmp / "app.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "examples/fastapi_service/app.py"), "--port", str(port),
-                                 "--control-port", str(control_port)],
-                                stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "GPU_WATCHDOG_TOKEN": TOKEN},
-                                cwd=str(ROOT))
-    app = Proc(proc, log_path)
+def agent_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    app = start_app(ROOT / "examples/fastapi_service/app.py", tmp_path_factory.mktemp("drain-agent"), TOKEN)
     try:
-        wait_http(f"http://127.0.0.1:{port}/healthz", app, timeout=120)
-        yield AgentApp(app, port, control_port)
+        yield app
     finally:
-        app.stop()
+        app.proc.stop()
 
 
-def test_the_agents_drain_lifts_itself_at_its_deadline(agent_app: AgentApp) -> None:
-    assert agent_app.predict().status_code == 200
+def test_the_agents_drain_lifts_itself_at_its_deadline(agent_app: Server) -> None:
+    assert predict(agent_app).status_code == 200
     r = agent_app.ctl("POST", "/control/drain", {"timeout": 1, "deadline": DEADLINE})
     assert r.status_code == 200 and r.json()["draining"] is True, r.text
-    refused = agent_app.predict()
+    refused = predict(agent_app)
     assert refused.status_code == 503 and refused.json()["error"]["type"] == "draining"
     canary = agent_app.ctl("POST", "/control/canary", {"timeout": 5}).json()
     assert canary["ok"] is True and canary["draining"] is True
     memory = agent_app.memory()
     assert memory["ready"] is False and 0 < memory["drain_deadline_left_s"] <= DEADLINE
     wait_for(lambda: agent_app.memory()["ready"], DEADLINE + MARGIN, "the agent's drain to lift by itself")
-    assert agent_app.predict().status_code == 200
+    assert predict(agent_app).status_code == 200
     assert agent_app.ctl("POST", "/control/canary", {"timeout": 5}).json()["draining"] is False
     wait_for(lambda: "deadline" in lifts(agent_app.proc.log()), 5, "a drain_lifted log line by the deadline")
 
 
-def test_the_agents_drain_lifted_by_delete(agent_app: AgentApp) -> None:
+def test_the_agents_drain_lifted_by_delete(agent_app: Server) -> None:
     assert agent_app.ctl("POST", "/control/drain", {"timeout": 0}).status_code == 200
-    assert agent_app.predict().status_code == 503
+    assert predict(agent_app).status_code == 503
     r = agent_app.ctl("DELETE", "/control/drain")
     assert r.status_code == 200 and r.json()["draining"] is False and r.json()["lifted"] is True, r.text
-    assert agent_app.predict().status_code == 200
+    assert predict(agent_app).status_code == 200
     assert agent_app.memory()["draining"] is False

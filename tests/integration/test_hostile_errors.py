@@ -7,9 +7,6 @@ loopback; a sticky error or an OOM would show in `/control/memory`, the metrics 
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -19,7 +16,7 @@ import pytest
 import requests
 import torch
 
-from tests.helpers import ROOT, Proc, free_port, json_lines, metric, start_server, wait_http
+from tests.helpers import ROOT, Server, json_lines, metric, start_app, start_server
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered"
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB (GPU 0; 79.15 GiB total capacity)"
@@ -91,37 +88,18 @@ def test_serve_answers_a_handlers_hostile_exceptions_with_plain_500s(tmp_path: P
         srv.proc.stop()
 
 
-class App:
-    def __init__(self, proc: Proc, port: int, control_port: int) -> None:
-        self.proc = proc
-        self.url = f"http://127.0.0.1:{port}"
-        self.control = f"http://127.0.0.1:{control_port}"
-
-    def ctl(self, method: str, path: str, body: Any = None) -> requests.Response:
-        return requests.request(method, self.control + path, json=body,
-                                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-
-
 @pytest.fixture(params=["fastapi", "aiohttp"], scope="module")
-def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[App]:
+def app(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     tmp = tmp_path_factory.mktemp(f"hostile-{request.param}")
-    port, control_port = free_port(), free_port()
-    log_path = tmp / "app.log"
-    with open(log_path, "wb") as fh:
-        proc = subprocess.Popen([sys.executable, str(ROOT / "tests/integration/hostile_agent_app.py"),
-                                 "--framework", request.param, "--port", str(port),
-                                 "--control-port", str(control_port)],
-                                stdout=fh, stderr=subprocess.STDOUT, env={**os.environ, "GPU_WATCHDOG_TOKEN": TOKEN},
-                                cwd=str(ROOT))
-    running = Proc(proc, log_path)
+    app = start_app(ROOT / "tests/integration/hostile_agent_app.py", tmp, TOKEN, "--framework", request.param,
+                    ready="/ok")
     try:
-        wait_http(f"http://127.0.0.1:{port}/ok", running, timeout=120)
-        yield App(running, port, control_port)
+        yield app
     finally:
-        running.stop()
+        app.proc.stop()
 
 
-def test_a_lookup_failing_with_cuda_words_in_its_name_is_a_500_not_an_exit(app: App) -> None:
+def test_a_lookup_failing_with_cuda_words_in_its_name_is_a_500_not_an_exit(app: Server) -> None:
     # The measured case: the name came from the URL, and read as a sticky CUDA error.
     r = requests.get(app.url + "/names/" + requests.utils.quote(f"bob {ILLEGAL}"), timeout=10)
     assert r.status_code == 500, r.text
