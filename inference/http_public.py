@@ -124,6 +124,12 @@ class _Job:
     choice: int = 0
 
 
+def _cancel_all(requests: Sequence[GenRequest], tasks: Sequence[asyncio.Future[GenResult]]) -> None:
+    for r, t in zip(requests, tasks, strict=True):
+        r.cancelled.set()  # seen by the decode loop at once, before the tasks' cancellation runs
+        t.cancel()
+
+
 class PublicAPI:
     def __init__(self, service: InferenceService) -> None:
         self.service = service
@@ -276,9 +282,7 @@ class PublicAPI:
                      tasks: Sequence[asyncio.Future[GenResult]]) -> None:
         """The client closed its connection: every sequence of the request leaves at the next step,
         its admission share freed, rather than generating for nobody."""
-        for r, t in zip(requests, tasks, strict=True):
-            r.cancelled.set()  # seen by the decode loop at once, before the tasks' cancellation runs
-            t.cancel()
+        _cancel_all(requests, tasks)
         if not request.get("client_gone"):
             request["client_gone"] = True
             log.info("request_cancelled", request_id=request.get("rid"), reason="client_disconnected",
@@ -473,11 +477,6 @@ class PublicAPI:
         # After the last piece: every on_text call was queued on the loop before its future resolved.
         whole.add_done_callback(lambda _: loop.call_soon(pieces.put_nowait, None))
 
-        def cancel() -> None:
-            for r, t in zip(requests, tasks, strict=True):
-                r.cancelled.set()
-                t.cancel()
-
         try:
             first = await pieces.get()
         except asyncio.CancelledError:  # gone while queued or prefilled, before any header went out
@@ -486,7 +485,7 @@ class PublicAPI:
         if first is None and whole.exception() is not None:
             exc = whole.exception()
             assert exc is not None
-            cancel()
+            _cancel_all(requests, tasks)
             return self._fail(request, exc)
         response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
                                                "X-Request-Id": request["rid"]})
@@ -502,7 +501,7 @@ class PublicAPI:
                 item = await pieces.get()
             exc = whole.exception()
             if exc is not None:
-                cancel()
+                _cancel_all(requests, tasks)
                 # Never end silently: an SSE client gets an error event; a plain-text client gets a
                 # truncated chunked body (no terminating chunk), which every HTTP client reports.
                 log.warning("stream_failed", request_id=request["rid"], error=str(exc)[:200])

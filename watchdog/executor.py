@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from watchdog import contract, escalation, ladder, logs
 from watchdog.actions.node import NodeReporter
@@ -40,9 +40,10 @@ NOT_RECORDED_HOLD_S = 1800.0
 class ServerDrain:
     """The bundled server's drain through its control API, told to the loop as it changes.
 
-    `fold` hands the loop an outcome: while a restart waits, the server serves and is ready."""
+    `fold` hands the loop an outcome: while a restart waits, the server serves and is ready.
+    Without a control API (or a restart that asks for no drain) only the waiting is told."""
 
-    def __init__(self, control: ControlClient, timeout: float, fold: Callable[[Outcome], None],
+    def __init__(self, control: ControlClient | None, timeout: float, fold: Callable[[Outcome], None],
                  clock: Callable[[], float]) -> None:
         self.control = control
         self.timeout = timeout
@@ -54,7 +55,7 @@ class ServerDrain:
 
     async def begin(self) -> None:
         self.fold(RestartWaiting(self.clock(), False))
-        if self.drained:
+        if self.control is None or self.drained:
             return
         self.drained = True  # even a drain call that timed out may have reached the server
         try:
@@ -65,7 +66,7 @@ class ServerDrain:
 
     async def lift(self, why: str) -> None:
         self.fold(RestartWaiting(self.clock(), True))
-        if not self.drained:
+        if self.control is None or not self.drained:
             return
         self.drained = False
         try:
@@ -74,20 +75,6 @@ class ServerDrain:
         except ControlError as exc:
             log.error("drain_lift_failed", why=why, error=str(exc), deadline_s=self.deadline,
                       action="the server lifts it at its deadline")
-
-
-class WaitOnly:
-    """No drain to make (not asked, or no control API): only the waiting is told."""
-
-    def __init__(self, fold: Callable[[Outcome], None], clock: Callable[[], float]) -> None:
-        self.fold = fold
-        self.clock = clock
-
-    async def begin(self) -> None:
-        self.fold(RestartWaiting(self.clock(), False))
-
-    async def lift(self, why: str) -> None:
-        self.fold(RestartWaiting(self.clock(), True))
 
 
 class RestartEvents(Protocol):
@@ -163,8 +150,8 @@ class Executor:
         started = self.clock()
         reported_only = self.restarter.strategy == "none"
         done, keep_unready, rung, record = False, False, decision.rung, "failed"
-        drain: DrainHandle = ServerDrain(self.control, s.restart.drain_timeout, fold, self.clock) \
-            if decision.drain and not reported_only and self.control is not None else WaitOnly(fold, self.clock)
+        drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
+                                         s.restart.drain_timeout, fold, self.clock)
         try:
             outcome = await self.restarter.restart(decision, drain)
             done, rung = outcome.done, outcome.rung
@@ -297,7 +284,3 @@ class Executor:
                         retry_in_s=self._escalation_backoff)
         self.escalation_retry_at = self.clock() + self._escalation_backoff
         self._escalation_backoff = min(self._escalation_backoff * 2, ESCALATION_RETRY_MAX_S)
-
-    def describe(self) -> dict[str, Any]:
-        return {"strategy": self.restarter.strategy, "restart_failed": self.restart_failed,
-                NOT_RECORDED: self.not_recorded_now()}

@@ -15,6 +15,8 @@ from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.app import Watchdog
 from watchdog.config import ConfigError, Settings, load, workload_of
 
+log = logs.get("watchdog")
+
 
 def _kube_reachable(settings: Settings) -> bool:
     """Evict and delete need the Kubernetes API; `container` uses it where it has it (its Events, the
@@ -24,8 +26,6 @@ def _kube_reachable(settings: Settings) -> bool:
         return True
     return settings.restart.strategy == "container" and bool(k.pod_name and k.namespace)
 
-
-log = logs.get("watchdog")
 
 WORKLOAD_TRIES = 3  # reads of our own pod at start (1 s, then 2 s apart) before the name stands in
 
