@@ -81,6 +81,20 @@ json.dump(samples, open(sys.argv[1], "w"), indent=2)
 print(json.dumps(samples[-1], indent=2))
 ok = samples[-1]["available"] and samples[-1]["memory_total_bytes"] > 0
 print("NVML sampler:", "OK" if ok else "UNAVAILABLE")
+# The driver's word (NVML field 230) as the sampler read it, and NVML's own answer for the field.
+from watchdog.xid_catalog import recovery_action
+ra = samples[-1]["recovery_action"]
+print("GPU recovery action:", "none read (NVML unavailable, or a driver without the field)" if ra is None else
+      f"{ra} {recovery_action(ra).name if ra else 'NONE'}")
+try:
+    import pynvml
+    pynvml.nvmlInit()
+    [fv] = pynvml.nvmlDeviceGetFieldValues(pynvml.nvmlDeviceGetHandleByIndex(0),
+                                           [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION])
+    print("  field 230: nvmlReturn", fv.nvmlReturn, "valueType", fv.valueType, "uiVal", fv.value.uiVal)
+    pynvml.nvmlShutdown()
+except Exception as exc:  # no driver here, or bindings without the field
+    print("  field 230 not read:", type(exc).__name__, exc)
 PYEOF
 
 step "1b. decoding with the KV cache equals recomputing every step, alone and batched (this torch and transformers)"

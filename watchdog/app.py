@@ -25,10 +25,11 @@ from watchdog.config import Settings, metrics_url
 from watchdog.contract import read_token
 from watchdog.episodes import Episodes
 from watchdog.escalation import CURING_REASONS
-from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, RestartEvents
+from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
 from watchdog.policy import Decision, max_age_jitter
+from watchdog.samplers.device_health import DeviceHealthSampler
 from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from watchdog.samplers.pod_resources import pod_gpus_reader
 from watchdog.samplers.wiring import Samplers, build_samplers
@@ -40,6 +41,7 @@ from watchdog.state import (
     Outcome,
     RestartBegun,
     RestartCancelled,
+    RestartHeld,
     reduce,
 )
 
@@ -48,6 +50,8 @@ log = logs.get("watchdog")
 TICK_S = 0.5
 LAG_PROBE_S = 0.25  # how often the loop measures its own lateness
 BUDGET_READ_S = 60.0  # the workload's restart Events are read again this often (and before a restart)
+# A restart asked again while the fleet holds it (every 2 s) reads them again only once this old.
+BUDGET_FRESH_S = 10.0
 
 
 @dataclass
@@ -74,6 +78,7 @@ class Watchdog:
         wall_clock: Callable[[], float] = time.time,
         restart_events: RestartEvents | None = None,
         workload: str | None = None,
+        ledger: FleetLedger | None = None,
     ) -> None:
         self.settings = settings
         self.restarter = restarter
@@ -82,6 +87,8 @@ class Watchdog:
         # Events every generation of its pods wrote, not from this sidecar's memory.
         self.restart_events = restart_events
         self.workload = workload
+        # The workload's ledger (a Lease): its replicas, and at most max_unavailable restarting at once.
+        self.ledger = ledger
         self.wall_clock = wall_clock
         self.server_metrics_url = metrics_url(settings.target)
         self._nvml_backend = nvml_backend or PynvmlBackend()
@@ -122,13 +129,15 @@ class Watchdog:
         self.clock = loop.time
         now = self.clock()
         s = self.settings
-        self.history = History(started_at=now, epoch=now, jitter=self._jitter())
+        k = s.kubernetes
+        self.history = History(started_at=now, epoch=now, jitter=self._jitter(), pod=k.pod_name,
+                               node=k.node_name or None)
         self._last_tick = now
         session = aiohttp.ClientSession()
         token = self._token or self._read_token() if s.target.http is None and s.target.openai_url is None else None
         samplers = build_samplers(s, session, self.clock, token, self._nvml_backend, self.server_metrics_url)
         executor = Executor(s, self.restarter, self.metrics, self.clock, self.wall_clock, samplers.control,
-                            self.node, self.restart_events, self.workload, self._pod_gpus)
+                            self.node, self.restart_events, self.workload, self._pod_gpus, self.ledger)
         await asyncio.to_thread(samplers.nvml.open)
         samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
         runner, port = await self._serve_http() if serve_http else (None, None)
@@ -151,6 +160,8 @@ class Watchdog:
             periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)
         if samplers.server_metrics is not None:
             periodic("server", self._server_delay, self._sample_server)
+        if samplers.device_health is not None:
+            periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
         if self.node is not None:
             self._spawn(self._escalate("start"))
         log.info("watchdog_started", control_url=s.target.control_url if samplers.control else None,
@@ -277,6 +288,12 @@ class Watchdog:
         self.episodes.follow_idle_memory(sample)
         await self._evaluate()
 
+    async def _sample_device_health(self) -> None:
+        device_health = self.running.samplers.device_health
+        assert device_health is not None
+        self._fold(await device_health.sample())
+        await self._evaluate()
+
     async def _sample_server(self) -> None:
         server_metrics = self.running.samplers.server_metrics
         assert server_metrics is not None
@@ -306,6 +323,9 @@ class Watchdog:
         # A drained server's answer is no cure: the verdict stays until a new process serves.
         if sample.served and self._target_served is not None:
             await self._target_served(self.wall_clock())
+        if sample.served and not self.history.restart_in_progress:
+            # The ledger's bookkeeping in its own task: an API that is slow must not delay canaries.
+            self._spawn(self.executor.target_served())
         if sample.ok:
             self.metrics.canary_duration.observe(sample.latency_s)
             if not served_before and self.history.served_at is not None:
@@ -346,6 +366,10 @@ class Watchdog:
             now = self.clock()
             for decision in policy.decide(self.settings.policy, self.history, now, self.restart_events is not None):
                 self._act(decision, now)
+            executor = self.executor
+            if executor.fleet.held is not None and not self.history.restart_in_progress \
+                    and policy.wanted_restart(self.settings.policy, self.history, now) is None:
+                self._spawn(executor.end_hold())
 
     def _record(self, decision: Decision, outcome: str, now: float) -> None:
         entry = {"at": round(now - self.history.started_at, 3), "action": decision.action,
@@ -365,7 +389,8 @@ class Watchdog:
         if decision.action == "restart":
             self._blocked_reported = None
             self._fold(RestartBegun(now))
-            self._record(decision, "started", now)
+            if self.executor.fleet.held is None:  # asked again while held: recorded once, as held
+                self._record(decision, "started", now)
             self._spawn(self._restart(decision))
         elif decision.action == "empty_cache":
             self._fold(CacheFlushRequested(now, decision.reason))
@@ -387,13 +412,26 @@ class Watchdog:
                         if self.history.ladder is not None else None)
 
     async def _restart(self, decision: Decision) -> None:
+        # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it now,
+        # whether or not this restart goes ahead.
+        self._spawn(self.executor.report_driver_word(decision))
         from_events = self.restart_events is not None
-        if from_events:
+        read_at = self.history.workload_read_at
+        asked_again = self.executor.fleet.held is not None
+        if from_events and (not asked_again or read_at is None or self.clock() - read_at >= BUDGET_FRESH_S):
             # Another generation of this workload's pods may have restarted since the last read.
             await self._read_budget()
+        if from_events:
             if policy.budget_remaining(self.settings.policy, self.history, self.clock(), from_events) <= 0:
                 self._fold(RestartCancelled(self.clock()))  # the next evaluation reports it blocked
                 return
+        held = await self.executor.take_slot(decision)
+        if held is not None:
+            # The fleet's ledger says not now: nothing was done; asked again shortly (policy).
+            if self.executor.fleet_episode(held):
+                self._record(decision, held, self.clock())
+            self._fold(RestartHeld(self.clock(), decision.reason, held))
+            return
         log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
                     drain=decision.drain, detail=decision.detail,
                     budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
@@ -401,6 +439,9 @@ class Watchdog:
         ended, record = await self.executor.restart(decision, self._fold)
         self._record(decision, record, ended.at)
         self._fold(ended)
+        self.executor.restart_ended(ended)
+        if not ended.done:
+            await self.executor.give_back_slot(False, f"restart {record}")
         if ended.done:
             self.running.samplers.canary.forget()
         if self.node is not None and decision.reason in CURING_REASONS and record != "reported":
@@ -426,6 +467,7 @@ class Watchdog:
             idle_memory=self.episodes.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,
+            fleet=executor.fleet if executor is not None and executor.ledger is not None else None,
             budget_read_error=None if executor is None else executor.budget_read_error, loop_lag=self.loop_lag(),
         )
 

@@ -61,6 +61,12 @@ def build_parser() -> argparse.ArgumentParser:
     up.add_argument("--config", metavar="FILE", help="watchdog config (restart strategy is forced to local)")
     up.add_argument("--watchdog-port", type=int, default=9402)
 
+    fleet = sub.add_parser("fleet", help="the workload's restart ledger: who is restarting, the breaker")
+    fleet.add_argument("action", choices=("status", "reset-breaker"),
+                       help="status: print the ledger; reset-breaker: let restarts go on once the fault is fixed")
+    fleet.add_argument("--config", default="/etc/gpu-watchdog/config.yaml", metavar="FILE",
+                       help="the sidecar's config (default: the chart's, inside the watchdog container)")
+
     check = sub.add_parser("check-config", help="validate a watchdog config file")
     check.add_argument("file")
 
@@ -177,6 +183,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         from watchdog.wiring import run_main
 
         return run_main(args.config)
+    if args.command == "fleet":
+        from watchdog.wiring import fleet_main
+
+        return fleet_main(args.config, args.action)
     if args.command == "bench":
         try:
             # A load generator, not part of the sidecar: it ships with the source tree, not the images.

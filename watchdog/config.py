@@ -20,7 +20,7 @@ from typing import Any
 import yaml
 
 from watchdog import selector
-from watchdog.units import parse_duration, parse_ratio
+from watchdog.units import parse_duration, parse_ratio, parse_share
 
 STRATEGIES = ("evict", "delete", "container", "local", "none")
 # Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness
@@ -165,8 +165,29 @@ class InPlaceSettings:
 
 @dataclass(frozen=True)
 class RestartBudgetSettings:
+    """Two bounds per window: a restart loop (`max_restarts` for one lineage: the same GPU, else the
+    same node, else the same pod), and the workload's allowance, which grows with its replicas:
+    max(max_restarts, ceil(per_replica x replicas))."""
+
     max_restarts: int = 3
     window: float = field(default=3600.0, metadata=_duration())
+    per_replica: float = 1.0
+
+
+@dataclass(frozen=True)
+class FleetSettings:
+    """The replicas of one workload restart through one ledger (a Lease): at most `max_unavailable`
+    at once, and none while the breaker is open (more than `breaker` of the replicas restarted for
+    one reason within `window` and one came back failing the same way)."""
+
+    enabled: bool = True
+    max_unavailable: str = field(default="25%", metadata={"parse": parse_share, "kind": "share"})
+    breaker: float = field(default=0.5, metadata=_ratio())
+    window: float = field(default=3600.0, metadata=_duration())
+    # A slot is given back when its target serves again (or its replacement does); this long at most.
+    slot_timeout: float = field(default=1800.0, metadata=_duration())
+    # The Lease's name; empty: gpu-watchdog-<workload>.
+    lease_name: str = ""
 
 
 @dataclass(frozen=True)
@@ -182,6 +203,7 @@ class PolicySettings:
     max_age: float = field(default=86400.0, metadata=_duration(positive=False))  # 0 = never
     max_age_jitter: float = field(default=0.1, metadata=_ratio())
     restart_budget: RestartBudgetSettings = RestartBudgetSettings()
+    fleet: FleetSettings = FleetSettings()
     in_place: InPlaceSettings = InPlaceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     escalation: EscalationSettings = EscalationSettings()
@@ -351,6 +373,8 @@ def _check(s: Settings, errors: list[str]) -> None:
     if s.policy.restart_budget.max_restarts < 1:
         errors.append("policy.restart_budget.max_restarts: must be at least 1"
                       " (use restart.strategy none to never restart)")
+    if s.policy.restart_budget.per_replica <= 0:
+        errors.append("policy.restart_budget.per_replica: must be greater than 0")
     a = s.policy.admission
     if a.oom_threshold < 1:
         errors.append("policy.admission.oom_threshold: must be at least 1")

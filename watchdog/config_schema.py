@@ -65,6 +65,10 @@ def _scalar(tp: Any, meta: Mapping[str, Any], path: str, excluded: Mapping[str, 
         return {"$ref": f"#/definitions/{'configPositiveDuration' if meta.get('positive') else 'configDuration'}"}
     if kind == "ratio":
         return {"$ref": "#/definitions/configRatio"}
+    if kind == "share":
+        return {"anyOf": [{"type": "integer", "minimum": 1},
+                          {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*%?\s*$"}],
+                "description": "a count of replicas (2) or a share of them (25%)"}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

@@ -3,13 +3,17 @@
 Pure: from the restart records read back from the namespace's Events (each restart's Event names
 the pod's GPU UUIDs), which GPUs are suspect. A pod restart cannot fix a failing GPU: the new pod
 may land on the same card. Reporting it (an Event on the Node, optionally a Node condition) lets
-node-level remediation act; the watchdog itself never taints, cordons or drains a node.
+node-level remediation act; the watchdog itself never taints, cordons or drains a node. Where the
+driver itself says the GPU needs a reset or the node a reboot, the GPU is suspect at once
+(`driver_says`): no restart has to fail first.
 """
 
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 from watchdog.config import EscalationSettings
 from watchdog.names import CONTEXT_LOSS, HANG, RESTART_REASONS
@@ -20,6 +24,8 @@ REASON_ANNOTATION = "gpu-watchdog.io/reason"
 XID_ANNOTATION = "gpu-watchdog.io/xid"
 # The workload (Deployment) whose restart budget a restart Event counts against.
 WORKLOAD_ANNOTATION = "gpu-watchdog.io/workload"
+# The node the restarted pod ran on: one lineage of a restart loop where the GPUs are not known.
+NODE_ANNOTATION = "gpu-watchdog.io/node"
 
 
 @dataclass(frozen=True)
@@ -30,12 +36,18 @@ class RestartRecord:
     pod: str
     xid: int | None = None
     workload: str | None = None
+    node: str | None = None
 
 
 @dataclass(frozen=True)
 class Suspect:
     uuid: str
     restarts: tuple[RestartRecord, ...]
+    # Suspect on the driver's word rather than by restarts: NVML's recovery action (GPU_RESET, ...)
+    # or the Xid catalog's immediate action (RESET_GPU, RESTART_BM, ...), and what the node needs.
+    driver_says: str | None = None
+    node_action: str | None = None
+    xid: int | None = None  # the Xid the driver's word came with
 
     @property
     def reasons(self) -> list[str]:
@@ -43,7 +55,7 @@ class Suspect:
 
     @property
     def xids(self) -> list[int]:
-        return sorted({r.xid for r in self.restarts if r.xid is not None})
+        return sorted({r.xid for r in self.restarts if r.xid is not None} | ({self.xid} if self.xid else set()))
 
 
 # How far ahead of our clock a record may be dated and still be believed (clocks of nodes differ).
@@ -72,8 +84,24 @@ def suspects(settings: EscalationSettings, records: list[RestartRecord], now: fl
             if len(rs) >= settings.restarts and (ours is None or uuid in ours)]
 
 
-def workload_restarts(records: list[RestartRecord], workload: str | None) -> tuple[float, ...]:
-    """When the workload's pods were restarted (any generation's, any reason), oldest first."""
+def driver_says(reason: str, detail: Mapping[str, Any]) -> Suspect | None:
+    """A restart decided on the driver's word that the GPU needs more than a new process (a `node_action`
+    in its detail): the Node is told at once. The GPU is the one the evidence names, else the pod's only
+    one, else "unknown" (the Node still hears that one of its GPUs needs it)."""
+    node_action = detail.get("node_action")
+    if reason != CONTEXT_LOSS or not node_action:
+        return None
+    word = detail.get("recovery_action") if detail.get("evidence") == "recovery_action" else detail.get("bucket")
+    gpus = list(detail.get("gpus") or [])
+    uuid = detail.get("uuid") or (gpus[0] if len(gpus) == 1 else "unknown")
+    xid = detail.get("xid")
+    return Suspect(str(uuid), (), driver_says=str(word or node_action), node_action=str(node_action),
+                   xid=xid if isinstance(xid, int) else None)
+
+
+def workload_restarts(records: list[RestartRecord], workload: str | None) -> tuple[RestartRecord, ...]:
+    """The workload's pods' restarts (any generation's, any reason), oldest first."""
     if not workload:
         return ()
-    return tuple(sorted(r.at for r in records if r.workload == workload and r.reason in RESTART_REASONS))
+    return tuple(sorted((r for r in records if r.workload == workload and r.reason in RESTART_REASONS),
+                        key=lambda r: r.at))

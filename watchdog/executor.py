@@ -9,20 +9,25 @@ exceptions that could take the loop down.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
-from typing import Protocol
+from typing import Any, Protocol, TypeVar
 
-from watchdog import contract, escalation, ladder, logs
+from watchdog import contract, escalation, fleet, ladder, logs
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
 from watchdog.config import Settings
 from watchdog.control_client import ControlClient, ControlError
 from watchdog.escalation import RestartRecord, Suspect, workload_restarts
+from watchdog.fleet import FleetView, Ledger
 from watchdog.ladder import Change
 from watchdog.metrics import WatchdogMetrics
-from watchdog.names import RUNG_POD
+from watchdog.names import FLEET_BREAKER_OPEN, FLEET_LEDGER_UNKNOWN, RUNG_CONTAINER, RUNG_POD
 from watchdog.policy import Decision
+from watchdog.samples import PastRestart
 from watchdog.state import AdmissionAnswered, Outcome, PodGpus, RestartEnded, RestartWaiting, WorkloadRestarts
+
+T = TypeVar("T")
 
 log = logs.get("watchdog")
 
@@ -83,11 +88,24 @@ class RestartEvents(Protocol):
     def restart_records(self) -> list[RestartRecord]: ...
 
 
+class FleetLedger(Protocol):
+    """The workload's shared ledger and what the cluster says of the workload (blocking; see
+    `watchdog.actions.fleet.LeaseLedger`). Failures raise; `update` raises LedgerUnavailable."""
+
+    name: str
+
+    def read(self) -> Ledger: ...
+    def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T: ...
+    def replicas(self) -> int | None: ...
+    def pod_created_at(self) -> float | None: ...
+    def report_breaker(self, breaker: fleet.Breaker) -> None: ...
+
+
 class Executor:
     def __init__(self, settings: Settings, restarter: Restarter, metrics: WatchdogMetrics,
                  clock: Callable[[], float], wall_clock: Callable[[], float], control: ControlClient | None,
                  node: NodeReporter | None, restart_events: RestartEvents | None, workload: str | None,
-                 pod_gpus: Callable[[], tuple[str, ...] | None]) -> None:
+                 pod_gpus: Callable[[], tuple[str, ...] | None], ledger: FleetLedger | None = None) -> None:
         self.settings = settings
         self.restarter = restarter
         self.metrics = metrics
@@ -110,6 +128,24 @@ class Executor:
         self._escalation_errors: set[str] = set()
         self.escalation_retry_at = 0.0
         self._escalation_backoff = ESCALATION_RETRY_S
+        # The workload's ledger: replicas always (the budget grows with them); slots and the breaker
+        # where `policy.fleet.enabled`.
+        self.ledger = ledger
+        self.fleet_on = ledger is not None and settings.policy.fleet.enabled
+        self.replicas: int | None = None
+        self.replicas_error: str | None = None
+        self.pod_created_at: float | None = None
+        self.fleet = FleetView(lease=ledger.name if ledger is not None else "")
+        self._fleet_held_since = 0.0
+        self._breakers_seen: set[float] = set()
+        self._reports: set[asyncio.Task[None]] = set()
+        self._held_new = False
+        self._held_episode: tuple[str, str] | None = None
+        self._ledger_lock = asyncio.Lock()
+        self._in_place_pending = False
+        self._give_back_pending: bool | None = None
+        self._came_back_done = False
+        self._came_back_failed = False
 
     # -- the bundled server's control API ----------------------------------------------------
 
@@ -218,9 +254,200 @@ class Executor:
         if self.budget_read_error is not None:
             log.info("restart_budget_read", workload=self.workload, restarts=len(records))
         self.budget_read_error = None
+        await self.read_fleet()
         wall_now = self.wall_clock()
-        return WorkloadRestarts(self.clock(), wall_now, workload_restarts(self._believable(records, wall_now),
-                                                                          self.workload))
+        past = tuple(PastRestart(r.at, r.pod, r.node, r.gpus)
+                     for r in workload_restarts(self._believable(records, wall_now), self.workload))
+        return WorkloadRestarts(self.clock(), wall_now, past, self.replicas)
+
+    # -- the workload's ledger -------------------------------------------------------------------------
+    # Every read and write of the ledger goes through `_ledger_lock`: a canary's bookkeeping (leaving
+    # the waiting list, giving a slot back) must not interleave with a slot being taken.
+
+    async def _update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T:
+        assert self.ledger is not None
+        async with self._ledger_lock:
+            return await asyncio.to_thread(self.ledger.update, decide)
+
+    async def read_fleet(self) -> None:
+        """The replicas (kept from the last read when this one fails: a count that is briefly unreadable
+        has not changed) and, where the ledger is on, the slots and the breaker as they stand."""
+        if self.ledger is None:
+            return
+        try:
+            self.replicas = await asyncio.to_thread(self.ledger.replicas)
+            if self.replicas_error is not None:
+                log.info("replicas_read", workload=self.workload, replicas=self.replicas)
+            self.replicas_error = None
+        except Exception as exc:
+            # Keyed by status (or type) alone: a real API server's error text carries a fresh Audit-Id.
+            error = str(getattr(exc, "status", None) or type(exc).__name__)
+            if error != self.replicas_error:
+                log.warning("replicas_unknown", workload=self.workload, error=f"{error}: {str(exc)[:200]}",
+                            replicas=self.replicas, action="the last count stands; none read yet counts as one")
+            self.replicas_error = error
+        if not self.fleet_on:
+            self.fleet = fleet_view(self.fleet, self.settings, self.replicas, None)
+            return
+        try:
+            async with self._ledger_lock:
+                ledger = await asyncio.to_thread(self.ledger.read)
+        except Exception as exc:
+            self.fleet = fleet_view(self.fleet, self.settings, self.replicas, None, error=str(exc))
+            return
+        self.fleet = fleet_view(self.fleet, self.settings, self.replicas,
+                                fleet.prune(self.settings.policy.fleet, ledger, self.wall_clock()))
+        self._breaker_seen(self.fleet.breaker, opened_here=False)
+
+    async def take_slot(self, decision: Decision) -> str | None:
+        """A slot for this restart from the workload's ledger; None: granted (or no ledger), else why not
+        (one of names.FLEET_HOLDS), said once per episode (`fleet_episode` tells when one began)."""
+        if not self.fleet_on or self.ledger is None:
+            return None
+        s = self.settings.policy.fleet
+        pod, replicas = self.settings.kubernetes.pod_name, self.replicas
+        # Only `container` restarts in place; evict and delete always replace the pod.
+        rung = decision.rung if self.restarter.strategy == "container" else RUNG_POD
+        try:
+            ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
+                                                                        rung, now))
+        except Exception as exc:
+            self.fleet = fleet_view(self.fleet, self.settings, replicas, None, error=str(exc))
+            self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)})
+            return FLEET_LEDGER_UNKNOWN
+        self.fleet = fleet_view(self.fleet, self.settings, replicas, ledger, slot_held=verdict.granted)
+        if verdict.granted:
+            if self.fleet.held is not None:
+                log.info("fleet_slot_taken", reason=decision.reason,
+                         waited_s=round(self.clock() - self._fleet_held_since, 3), **verdict.detail)
+            self._fleet_held_since = 0.0
+            self._in_place_pending = False
+            self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={})
+            return None
+        if verdict.opened and ledger.breaker is not None:
+            self._breaker_seen(ledger.breaker, opened_here=True)
+        self._held(decision, verdict.outcome, verdict.detail)
+        return verdict.outcome
+
+    def fleet_episode(self, why: str | None) -> bool:
+        """Whether the hold just returned began a new episode (a new why or reason), to be recorded once."""
+        return why is not None and self._held_new
+
+    def _held(self, decision: Decision, why: str, detail: dict[str, Any]) -> None:
+        episode = (why, decision.reason)
+        self._held_new = self._held_episode != episode
+        if self._held_new:
+            log.warning(why, reason=decision.reason, workload=self.workload, lease=self.fleet.lease,
+                        action="restart held" + (": the next slot that frees is taken" if why != FLEET_BREAKER_OPEN
+                                                 else ": restarts stop fleet-wide until the breaker closes"),
+                        **detail)
+            self.metrics.fleet_held.labels(why=why).inc()
+            if not self._fleet_held_since:
+                self._fleet_held_since = self.clock()
+        self._held_episode = episode
+        self.fleet = dataclasses.replace(self.fleet, held=why, held_detail=detail)
+
+    async def end_hold(self) -> None:
+        """No restart is wanted any more (the target recovered, or the rule no longer holds): the hold is
+        over, and this replica no longer waits for a slot."""
+        if self.fleet.held is None:
+            return
+        log.info("fleet_hold_over", why=self.fleet.held, action="no restart wanted any more")
+        self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={})
+        self._fleet_held_since, self._held_episode = 0.0, None
+        if self.ledger is None or self.fleet.slot_held:
+            return
+        pod = self.settings.kubernetes.pod_name
+        try:
+            await self._update(lambda led, now: (fleet.leave_waiting(led, pod), None))
+        except Exception as exc:
+            log.warning("fleet_wait_not_withdrawn", error=str(exc)[:300],
+                        action=f"it lapses after {self.settings.policy.fleet.slot_timeout:g}s")
+
+    def _breaker_seen(self, breaker: fleet.Breaker | None, opened_here: bool) -> None:
+        if breaker is None or breaker.opened_at in self._breakers_seen:
+            return
+        self._breakers_seen.add(breaker.opened_at)
+        log.error("fleet_breaker_opened" if opened_here else "fleet_breaker_open", workload=self.workload,
+                  reason=breaker.reason, failed=list(breaker.restarted), replicas=breaker.replicas,
+                  opened_by=breaker.opened_by, action="no restarts for this reason fleet-wide: reporting only;"
+                  " reset with `gpu-watchdog fleet reset-breaker` once the fault is fixed")
+        if opened_here and self.ledger is not None:
+            self._report_breaker(breaker)
+
+    def _report_breaker(self, breaker: fleet.Breaker) -> None:
+        ledger = self.ledger
+        assert ledger is not None
+
+        async def report() -> None:
+            try:
+                await asyncio.to_thread(ledger.report_breaker, breaker)
+            except Exception as exc:  # the log line, metric and /status still say it
+                log.warning("fleet_breaker_event_failed", error=str(exc)[:300])
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def restart_ended(self, ended: RestartEnded) -> None:
+        """An in-place restart done: its slot is given back once the target serves again."""
+        self._in_place_pending = self.fleet.slot_held and ended.done and ended.rung == RUNG_CONTAINER
+
+    async def give_back_slot(self, restarted: bool, why: str) -> None:
+        """Our slot back to the fleet: our target serves again after an in-place restart, or the restart
+        did not happen (`restarted` false: then no restart of the fleet's either)."""
+        if not self.fleet.slot_held or self.ledger is None:
+            return
+        pod = self.settings.kubernetes.pod_name
+        # A give-back that failed is tried again as it was first asked.
+        restarted = self._give_back_pending if self._give_back_pending is not None else restarted
+        try:
+            await self._update(lambda led, now: (fleet.give_back(led, pod, restarted), None))
+        except Exception as exc:
+            if self._give_back_pending is None:  # said once: it is tried again at every canary served
+                log.warning("fleet_slot_not_given_back", why=why, error=str(exc)[:300],
+                            action=f"tried again; it lapses after {self.settings.policy.fleet.slot_timeout:g}s")
+            self._give_back_pending = restarted
+            return
+        self._give_back_pending = None
+        self._in_place_pending = False
+        self.fleet = dataclasses.replace(self.fleet, slot_held=False)
+        log.info("fleet_slot_given_back", why=why, restarted=restarted)
+
+    async def target_served(self) -> None:
+        """Our target served a canary, with no restart of ours in progress: a slot we hold for an
+        in-place restart (or one whose give-back failed) is given back; and, until it succeeds once, a
+        replica our pod replaced is back."""
+        if not self.fleet_on:
+            return
+        if self.fleet.slot_held and (self._in_place_pending or self._give_back_pending is not None):
+            await self.give_back_slot(True, "target_serves")
+        if not self._came_back_done:
+            self._came_back_done = await self.came_back()
+
+    async def came_back(self) -> bool:
+        """Our target serves for the first time: if our pod replaced one that was restarting, that
+        replica is back, and its slot is given back. False: not known yet (tried again)."""
+        if not self.fleet_on or self.ledger is None:
+            return True
+        pod = self.settings.kubernetes.pod_name
+        try:
+            if self.pod_created_at is None:
+                self.pod_created_at = await asyncio.to_thread(self.ledger.pod_created_at)
+            created = self.pod_created_at
+            if created is None:
+                return True
+            slot = await self._update(lambda led, now: fleet.replaced(led, pod, created))
+        except Exception as exc:
+            if not self._came_back_failed:
+                log.warning("fleet_replacement_not_recorded", error=str(exc)[:300],
+                            action="tried again at the next canary served")
+            self._came_back_failed = True
+            return False
+        if slot is not None:
+            log.info("fleet_replica_back", replaced=slot.pod, reason=slot.reason,
+                     restarting_s=round(self.wall_clock() - slot.at, 3))
+        return True
 
     def _believable(self, records: list[RestartRecord], wall_now: float) -> list[RestartRecord]:
         kept, ignored = escalation.believable(records, wall_now)
@@ -275,6 +502,23 @@ class Executor:
             self.suspects[suspect.uuid] = suspect
         self._escalation_backoff = ESCALATION_RETRY_S
 
+    async def report_driver_word(self, decision: Decision) -> None:
+        """A restart decided on the driver's word that the GPU needs a reset or the node a reboot: the
+        Node hears of it now (the same Event and opt-in condition as `escalate`), once per GPU."""
+        suspect = escalation.driver_says(decision.reason, decision.detail)
+        if self.node is None or suspect is None or suspect.uuid in self.suspects \
+                or self.clock() < self.escalation_retry_at:
+            return
+        self.suspects[suspect.uuid] = suspect  # taken before the call: a second decision must not report it twice
+        log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, driver_says=suspect.driver_says,
+                  node_action=suspect.node_action, xids=suspect.xids, action="report", trigger="driver",
+                  node_condition=self.node.node_condition)
+        try:
+            await asyncio.to_thread(self.node.report, suspect, self.settings.kubernetes.pod_name)
+        except Exception as exc:
+            del self.suspects[suspect.uuid]  # not reported: said again at the next such decision
+            self._escalation_failed("report", exc)
+
     def _escalation_failed(self, step: str, exc: BaseException) -> None:
         status = getattr(exc, "status", None)
         key = f"{step}:{status or type(exc).__name__}"
@@ -284,3 +528,23 @@ class Executor:
                         retry_in_s=self._escalation_backoff)
         self.escalation_retry_at = self.clock() + self._escalation_backoff
         self._escalation_backoff = min(self._escalation_backoff * 2, ESCALATION_RETRY_MAX_S)
+
+
+def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
+          now: float) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
+    """`fleet.take`, also handing back the ledger as written (for the view)."""
+    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now)
+    return new, (new, verdict)
+
+
+def fleet_view(view: FleetView, settings: Settings, replicas: int | None, ledger: Ledger | None,
+               error: str | None = None, slot_held: bool | None = None) -> FleetView:
+    """The view after a read or write of the ledger (None: not read; the last figures stand)."""
+    out = dataclasses.replace(view, replicas=replicas,
+                              max_unavailable=fleet.unavailable_slots(settings.policy.fleet, replicas), error=error)
+    if ledger is not None:
+        out = dataclasses.replace(out, restarting=tuple(sorted(sl.pod for sl in ledger.slots)),
+                                  breaker=fleet.breaker_open(ledger))
+    if slot_held is not None:
+        out = dataclasses.replace(out, slot_held=slot_held or view.slot_held)
+    return out

@@ -13,8 +13,9 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from watchdog.fleet import FleetView
 from watchdog.idle_memory import IdleMemory
-from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, RESTART_REASONS, RUNGS, STATES
+from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, FLEET_HOLDS, RESTART_REASONS, RUNGS, STATES
 from watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
 
 P = "gpu_watchdog_"
@@ -31,6 +32,8 @@ class Snapshot:
     idle_memory: IdleMemory | None = None
     admission_limit: int | None = None
     suspects: tuple[str, ...] = ()
+    fleet: FleetView | None = None  # only where the workload's ledger is read
+    workload: str | None = None
 
 
 class SnapshotCollector(Collector):
@@ -102,10 +105,31 @@ class SnapshotCollector(Collector):
         fam = GaugeMetricFamily(P + "restart_budget_remaining", "Restarts still allowed in the budget window")
         fam.add_metric([], float(s.budget_remaining))
         yield fam
+        yield from _fleet_families(s.fleet, s.workload or "")
         fam = GaugeMetricFamily(P + "state", "Current watchdog states (1 = active)", labels=["state"])
         for state in STATES:
             fam.add_metric([state], 1.0 if state in s.states else 0.0)
         yield fam
+
+
+def _fleet_families(f: FleetView | None, workload: str) -> Iterator[Metric]:
+    """The workload's ledger as this sidecar last read it."""
+    if f is None:
+        return
+    if f.replicas is not None:
+        fam = GaugeMetricFamily(P + "fleet_replicas", "The workload's desired replicas (its controller's spec)")
+        fam.add_metric([], float(f.replicas))
+        yield fam
+    fam = GaugeMetricFamily(P + "fleet_unavailable", "Replicas of the workload restarting now (slots in use)")
+    fam.add_metric([], float(len(f.restarting)))
+    yield fam
+    fam = GaugeMetricFamily(P + "fleet_max_unavailable", "Replicas of the workload that may restart at once")
+    fam.add_metric([], float(f.max_unavailable))
+    yield fam
+    fam = GaugeMetricFamily(P + "fleet_breaker_open", "1 while the workload's breaker stops restarts fleet-wide",
+                            labels=["workload", "reason"])
+    fam.add_metric([workload, f.breaker.reason if f.breaker is not None else ""], 1.0 if f.breaker else 0.0)
+    yield fam
 
 
 def _server_families(v: ServerSample | None) -> Iterator[Metric]:
@@ -175,4 +199,8 @@ class WatchdogMetrics:
                 self.restarts.labels(reason=reason, rung=rung)
         for reason in EMPTY_CACHE_REASONS:
             self.empty_cache.labels(reason=reason)
+        self.fleet_held = Counter(P + "fleet_held", "Restarts held by the workload's ledger (episodes), by why",
+                                  ["why"], registry=r)
+        for why in FLEET_HOLDS:
+            self.fleet_held.labels(why=why)
         r.register(SnapshotCollector(snapshot))

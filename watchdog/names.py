@@ -51,9 +51,15 @@ GPU_SUSPECT = "gpu_suspect"
 RESTART_WAITING = "restart_waiting"
 # The last restart was not carried out because its Event could not be written.
 RESTART_NOT_RECORDED = "restart_not_recorded"
+# A restart held by the workload's ledger: every slot taken (at most max_unavailable restarting), the
+# breaker open (a fault a restart does not cure, fleet-wide), or the ledger unreadable (fail safe).
+FLEET_UNAVAILABLE_LIMIT = "fleet_unavailable_limit"
+FLEET_BREAKER_OPEN = "fleet_breaker_open"
+FLEET_LEDGER_UNKNOWN = "fleet_ledger_unknown"
+FLEET_HOLDS = (FLEET_UNAVAILABLE_LIMIT, FLEET_BREAKER_OPEN, FLEET_LEDGER_UNKNOWN)
 STATES = (HEALTHY, STARTING, SATURATED, PROGRESS_UNKNOWN, CANARY_FAILING, TARGET_UNREACHABLE, RESTARTING,
           BUDGET_EXHAUSTED, NVML_UNAVAILABLE, GPUS_UNKNOWN, SERVER_METRICS_UNAVAILABLE, GPU_SUSPECT,
-          RESTART_WAITING, RESTART_NOT_RECORDED, DRAINING)
+          RESTART_WAITING, RESTART_NOT_RECORDED, DRAINING, *FLEET_HOLDS)
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")

@@ -7,18 +7,22 @@ rule is tested on recorded traces.
 from __future__ import annotations
 
 import hashlib
+import math
 import random
 from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
-from watchdog import ladder
+from watchdog import ladder, xid_catalog
 from watchdog.config import CanarySettings, PolicySettings
 from watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
     CONTEXT_LOSS,
     DRAINING,
+    FLEET_BREAKER_OPEN,
+    FLEET_LEDGER_UNKNOWN,
+    FLEET_UNAVAILABLE_LIMIT,
     FRAGMENTATION_DRIFT,
     HANG,
     HEALTHY,
@@ -33,15 +37,28 @@ from watchdog.names import (
     STARTUP_TIMEOUT,
     UNSERVABLE,
 )
-from watchdog.samples import RESTART_FAILED, RESTART_REPORTED, CanarySample, History, ServerSample, TorchSample
+from watchdog.samples import (
+    RESTART_FAILED,
+    RESTART_HELD,
+    RESTART_REPORTED,
+    CanarySample,
+    History,
+    PastRestart,
+    ServerSample,
+    TorchSample,
+    XidEvent,
+)
 
-# Xid classes (NVIDIA Xid catalog). App faults kill the process's context; hardware ones need
-# the GPU reset, which a pod restart also triggers on most setups; warnings never restart.
-XID_APP_FAULT = frozenset({13, 31, 43, 45, 68})
-XID_ECC = frozenset({48, 94})
-XID_HARDWARE = frozenset({46, 62, 64, 74, 79, 95, 109, 119, 120})
-XID_CRITICAL = XID_APP_FAULT | XID_ECC | XID_HARDWARE
-XID_WARN_ONLY = frozenset({63, 92})
+# Xid classes, derived from the catalog's immediate actions (`watchdog.xid_catalog`). App faults
+# kill the process's context and a new process cures them; hardware ones need the GPU reset or the
+# node rebooted (the pod restarts away from the card and the Node hears of it); ECC errors are either,
+# by their bucket; the rest never restart.
+XID_CRITICAL = frozenset(x.code for x in xid_catalog.CATALOG.values() if xid_catalog.REMEDY[x.bucket].restart)
+XID_ECC = frozenset(x for x in XID_CRITICAL if xid_catalog.CATALOG[x].ecc)
+XID_HARDWARE = frozenset(x for x in XID_CRITICAL - XID_ECC
+                         if xid_catalog.REMEDY[xid_catalog.CATALOG[x].bucket].node_action)
+XID_APP_FAULT = XID_CRITICAL - XID_ECC - XID_HARDWARE
+XID_WARN_ONLY = frozenset(xid_catalog.CATALOG) - XID_CRITICAL
 
 
 # What the target server's work counter did across a stretch of time. NO_METRICS: no reading
@@ -53,6 +70,9 @@ UNKNOWN, NO_EVIDENCE = "unknown", "no_evidence"
 
 # After a restart that failed, the same restart is decided again no sooner than this (doubling).
 RESTART_RETRY_S, RESTART_RETRY_MAX_S = 30.0, 900.0
+# A restart the workload's ledger held is asked again after this: soon for a slot (the next one that
+# frees is taken), rarely while the breaker is open (only an operator or a quiet window closes it).
+FLEET_RETRY_S = {FLEET_UNAVAILABLE_LIMIT: 2.0, FLEET_LEDGER_UNKNOWN: 10.0, FLEET_BREAKER_OPEN: 30.0}
 
 
 @dataclass(frozen=True)
@@ -69,27 +89,63 @@ class Decision:
     rung: str = RUNG_CONTAINER
 
 
+def workload_allowance(settings: PolicySettings, replicas: int | None) -> int:
+    """The workload's restarts per window: it grows with the replicas, and is never below one
+    lineage's bound. Replicas not known count as one (the smallest allowance)."""
+    b = settings.restart_budget
+    # 0.07 x 100 is 7, not 7.000000000000001: round the product before taking its ceiling.
+    return max(b.max_restarts, math.ceil(round(b.per_replica * max(1, replicas or 1), 6)))
+
+
+def same_lineage(h: History, r: PastRestart) -> bool:
+    """Whether a past restart is of our lineage, the unit a restart loop is bounded in: the same pod
+    (a StatefulSet's slot, or our own in-place restarts), the same GPU where both name theirs, else
+    the same node."""
+    if h.pod and r.pod == h.pod:
+        return True
+    ours = our_gpus(h)
+    if ours and r.gpus:
+        return bool(set(ours) & set(r.gpus))
+    return bool(h.node) and r.node == h.node
+
+
+def _budget_left(settings: PolicySettings, history: History, now: float) -> tuple[int, int]:
+    """(the workload's restarts left, our lineage's restarts left), counted from the Events read back."""
+    b = settings.restart_budget
+    window = b.window
+    own = history.restarts_within(now, window)
+    assert history.workload_restarts is not None and history.workload_read_at is not None
+    read_at = history.workload_read_at
+    # Read back: every generation's restarts up to the read; ours since are not in it yet.
+    past = [r for r in history.workload_restarts if now - r.at < window]
+    since = [a for a in own if a.at > read_at]
+    # Belt and braces: what this sidecar did itself counts even where the Events lost it.
+    workload_used = max(len(past) + len(since), len(own))
+    lineage_used = max(len([r for r in past if same_lineage(history, r)]) + len(since), len(own))
+    return (workload_allowance(settings, history.replicas) - workload_used, b.max_restarts - lineage_used)
+
+
 def budget_remaining(settings: PolicySettings, history: History, now: float, from_events: bool = False) -> int:
-    """Restarts left in the window. `from_events`: the budget is the workload's, counted across pod
-    generations from the restart Events read back; while they cannot be read it is spent (fail safe)."""
-    window = settings.restart_budget.window
+    """Restarts left in the window. `from_events`: the budget is the workload's (growing with its
+    replicas) and our lineage's, counted across pod generations from the restart Events read back;
+    while they cannot be read it is spent (fail safe)."""
     if from_events:
         if history.workload_restarts is None or history.workload_read_at is None:
             return 0
-        read_at = history.workload_read_at
-        # Read back: every generation's restarts up to the read; ours since are not in it yet.
-        times = [t for t in history.workload_restarts if now - t < window]
-        times += [a.at for a in history.restarts_within(now, window) if a.at > read_at]
-        # Belt and braces: what this sidecar did itself counts even where the Events lost it.
-        used = max(len(times), len(history.restarts_within(now, window)))
-        return max(0, settings.restart_budget.max_restarts - used)
-    used = len(history.restarts_within(now, window))
+        return max(0, min(_budget_left(settings, history, now)))
+    used = len(history.restarts_within(now, settings.restart_budget.window))
     return max(0, settings.restart_budget.max_restarts - used)
 
 
-def budget_blocker(history: History, from_events: bool) -> str:
-    unknown = from_events and history.workload_restarts is None
-    return "restart_budget_unknown" if unknown else "restart_budget"
+def budget_blocker(settings: PolicySettings, history: History, now: float, from_events: bool) -> str:
+    """Which bound holds a restart back: the workload's allowance, or one lineage's restart loop."""
+    if from_events and (history.workload_restarts is None or history.workload_read_at is None):
+        return "restart_budget_unknown"
+    if from_events:
+        workload_left, lineage_left = _budget_left(settings, history, now)
+        if lineage_left <= 0 < workload_left:
+            return "restart_loop"
+    return "restart_budget"
 
 
 def decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool = False) -> list[Decision]:
@@ -102,7 +158,7 @@ def decide(settings: PolicySettings, history: History, now: float, budget_from_e
         restart = replace(restart, rung=rung_for(settings, history, restart, now))
         if budget_remaining(settings, history, now, budget_from_events) <= 0:
             restart = Decision(restart.action, restart.reason, restart.detail, restart.drain, allowed=False,
-                               blocked_by=budget_blocker(history, budget_from_events),
+                               blocked_by=budget_blocker(settings, history, now, budget_from_events),
                                instance_id=restart.instance_id)
             # A blocked restart must not hide a cache flush or a lower limit that may still help.
             return [restart, *_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
@@ -110,15 +166,21 @@ def decide(settings: PolicySettings, history: History, now: float, budget_from_e
     return [*_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
 
 
+def wanted_restart(settings: PolicySettings, history: History, now: float) -> Decision | None:
+    """The restart the evidence calls for now, whether or not it is held back or budgeted."""
+    return _restart_rule(settings, history, now)
+
+
 def rung_for(settings: PolicySettings, h: History, decision: Decision, now: float) -> str:
     """The container in place first; the pod when in place cannot cure.
 
-    A lost GPU, or an Xid that needs the GPU reset, is not cured by a new process on the same card;
-    and `in_place.max_restarts` in-place restarts for the same reason within its window that did not
-    cure (it came back) send the next one to the pod.
+    A lost GPU, one the kubelet reports unhealthy, or one the driver says needs more than a new process
+    (its recovery action, or an Xid whose catalog action resets the GPU or reboots the node) is not
+    cured on the same card; and `in_place.max_restarts` in-place restarts for the same reason within
+    its window that did not cure (it came back) send the next one to the pod.
     """
     d = decision.detail
-    if d.get("evidence") == "gpu_lost" or (d.get("evidence") == "xid" and d.get("class") in ("hardware", "ecc")):
+    if d.get("evidence") in ("gpu_lost", "device_health", "recovery_action") or d.get("node_action"):
         return RUNG_POD
     window = settings.in_place.window
     in_place = [a for a in h.actions if a.action == "restart" and a.rung == RUNG_CONTAINER
@@ -136,6 +198,9 @@ def _held_back(h: History, reason: str, now: float) -> bool:
     episode_start = served[-1] if served else float("-inf")
     ours = [a for a in h.actions if a.reason == reason]
     if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
+        return True
+    held = [a for a in ours if a.action == RESTART_HELD]
+    if held and now - held[-1].at < FLEET_RETRY_S.get(held[-1].why, RESTART_RETRY_S):
         return True
     # Failures count for this process whether or not it serves meanwhile: a restart refused while
     # the server goes on serving (a disruption budget, an API that will not record it) must not
@@ -333,7 +398,56 @@ def xid_is_ours(h: History, uuid: str | None) -> bool | None:
     return ours is None or uuid is None or uuid in ours
 
 
+def _our_xids(h: History) -> list[tuple[XidEvent, xid_catalog.Xid, xid_catalog.Remedy]]:
+    """This process's Xids on our GPUs that the catalog says restart, with its row and remedy."""
+    out = []
+    for ev in h.xids:
+        row = xid_catalog.lookup(ev.xid)
+        if ev.at < h.epoch or row is None or not xid_catalog.REMEDY[row.bucket].restart:
+            continue  # unknown to the catalog, or one it says never to restart for (IGNORE, ...)
+        if not xid_is_ours(h, ev.uuid):
+            continue  # another pod's GPU, or one that may be: never a restart for it
+        out.append((ev, row, xid_catalog.REMEDY[row.bucket]))
+    return out
+
+
+def _xid_restart(h: History, ev: XidEvent, row: xid_catalog.Xid, remedy: xid_catalog.Remedy) -> Decision:
+    kind = "ecc" if row.ecc else "hardware" if remedy.node_action else "app_fault"
+    detail: dict[str, Any] = {"evidence": "xid", "xid": ev.xid, "class": kind, "uuid": ev.uuid, "bucket": row.bucket}
+    if remedy.node_action:
+        detail["node_action"] = remedy.node_action
+    return Decision("restart", CONTEXT_LOSS, detail, drain=False, instance_id=_latest_instance(h))
+
+
+def _gpu_needs_more(h: History) -> Decision | None:
+    """One of our GPUs that the driver (its recovery action, an Xid's catalog action) or the kubelet
+    (the device's health in our pod's status) says a new process cannot cure."""
+    for gpu in h.gpus:
+        action = xid_catalog.recovery_action(gpu.recovery_action)
+        if action is not None and gpu.at >= h.epoch:
+            return Decision("restart", CONTEXT_LOSS, {"evidence": "recovery_action", "recovery_action": action.name,
+                                                      "node_action": action.node_action, "uuid": gpu.uuid},
+                            drain=False, instance_id=_latest_instance(h))
+    for ev, row, remedy in _our_xids(h):
+        if remedy.node_action:
+            return _xid_restart(h, ev, row, remedy)
+    health = h.device_health
+    if health is not None and health.at >= h.epoch:
+        for dev in health.devices:
+            if dev.health == "Unhealthy":
+                return Decision("restart", CONTEXT_LOSS, {
+                    "evidence": "device_health", "resource": dev.resource, "resource_id": dev.resource_id,
+                    "container": dev.container, "message": dev.message, "uuid": dev.uuid},
+                    drain=False, instance_id=_latest_instance(h))
+    return None
+
+
 def _context_loss(h: History) -> Decision | None:
+    # Evidence that the GPU itself needs more than a new process comes first: it decides the rung,
+    # and the Node is told at once, whatever the canary says about the same fault.
+    needs_more = _gpu_needs_more(h)
+    if needs_more is not None:
+        return needs_more
     canaries = h.canaries_since_epoch()
     if canaries and canaries[-1].error_class == "fatal_cuda":
         c = canaries[-1]
@@ -348,15 +462,8 @@ def _context_loss(h: History) -> Decision | None:
         if gpu.lost and gpu.at >= h.epoch:
             return Decision("restart", CONTEXT_LOSS, {"evidence": "gpu_lost", "uuid": gpu.uuid}, drain=False,
                             instance_id=_latest_instance(h))
-    for ev in h.xids:
-        if ev.at < h.epoch or ev.xid not in XID_CRITICAL:
-            continue
-        if not xid_is_ours(h, ev.uuid):
-            continue  # another pod's GPU, or one that may be: never a restart for it
-        kind = "app_fault" if ev.xid in XID_APP_FAULT else "ecc" if ev.xid in XID_ECC else "hardware"
-        return Decision("restart", CONTEXT_LOSS, {"evidence": "xid", "xid": ev.xid, "class": kind, "uuid": ev.uuid},
-                        drain=False, instance_id=_latest_instance(h))
-    return None
+    xids = _our_xids(h)  # what is left of them: Xids a new process cures (RESTART_APP)
+    return _xid_restart(h, *xids[0]) if xids else None
 
 
 def _startup_timeout(settings: PolicySettings, h: History, now: float) -> Decision | None:

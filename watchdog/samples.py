@@ -23,6 +23,8 @@ class GpuSample:
     power_watts: float = 0.0
     ecc_uncorrected: int = 0
     lost: bool = False
+    # NVML's GPU recovery action (`xid_catalog.RECOVERY_ACTIONS`); None: this driver has no such field.
+    recovery_action: int | None = None
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,31 @@ class XidEvent:
     at: float
     xid: int
     uuid: str | None
+
+
+@dataclass(frozen=True)
+class DeviceHealth:
+    """One device of our pod as the kubelet reports it in the pod's status (KEP-4680)."""
+
+    container: str
+    resource: str  # nvidia.com/gpu (or a MIG slice)
+    resource_id: str  # the device plugin's ID: the GPU's UUID for NVIDIA's, `::N` added when shared
+    health: str  # Healthy | Unhealthy | Unknown
+    message: str | None = None
+
+    @property
+    def uuid(self) -> str:
+        return self.resource_id.split("::")[0]
+
+
+@dataclass(frozen=True)
+class DeviceHealthSample:
+    """Our pod's devices' health; no devices: the status says nothing of them (nothing is known)."""
+
+    at: float
+    read: bool  # the pod's status could be read
+    devices: tuple[DeviceHealth, ...] = ()
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -102,8 +129,9 @@ class ServerSample:
         return (self.requests_running or 0.0) + (self.requests_waiting or 0.0)
 
 
-# A restart that was decided and not carried out: reported only (strategy none), or it failed.
-RESTART_REPORTED, RESTART_FAILED = "restart_reported", "restart_failed"
+# A restart that was decided and not carried out: reported only (strategy none), or it failed; or
+# held by the workload's ledger (`why`: which of names.FLEET_HOLDS), to be asked again shortly.
+RESTART_REPORTED, RESTART_FAILED, RESTART_HELD = "restart_reported", "restart_failed", "restart_held"
 
 
 @dataclass(frozen=True)
@@ -112,6 +140,17 @@ class ActionRecord:
     action: str  # empty_cache | restart | restart_reported | restart_failed
     reason: str
     rung: str = ""  # restarts: container | pod | process
+    why: str = ""  # held restarts: the hold
+
+
+@dataclass(frozen=True)
+class PastRestart:
+    """One of the workload's restarts as read back from its Event: enough to tell its lineage."""
+
+    at: float
+    pod: str = ""
+    node: str | None = None
+    gpus: tuple[str, ...] = ()
 
 
 @dataclass
@@ -133,12 +172,18 @@ class History:
     last_progress: ServerSample | None = None
     # The workload's restarts (every pod generation's, seconds on this loop's clock) as read back
     # from the restart Events at `workload_read_at`; None until read, or while they cannot be.
-    workload_restarts: tuple[float, ...] | None = None
+    workload_restarts: tuple[PastRestart, ...] | None = None
     workload_read_at: float | None = None
+    # Who we are, for the lineage of a restart loop: our pod and its node.
+    pod: str = ""
+    node: str | None = None
+    # The workload's desired replicas (its controller's spec.replicas); None: not known (counted as 1).
+    replicas: int | None = None
     # First successful canary since the last restart: before it the target is still starting.
     served_at: float | None = None
     ladder: Ladder | None = None  # the admission limit and its probes
     xids: deque[XidEvent] = field(default_factory=lambda: deque(maxlen=256))
+    device_health: DeviceHealthSample | None = None  # the latest read of our pod's status
     actions: deque[ActionRecord] = field(default_factory=lambda: deque(maxlen=256))
     restart_in_progress: bool = False
     # A restart in progress that waits for permission (the disruption budget) with nothing drained:

@@ -14,11 +14,14 @@ from watchdog.names import RUNG_POD
 from watchdog.records import Failure, Ladder
 from watchdog.samples import (
     RESTART_FAILED,
+    RESTART_HELD,
     RESTART_REPORTED,
     ActionRecord,
     CanarySample,
+    DeviceHealthSample,
     GpuSample,
     History,
+    PastRestart,
     ServerSample,
     TorchSample,
     XidEvent,
@@ -73,12 +76,24 @@ class RestartCancelled:
 
 
 @dataclass(frozen=True)
+class RestartHeld:
+    """A restart the workload's ledger held back (no slot, the breaker, the ledger unknown): nothing
+    was done, and it is asked again after a while (policy)."""
+
+    at: float
+    reason: str
+    why: str
+
+
+@dataclass(frozen=True)
 class WorkloadRestarts:
     """The workload's restarts read back from the Events (wall-clock seconds), or None: unreadable."""
 
     at: float
     wall_now: float
-    restarts: tuple[float, ...] | None
+    restarts: tuple[PastRestart, ...] | None  # wall-clock times
+    # The workload's desired replicas, read with them; None: not known.
+    replicas: int | None = None
 
 
 @dataclass(frozen=True)
@@ -101,7 +116,7 @@ class AdmissionAnswered:
 
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
            | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
-           | RestartWaiting)
+           | RestartWaiting | RestartHeld | DeviceHealthSample)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -130,6 +145,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.gpus, h.gpus_visible = outcome.gpus, outcome.visible
     elif isinstance(outcome, XidEvent):
         h.xids.append(outcome)
+    elif isinstance(outcome, DeviceHealthSample):
+        if outcome.read:  # an unreadable status says nothing of the devices: the last read stands
+            h.device_health = outcome
     elif isinstance(outcome, PodGpus):
         h.pod_gpus = outcome.uuids or None
     elif isinstance(outcome, RestartBegun):
@@ -152,10 +170,17 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.served_at = None
     elif isinstance(outcome, RestartCancelled):
         h.restart_in_progress, h.restart_waiting = False, False
+    elif isinstance(outcome, RestartHeld):
+        h.restart_in_progress, h.restart_waiting = False, False
+        # Only the latest hold matters: a long wait for a slot must not push real restarts out of the log.
+        if h.actions and h.actions[-1].action == RESTART_HELD and h.actions[-1].reason == outcome.reason:
+            h.actions.pop()
+        h.actions.append(ActionRecord(outcome.at, RESTART_HELD, outcome.reason, why=outcome.why))
     elif isinstance(outcome, WorkloadRestarts):
         h.workload_read_at = outcome.at
+        h.replicas = outcome.replicas
         h.workload_restarts = None if outcome.restarts is None else tuple(
-            outcome.at - (outcome.wall_now - t) for t in outcome.restarts)
+            replace(r, at=outcome.at - (outcome.wall_now - r.at)) for r in outcome.restarts)
     elif isinstance(outcome, CacheFlushRequested):
         h.actions.append(ActionRecord(outcome.at, "empty_cache", outcome.reason))
     elif isinstance(outcome, AdmissionRequested) and h.ladder is not None:

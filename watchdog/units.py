@@ -57,6 +57,24 @@ def parse_ratio(value: object) -> float:
     return r
 
 
+def parse_share(value: object) -> str:
+    """A count of replicas (`2`) or a share of them (`25%`), kept as written: its meaning needs the
+    replica count, known only while running (`fleet.unavailable_slots`)."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a count like 2 or a percentage like 25%, got {value!r}")
+    if isinstance(value, int):
+        if value < 1:
+            raise ValueError(f"must be at least 1, got {value}")
+        return str(value)
+    if isinstance(value, str):
+        m = re.match(r"^\s*(\d+(?:\.\d+)?)\s*%\s*$", value)
+        if m and 0 < float(m.group(1)) <= 100:
+            return f"{float(m.group(1)):g}%"
+        if re.match(r"^\s*\d+\s*$", value) and int(value) >= 1:
+            return str(int(value))
+    raise ValueError(f"expected a count like 2 or a percentage like 25% (above 0, at most 100%), got {value!r}")
+
+
 def format_bytes(n: float) -> str:
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
         if abs(n) >= size:

@@ -8,6 +8,7 @@ from typing import Any
 from watchdog import names, policy
 from watchdog.config import Settings
 from watchdog.escalation import Suspect
+from watchdog.fleet import FleetView
 from watchdog.idle_memory import IdleMemory
 from watchdog.metrics import Snapshot
 from watchdog.samples import History
@@ -33,6 +34,7 @@ class Extras:
     budget_read_error: str | None = None
     loop_lag: dict[str, float] | None = None  # the sidecar's own event-loop lag: last, p99, max
     ignored_records: int = 0  # restart records dated in the future at the last read, not counted
+    fleet: FleetView | None = None  # the workload's ledger, where restarts go through one
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
@@ -59,6 +61,14 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
         out.add(names.GPUS_UNKNOWN)
     if x.suspects:
         out.add(names.GPU_SUSPECT)
+    f = x.fleet
+    if f is not None:
+        if f.held is not None:
+            out.add(f.held)
+        if f.breaker is not None:
+            out.add(names.FLEET_BREAKER_OPEN)
+        if f.error is not None:
+            out.add(names.FLEET_LEDGER_UNKNOWN)
     if x.server_metrics_url is not None and (not h.server or not h.server[-1].reachable):
         out.add(names.SERVER_METRICS_UNAVAILABLE)
     return frozenset(out)
@@ -91,6 +101,8 @@ def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
         idle_memory=x.idle_memory,
         suspects=tuple(sp.uuid for sp in x.suspects),
         admission_limit=h.ladder.limit if h.ladder is not None else None,
+        fleet=x.fleet,
+        workload=x.workload,
     )
 
 
@@ -125,6 +137,10 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
         "restart_budget": {"scope": "workload" if x.budget_from_events else "pod",
                            "workload": x.workload, "read_error": x.budget_read_error,
+                           "replicas": h.replicas,
+                           "allowance": policy.workload_allowance(settings.policy, h.replicas)
+                           if x.budget_from_events else None,
+                           "lineage_bound": settings.policy.restart_budget.max_restarts,
                            "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1),
                            "ignored_future_records": x.ignored_records},
         "event_loop_lag_s": x.loop_lag,
@@ -132,6 +148,7 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "restart_waiting": h.restart_waiting,
         "restart_failed": x.restart_failed,
         "restart_not_recorded": x.restart_not_recorded,
+        "fleet": None if x.fleet is None else fleet_status(x.fleet),
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},
@@ -143,8 +160,21 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
             # Seconds of the limit in full use (only those count) before the next probe.
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
             else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
-        "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids}
-                        for sp in x.suspects],
+        "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
+                         "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in x.suspects],
         "last_decisions": x.decisions[-20:],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
+    }
+
+
+def fleet_status(f: FleetView) -> dict[str, Any]:
+    b = f.breaker
+    return {
+        "lease": f.lease, "replicas": f.replicas, "max_unavailable": f.max_unavailable,
+        "unavailable": len(f.restarting), "restarting": list(f.restarting), "slot_held": f.slot_held,
+        "held": f.held, "held_detail": f.held_detail, "ledger_error": f.error,
+        "breaker": None if b is None else {"open": True, "reason": b.reason, "opened_at": b.opened_at,
+                                           "restarted": list(b.restarted), "replicas": b.replicas,
+                                           "opened_by": b.opened_by, "last_held_at": b.held_at},
+        names.FLEET_UNAVAILABLE_LIMIT: f.held == names.FLEET_UNAVAILABLE_LIMIT,
     }

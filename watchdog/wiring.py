@@ -14,6 +14,7 @@ from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from watchdog.app import Watchdog
 from watchdog.config import ConfigError, Settings, load, workload_of
+from watchdog.executor import FleetLedger
 
 log = logs.get("watchdog")
 
@@ -72,7 +73,8 @@ def build_restarter(settings: Settings, workload: str | None = None) -> Restarte
         pod_settings = dataclasses.replace(settings.restart, strategy="evict") if strategy == "container" \
             else settings.restart
         pod = KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), pod_settings,
-                            workload=workload if workload is not None else workload_of(settings))
+                            workload=workload if workload is not None else workload_of(settings),
+                            node=k.node_name or None)
     if strategy == "container":
         return ContainerRestarter(settings.restart.verdict_file, pod)
     assert pod is not None
@@ -89,6 +91,68 @@ def build_node_reporter(settings: Settings) -> NodeReporter | None:
     e = settings.policy.escalation
     return NodeReporter(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.node_name,
                         k.request_timeout, e.node_condition, e.node_event)
+
+
+def build_ledger(settings: Settings, workload: str) -> FleetLedger | None:
+    """The workload's Lease, where restarts go through Kubernetes: its replicas always, and its slots
+    and breaker where `policy.fleet.enabled`."""
+    if not _kube_reachable(settings):
+        return None
+    from watchdog.actions.fleet import LeaseLedger, lease_name
+    from watchdog.actions.kube import load_api_client
+
+    k = settings.kubernetes
+    return LeaseLedger(load_api_client(k.kubeconfig, k.request_timeout), k.namespace,
+                       lease_name(workload, settings.policy.fleet.lease_name), workload, k.pod_name,
+                       k.request_timeout)
+
+
+def fleet_main(config_path: str, action: str) -> int:
+    """`gpu-watchdog fleet status|reset-breaker`: the ledger as this pod's sidecar sees it, with its rights."""
+    import json
+
+    from watchdog import fleet
+    from watchdog.actions.fleet import LedgerUnavailable
+
+    logs.configure("watchdog")
+    try:
+        settings = load(config_path)
+        workload = resolve_workload(settings)
+        ledger = build_ledger(settings, workload)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"gpu-watchdog fleet: {exc}", file=sys.stderr)
+        return 2
+    if ledger is None:
+        print("gpu-watchdog fleet: this config restarts through no Kubernetes API (restart.strategy"
+              f" {settings.restart.strategy}): there is no fleet ledger", file=sys.stderr)
+        return 2
+    s = settings.policy.fleet
+    try:
+        if action == "reset-breaker":
+            before = ledger.update(lambda led, now: (fleet.reset_breaker(led, now), fleet.breaker_open(led)))
+            print(f"breaker of {workload} reset" + (f" (it was open for {before.reason} since {before.opened_at:.0f})"
+                                                    if before is not None else " (it was not open)"))
+            return 0
+        current = fleet.prune(s, ledger.read(), time.time())
+        replicas = ledger.replicas()
+    except LedgerUnavailable as exc:
+        print(f"gpu-watchdog fleet: {exc}", file=sys.stderr)
+        return 1
+    except Exception as exc:
+        print(f"gpu-watchdog fleet: {getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:300]}",
+              file=sys.stderr)
+        return 1
+    breaker = fleet.breaker_open(current)
+    print(json.dumps({"workload": workload, "lease": ledger.name, "replicas": replicas,
+                      "max_unavailable": fleet.unavailable_slots(s, replicas),
+                      "restarting": [dataclasses.asdict(sl) for sl in current.slots],
+                      "breaker": None if breaker is None else dataclasses.asdict(breaker),
+                      "restarts_in_window": len(current.restarts)}, indent=2))
+    return 0
 
 
 async def run_until_signal(watchdog: Watchdog) -> None:
@@ -109,6 +173,7 @@ def run_main(config_path: str) -> int:
         workload = resolve_workload(settings)
         restarter = build_restarter(settings, workload)
         node = build_node_reporter(settings)
+        ledger = build_ledger(settings, workload)
     except ConfigError as exc:
         for line in exc.errors:
             print(f"error: {line}", file=sys.stderr)
@@ -118,7 +183,7 @@ def run_main(config_path: str) -> int:
         print(f"gpu-watchdog run: {exc}", file=sys.stderr)
         return 2
     try:
-        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload)
+        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload, ledger=ledger)
         asyncio.run(run_until_signal(watchdog))
     except OSError as exc:
         print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import filecmp
+import json
 from typing import Any
 
 import helm_python as helm
 import kubernetes_validate
 import pytest
 import yaml
+from helm_python import _native
 
 from tests.helpers import ROOT
 from watchdog.config import from_mapping
@@ -37,9 +39,22 @@ def with_images(values: dict[str, Any] | None) -> dict[str, Any]:
     return merge(IMAGES, values or {})  # type: ignore[no-any-return]
 
 
-def render(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+def render_manifests(values: dict[str, Any] | None = None, kube_version: str = K8S_VERSION,
+                     namespace: str = "serving") -> dict[str, str]:
+    """The chart's manifests as `helm install` renders them on a cluster at `kube_version` (what
+    `helm template --kube-version` sets: `.Capabilities.KubeVersion`). helm-python 0.2.2's
+    Chart.render passes no version to the Helm SDK, whose own default then decides; the C library
+    it binds takes the version among its render options, so it is called with them."""
     chart = helm.Chart.load(str(CHART))
-    manifests = chart.render(with_images(values), name="demo", namespace="serving", is_install=True)
+    opts = {"name": "demo", "namespace": namespace, "is_install": True, "kube_version": f"v{kube_version}"}
+    rendered = _native.call_string("helm_render", chart._raw(), json.dumps(with_images(values)), json.dumps(opts))
+    manifests: dict[str, str] = json.loads(rendered)
+    return manifests
+
+
+def render(values: dict[str, Any] | None = None, kube_version: str = K8S_VERSION) -> list[dict[str, Any]]:
+    """The rendered objects, at the Kubernetes version they are validated against unless told."""
+    manifests = render_manifests(values, kube_version)
     docs: list[dict[str, Any]] = []
     for path, text in sorted(manifests.items()):
         if path.endswith("NOTES.txt"):
@@ -52,9 +67,17 @@ def by_kind(docs: list[dict[str, Any]], kind: str) -> list[dict[str, Any]]:
     return [d for d in docs if d["kind"] == kind]
 
 
-def containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+def pod_template(docs: list[dict[str, Any]]) -> dict[str, Any]:
     [deploy] = by_kind(docs, "Deployment")
-    return {c["name"]: c for c in deploy["spec"]["template"]["spec"]["containers"]}
+    return deploy["spec"]["template"]["spec"]  # type: ignore[no-any-return]
+
+
+def containers(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """The pod's long-running containers by name: its containers and its native sidecars (init
+    containers with restartPolicy Always), so the watchdog is found in either place it runs."""
+    pod = pod_template(docs)
+    sidecars = [c for c in pod.get("initContainers", []) if c.get("restartPolicy") == "Always"]
+    return {c["name"]: c for c in [*sidecars, *pod["containers"]]}
 
 
 VLLM: dict[str, Any] = {"inference": {"engine": "vllm", "model": {"source": "pvc", "pvc": {"claimName": "models"}}},
@@ -91,8 +114,6 @@ def test_rendered_objects_validate_against_kubernetes_schemas(values: dict[str, 
         assert {e["port"] for e in monitor["spec"]["endpoints"]} == {"http", "metrics"}
         dashboards = [d for d in by_kind(docs, "ConfigMap") if d["metadata"]["name"].endswith("-dashboard")]
         assert dashboards[0]["metadata"]["labels"]["grafana_dashboard"] == "1"
-        import json
-
         assert json.loads(dashboards[0]["data"]["gpu-watchdog.json"]) == json.loads(
             (ROOT / "dashboards" / "gpu-watchdog.json").read_text())
 
@@ -119,7 +140,7 @@ def test_security_context_non_root_read_only() -> None:
     [deploy] = by_kind(docs, "Deployment")
     pod = deploy["spec"]["template"]["spec"]
     assert pod["securityContext"]["runAsNonRoot"] is True
-    for c in pod["containers"]:
+    for c in containers(docs).values():
         sc = c["securityContext"]
         assert sc["readOnlyRootFilesystem"] is True
         assert sc["allowPrivilegeEscalation"] is False
@@ -137,6 +158,9 @@ ALLOWED = {
     ("", "pods/eviction", "create"),
     ("events.k8s.io", "events", "create"),
     ("events.k8s.io", "events", "list"),
+    ("apps", "deployments", "get"),
+    ("coordination.k8s.io", "leases", "get"),
+    ("coordination.k8s.io", "leases", "update"),
 }
 
 
@@ -166,15 +190,21 @@ def test_rbac_is_least_privilege() -> None:
 def test_every_granted_verb_is_one_the_code_calls() -> None:
     """The Role's rules against the calls the sidecar's Kubernetes edge makes (the client's method
     names), so that a verb no code uses cannot stay granted."""
+    import importlib
     import inspect
+    import pkgutil
 
-    from watchdog.actions import kube, node
+    from watchdog import actions
 
-    source = inspect.getsource(kube) + inspect.getsource(node)
+    source = "".join(inspect.getsource(importlib.import_module(f"watchdog.actions.{m.name}"))
+                     for m in pkgutil.iter_modules(actions.__path__))
     calls = {("", "pods", "get"): "read_namespaced_pod", ("", "pods/eviction", "create"):
              "create_namespaced_pod_eviction", ("", "pods", "delete"): "delete_namespaced_pod",
              ("events.k8s.io", "events", "create"): "create_namespaced_event",
-             ("events.k8s.io", "events", "list"): "list_namespaced_event"}
+             ("events.k8s.io", "events", "list"): "list_namespaced_event",
+             ("apps", "deployments", "get"): "read_namespaced_deployment",
+             ("coordination.k8s.io", "leases", "get"): "read_namespaced_lease",
+             ("coordination.k8s.io", "leases", "update"): "replace_namespaced_lease"}
     granted = grants(render()) | grants(render({"watchdog": {"config": {"restart": {"strategy": "delete"}}}}))
     for grant in granted:
         assert grant in calls and calls[grant] in source, f"{grant} is granted but nothing calls it"

@@ -337,7 +337,7 @@ def test_only_the_watchdog_holds_an_api_token(values: dict[str, Any]) -> None:
     volumes = {v["name"]: v for v in pod["volumes"]}
     token_volumes = {name for name, v in volumes.items()
                      if any("serviceAccountToken" in s for s in v.get("projected", {}).get("sources", []))}
-    holders = {c["name"] for c in pod["containers"]
+    holders = {c["name"] for c in [*pod.get("initContainers", []), *pod["containers"]]
                for m in c.get("volumeMounts", []) if m["name"] in token_volumes}
     assert holders == {"watchdog"}
     wd = containers(docs)["watchdog"]

@@ -58,13 +58,13 @@ def route(*labels: str) -> str:
     return out.stdout.strip()
 
 
-def test_alertmanager_example_pages_on_context_loss_and_budget_and_tickets_the_rest() -> None:
+def test_alertmanager_example_pages_when_the_watchdog_can_no_longer_help_and_tickets_the_rest() -> None:
     out = subprocess.run([require("amtool"), "check-config", str(DASH / "alertmanager-example.yaml")],
                          capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stdout + out.stderr
     for r in rules():
         labels = {**r["labels"], "alertname": r["alert"]}  # type: ignore[dict-item]
         receiver = route(*(f"{k}={v}" for k, v in labels.items()))
-        pages = ("GPUWatchdogContextLoss", "GPUWatchdogRestartBudgetExhausted")
+        pages = ("GPUWatchdogContextLoss", "GPUWatchdogRestartBudgetExhausted", "GPUWatchdogFleetBreakerOpen")
         expected = "pager" if r["alert"] in pages else "ticket"
         assert receiver == expected, (r["alert"], receiver)

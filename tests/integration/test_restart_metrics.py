@@ -29,6 +29,9 @@ class NoNvml:
     def wait_xid(self, timeout_ms: int) -> list[tuple[str | None, int]]:
         return []
 
+    def recovery_action(self, uuid: str) -> int | None:
+        raise AssertionError("never read")
+
     def close(self) -> None:
         return None
 

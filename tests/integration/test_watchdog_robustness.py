@@ -65,6 +65,9 @@ class ExplodingNvml:
     def wait_xid(self, timeout_ms: int) -> list[tuple[str | None, int]]:
         raise RuntimeError("event set broken")
 
+    def recovery_action(self, uuid: str) -> int | None:
+        raise RuntimeError("NVML_ERROR_UNKNOWN")
+
     def close(self) -> None:
         raise RuntimeError("cannot shut down")
 

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import threading
 import time
+import types
+from typing import Any
 
 from watchdog.samplers.nvml import GpuLost, GpuReading, NvmlSampler, NvmlUnavailable, PynvmlBackend
 from watchdog.samples import XidEvent
@@ -23,6 +25,7 @@ class FakeNvml:
         self.xids: list[tuple[str | None, int]] = []
         self.closed = False
         self.visible = [A, B]
+        self.recovery: dict[str, int] = {}  # NVML's recovery action per GPU; absent: a driver without the field
 
     def open(self) -> None:
         if self.missing:
@@ -46,6 +49,9 @@ class FakeNvml:
             return out
         time.sleep(timeout_ms / 1000 / 10)
         return []
+
+    def recovery_action(self, uuid: str) -> int | None:
+        return self.recovery.get(uuid)
 
     def close(self) -> None:
         self.closed = True
@@ -137,3 +143,77 @@ async def test_real_backend_without_a_driver_reports_why() -> None:
     assert g.reason is not None and "NVML Shared Library Not Found" in g.reason
     s.start_xid_watch(lambda ev: None)  # nothing to watch: must not start a thread that fails
     s.close()
+
+
+async def test_the_recovery_action_comes_with_every_reading_a_lost_gpus_included() -> None:
+    fake = FakeNvml()
+    fake.recovery = {A: 1, B: 2}
+    fake.lost.add(B)
+    s = NvmlSampler(fake, clock=lambda: 1.0)
+    s.open()
+    a, b = (await s.sample((A, B))).gpus
+    assert (a.recovery_action, a.lost, b.recovery_action, b.lost) == (1, False, 2, True)
+    fake.recovery = {}  # a driver without the field
+    [a] = (await s.sample((A,))).gpus
+    assert a.recovery_action is None and a.available
+
+
+async def test_a_recovery_action_that_cannot_be_read_costs_nothing_else() -> None:
+    class NoField(FakeNvml):
+        def recovery_action(self, uuid: str) -> int | None:
+            raise RuntimeError("NVML_ERROR_UNKNOWN")
+
+    s = NvmlSampler(NoField(), clock=lambda: 1.0)
+    s.open()
+    [a] = (await s.sample((A,))).gpus
+    assert (a.available, a.memory_used_bytes, a.recovery_action) == (True, 10 * 2**30, None)
+
+
+def _bindings(**changes: Any) -> Any:
+    """nvidia-ml-py itself (its constants and structures), with the calls that need a driver answered here."""
+    import pynvml
+
+    nv = types.SimpleNamespace(**{k: getattr(pynvml, k) for k in dir(pynvml) if not k.startswith("__")})
+    nv.nvmlDeviceGetHandleByUUID = lambda uuid: object()
+    for name, value in changes.items():
+        if value is None:
+            delattr(nv, name)
+        else:
+            setattr(nv, name, value)
+    return nv
+
+
+def _field(nvml_return: int, value_type: int = 1, value: int = 0) -> Any:
+    import pynvml
+
+    values = (pynvml.c_nvmlFieldValue_t * 1)()
+    values[0].fieldId = pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION
+    values[0].nvmlReturn, values[0].valueType = nvml_return, value_type
+    if value_type == pynvml.NVML_VALUE_TYPE_DOUBLE:
+        values[0].value.dVal = float(value)
+    else:
+        values[0].value.uiVal = value
+    return lambda handle, ids: values if list(ids) == [pynvml.NVML_FI_DEV_GET_GPU_RECOVERY_ACTION] else None
+
+
+def test_the_real_backend_reads_field_230_and_guards_every_way_it_can_be_missing() -> None:
+    import pynvml
+
+    backend = PynvmlBackend()
+    backend._nv = _bindings(nvmlDeviceGetFieldValues=_field(pynvml.NVML_SUCCESS, value=4))
+    assert backend.recovery_action(A) == 4
+    backend._nv = _bindings(nvmlDeviceGetFieldValues=_field(pynvml.NVML_SUCCESS, pynvml.NVML_VALUE_TYPE_DOUBLE, 2))
+    assert backend.recovery_action(A) == 2  # the value's type says which member of the union holds it
+    # A driver that does not know the field answers per field.
+    backend._nv = _bindings(nvmlDeviceGetFieldValues=_field(pynvml.NVML_ERROR_NOT_SUPPORTED, value=1))
+    assert backend.recovery_action(A) is None
+
+    def not_supported(handle: Any, ids: Any) -> Any:
+        raise pynvml.NVMLError(pynvml.NVML_ERROR_NOT_SUPPORTED)
+
+    backend._nv = _bindings(nvmlDeviceGetFieldValues=not_supported)
+    assert backend.recovery_action(A) is None
+    backend._nv = _bindings(NVML_FI_DEV_GET_GPU_RECOVERY_ACTION=None)  # bindings older than the field
+    assert backend.recovery_action(A) is None
+    backend._nv = _bindings(nvmlDeviceGetFieldValues=None)  # bindings without the call
+    assert backend.recovery_action(A) is None

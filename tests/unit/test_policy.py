@@ -91,10 +91,11 @@ def test_xid_app_fault_for_our_gpu_is_context_loss_other_gpu_ignored() -> None:
     h.xids.append(XidEvent(at=2, xid=31, uuid=OTHER))
     assert decide(settings(), h, 2.5) == []
     h.xids.append(XidEvent(at=3, xid=63, uuid=UUID))  # remap event: warn only
+    h.xids.append(XidEvent(at=3, xid=43, uuid=UUID))  # the catalog's immediate action: IGNORE
     assert decide(settings(), h, 3.5) == []
-    h.xids.append(XidEvent(at=4, xid=43, uuid=UUID))
+    h.xids.append(XidEvent(at=4, xid=13, uuid=UUID))
     [d] = decide(settings(), h, 4.5)
-    assert (d.reason, d.detail["xid"], d.detail["class"]) == ("context_loss", 43, "app_fault")
+    assert (d.reason, d.detail["xid"], d.detail["class"]) == ("context_loss", 13, "app_fault")
 
 
 def test_gpu_lost_is_context_loss() -> None:
@@ -616,7 +617,7 @@ def test_unservable_needs_every_canary_to_fail() -> None:
 def test_xid_on_a_multi_gpu_node_with_unknown_gpus_never_restarts() -> None:
     h = history(gpus_visible=8)
     h.xids.append(XidEvent(at=2, xid=79, uuid=OTHER))
-    h.xids.append(XidEvent(at=3, xid=43, uuid=None))
+    h.xids.append(XidEvent(at=3, xid=13, uuid=None))
     assert our_gpus(h) is None and decide(settings(), h, 3.5) == []
 
 

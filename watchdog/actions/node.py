@@ -15,6 +15,7 @@ from watchdog import logs
 from watchdog.actions.kube import CONTROLLER, event_name
 from watchdog.escalation import (
     GPUS_ANNOTATION,
+    NODE_ANNOTATION,
     REASON_ANNOTATION,
     WORKLOAD_ANNOTATION,
     XID_ANNOTATION,
@@ -46,7 +47,8 @@ def restart_record(event: Any) -> RestartRecord | None:
     return RestartRecord(at=when.timestamp(), reason=annotations.get(REASON_ANNOTATION, ""), gpus=gpus,
                          pod=event.regarding.name if event.regarding is not None else "",
                          xid=int(xid) if xid and xid.isdigit() else None,
-                         workload=annotations.get(WORKLOAD_ANNOTATION) or None)
+                         workload=annotations.get(WORKLOAD_ANNOTATION) or None,
+                         node=annotations.get(NODE_ANNOTATION) or None)
 
 
 class NodeReporter:
@@ -82,11 +84,20 @@ class NodeReporter:
             return  # reported in our own log, status and metrics only
         if not self.node_name:
             raise ValueError("the node's name is unknown (set NODE_NAME from the downward API spec.nodeName)")
-        message = (f"GPU {suspect.uuid} on node {self.node_name}: {len(suspect.restarts)} restarts in the window"
-                   f" did not cure it (reasons {', '.join(suspect.reasons)}"
-                   + (f"; Xid {', '.join(map(str, suspect.xids))}" if suspect.xids else "")
-                   + f"; pods {', '.join(sorted({r.pod for r in suspect.restarts}))}). A pod restart cannot"
-                   " fix a failing GPU; the node needs attention.")
+        if suspect.driver_says:
+            # The driver's own word: said at once, before any restart could fail to cure it.
+            reason = "DriverRecoveryAction"
+            message = (f"GPU {suspect.uuid} on node {self.node_name}: the driver says {suspect.driver_says}"
+                       + (f" (Xid {suspect.xid})" if suspect.xid else "")
+                       + f"; the node needs {suspect.node_action}: a new process on this GPU cannot cure it"
+                       f" (reported by pod {pod}).")
+        else:
+            reason = "RepeatedGPURestarts"
+            message = (f"GPU {suspect.uuid} on node {self.node_name}: {len(suspect.restarts)} restarts in the window"
+                       f" did not cure it (reasons {', '.join(suspect.reasons)}"
+                       + (f"; Xid {', '.join(map(str, suspect.xids))}" if suspect.xids else "")
+                       + f"; pods {', '.join(sorted({r.pod for r in suspect.restarts}))}). A pod restart cannot"
+                       " fix a failing GPU; the node needs attention.")
         now = dt.datetime.now(dt.UTC)
         body = client.EventsV1Event(
             metadata=client.V1ObjectMeta(name=event_name(self.node_name),
@@ -101,7 +112,7 @@ class NodeReporter:
         if self.node_condition:
             stamp = now.isoformat().replace("+00:00", "Z")
             patch = {"status": {"conditions": [{
-                "type": CONDITION, "status": "True", "reason": "RepeatedGPURestarts", "message": message[:1024],
+                "type": CONDITION, "status": "True", "reason": reason, "message": message[:1024],
                 "lastTransitionTime": stamp, "lastHeartbeatTime": stamp}]}}
             # A strategic merge keeps the kubelet's own conditions: the list merges by `type`.
             self.core.patch_node_status(self.node_name, patch, _request_timeout=self.timeout,

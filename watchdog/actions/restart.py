@@ -14,7 +14,13 @@ from typing import Any, Protocol
 from watchdog import logs
 from watchdog.actions.kube import PodActions, RefusedError, event_reason
 from watchdog.config import RestartSettings
-from watchdog.escalation import GPUS_ANNOTATION, REASON_ANNOTATION, WORKLOAD_ANNOTATION, XID_ANNOTATION
+from watchdog.escalation import (
+    GPUS_ANNOTATION,
+    NODE_ANNOTATION,
+    REASON_ANNOTATION,
+    WORKLOAD_ANNOTATION,
+    XID_ANNOTATION,
+)
 from watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS
 from watchdog.policy import Decision
 
@@ -58,12 +64,14 @@ class Restarter(Protocol):
     async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome: ...
 
 
-def annotations_for(decision: Decision, workload: str | None = None) -> dict[str, str]:
-    """What a later sidecar reads back: why, for which workload's budget, and which GPUs a curing
-    restart was for."""
+def annotations_for(decision: Decision, workload: str | None = None, node: str | None = None) -> dict[str, str]:
+    """What a later sidecar reads back: why, for which workload's budget, on which node, and which
+    GPUs a curing restart was for."""
     out = {REASON_ANNOTATION: decision.reason}
     if workload:
         out[WORKLOAD_ANNOTATION] = workload
+    if node:
+        out[NODE_ANNOTATION] = node
     gpus = decision.detail.get("gpus")
     if gpus:
         out[GPUS_ANNOTATION] = ",".join(gpus)
@@ -82,10 +90,11 @@ class KubeRestarter:
     """Evict (or delete) our pod; a PodDisruptionBudget's 429 means wait and retry, staying unready."""
 
     def __init__(self, pod: PodActions, settings: RestartSettings, sleep: Sleep = asyncio.sleep,
-                 workload: str | None = None) -> None:
+                 workload: str | None = None, node: str | None = None) -> None:
         self.pod = pod
         self.settings = settings
         self.workload = workload
+        self.node = node
         self.strategy = settings.strategy
         self.sleep = sleep
 
@@ -96,7 +105,7 @@ class KubeRestarter:
             try:
                 await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace,
                                         prefix + event_reason(decision.reason), note_for(decision, action),
-                                        action, annotations=annotations_for(decision, self.workload))
+                                        action, annotations=annotations_for(decision, self.workload, self.node))
                 return None
             except RefusedError:
                 raise

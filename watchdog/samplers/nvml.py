@@ -45,6 +45,11 @@ class NvmlBackend(Protocol):
 
     def wait_xid(self, timeout_ms: int) -> list[tuple[str | None, int]]: ...
 
+    def recovery_action(self, uuid: str) -> int | None:
+        """NVML's GPU recovery action for `uuid` (`xid_catalog.RECOVERY_ACTIONS`); None where the
+        driver or the bindings have no such field."""
+        ...
+
     def close(self) -> None: ...
 
 
@@ -116,12 +121,30 @@ class PynvmlBackend:
             pass
         return [(uuid, int(data.eventData))]
 
+    def recovery_action(self, uuid: str) -> int | None:
+        nv = self._nv
+        # Releases of nvidia-ml-py older than the field have no constant for it.
+        field_id = getattr(nv, "NVML_FI_DEV_GET_GPU_RECOVERY_ACTION", None)
+        if field_id is None:
+            return None
+        try:
+            [value] = nv.nvmlDeviceGetFieldValues(nv.nvmlDeviceGetHandleByUUID(uuid), [field_id])
+        except (nv.NVMLError, AttributeError):  # NotSupported, or bindings without the function
+            return None
+        if value.nvmlReturn != nv.NVML_SUCCESS:
+            return None  # a driver that does not know field 230 answers per field, not by raising
+        return int(getattr(value.value, _FIELD_VALUE.get(value.valueType, "uiVal")))
+
     def close(self) -> None:
         if self._nv is None:
             return
         if self._events is not None:
             self._nv.nvmlEventSetFree(self._events)
         self._nv.nvmlShutdown()
+
+
+# nvmlValueType_t -> the member of the nvmlValue_t union that holds it.
+_FIELD_VALUE = {0: "dVal", 1: "uiVal", 2: "ulVal", 3: "ullVal", 4: "sllVal", 5: "siVal", 6: "usVal"}
 
 
 def _optional(read: Callable[[], Any], default: Any) -> Any:
@@ -144,6 +167,7 @@ class NvmlSampler:
         self._unavailable: str | None = None
         self._xid_thread: threading.Thread | None = None
         self._stop = threading.Event()
+        self._recovery_error: str | None = None
 
     def open(self) -> None:
         try:
@@ -181,7 +205,9 @@ class NvmlSampler:
         try:
             r = self.backend.read(uuid)
         except GpuLost as exc:
-            return GpuSample(at=now, available=True, reason=str(exc), uuid=uuid, lost=True)
+            # A lost GPU may still say what it needs (a reset, a reboot): the node is told so at once.
+            return GpuSample(at=now, available=True, reason=str(exc), uuid=uuid, lost=True,
+                             recovery_action=self._recovery_action(uuid))
         except Exception as exc:  # NVML said something unexpected: report it, keep going
             return GpuSample(at=now, available=False, uuid=uuid, reason=f"nvml error: {exc}")
         return GpuSample(
@@ -189,7 +215,17 @@ class NvmlSampler:
             memory_used_bytes=r.memory_used_bytes, memory_total_bytes=r.memory_total_bytes,
             utilization_ratio=r.utilization_percent / 100.0, temperature_celsius=r.temperature_celsius,
             power_watts=r.power_milliwatts / 1000.0, ecc_uncorrected=r.ecc_uncorrected,
+            recovery_action=self._recovery_action(uuid),
         )
+
+    def _recovery_action(self, uuid: str) -> int | None:
+        try:
+            return self.backend.recovery_action(uuid)
+        except Exception as exc:  # a figure missing is no reason to lose the rest of the reading
+            if str(exc) != self._recovery_error:  # said once per kind, not every second
+                log.warning("recovery_action_unreadable", uuid=uuid, error=str(exc))
+            self._recovery_error = str(exc)
+            return None
 
     async def sample(self, wanted: tuple[str, ...] | None) -> GpuReadout:
         """The pod's GPUs (`wanted`), or the only one NVML sees when the pod's are not known."""

@@ -7,14 +7,18 @@ from dataclasses import dataclass
 
 import aiohttp
 
+from watchdog import logs
 from watchdog.config import Settings
 from watchdog.control_client import ControlClient
 from watchdog.samplers.allocator import AllocatorSampler
 from watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
+from watchdog.samplers.device_health import DeviceHealthSampler, pod_reader
 from watchdog.samplers.http_canary import HttpCanary
 from watchdog.samplers.nvml import NvmlBackend, NvmlSampler
 from watchdog.samplers.server_metrics import ServerMetricsSampler
 from watchdog.selector import parse as parse_selector
+
+log = logs.get("watchdog")
 
 
 @dataclass(frozen=True)
@@ -25,6 +29,8 @@ class Samplers:
     control: ControlClient | None
     allocator: AllocatorSampler | None
     server_metrics: ServerMetricsSampler | None
+    # Our pod's devices' health from its status: only where the Kubernetes API is configured.
+    device_health: DeviceHealthSampler | None
 
 
 def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Callable[[], float],
@@ -48,4 +54,14 @@ def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Ca
         progress = None if s.target.progress_metric is None else parse_selector(s.target.progress_metric)
         server_metrics = ServerMetricsSampler(server_metrics_url, session, clock, timeout=s.sampling.server_timeout,
                                               headers=headers, progress=progress)
-    return Samplers(NvmlSampler(nvml_backend, clock), canary, control, allocator, server_metrics)
+    return Samplers(NvmlSampler(nvml_backend, clock), canary, control, allocator, server_metrics,
+                    _device_health(settings, clock))
+
+
+def _device_health(settings: Settings, clock: Callable[[], float]) -> DeviceHealthSampler | None:
+    try:
+        read_pod = pod_reader(settings)
+    except Exception as exc:  # a kubeconfig that does not load: the other evidence still stands
+        log.warning("device_health_unavailable", error=str(exc)[:300])
+        return None
+    return None if read_pod is None else DeviceHealthSampler(read_pod, clock)

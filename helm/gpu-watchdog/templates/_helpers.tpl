@@ -48,6 +48,47 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 {{- if eq $engine "vllm" -}}{{ .Values.vllm.apiKeySecret.name }}{{- else if eq $engine "external" -}}{{ .Values.external.apiKeySecret.name }}{{- end -}}
 {{- end -}}
 
+{{/* How the watchdog restarts: container, evict, delete or none (watchdog.config.restart.strategy). */}}
+{{- define "gpu-watchdog.restartStrategy" -}}
+{{- .Values.watchdog.config.restart.strategy | default "container" -}}
+{{- end -}}
+
+{{/*
+The fleet's Lease, "" when there is none: the ledger the replicas share so that at most
+policy.fleet.max_unavailable of them restart at once. Only where the watchdog restarts at all and
+policy.fleet.enabled is not false.
+*/}}
+{{- define "gpu-watchdog.fleetLease" -}}
+{{- $fleet := dig "policy" "fleet" dict .Values.watchdog.config -}}
+{{- if and (ne (include "gpu-watchdog.restartStrategy" .) "none") (ne (toString (dig "enabled" true $fleet)) "false") -}}
+{{- printf "%s-fleet" (include "gpu-watchdog.fullname" .) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+"true" when the watchdog runs as a native sidecar: an initContainers entry with restartPolicy Always,
+which the kubelet starts before the app containers and stops after them. On by default from
+Kubernetes 1.29 (SidecarContainers beta), GA in 1.33. Before 1.28 the API server does not know the
+field and drops it: the watchdog would be an init container that never exits and the model server
+would never start, so `true` there is refused. The "-0" lets providers' versions (v1.29.3-eks-...,
+v1.30.1-gke.100) count: semver treats their suffix as a pre-release.
+*/}}
+{{- define "gpu-watchdog.nativeSidecar" -}}
+{{- /* Not `default`: it would turn false into auto. */ -}}
+{{- $mode := .Values.watchdog.nativeSidecar -}}
+{{- if kindIs "invalid" $mode -}}{{- $mode = "auto" -}}{{- end -}}
+{{- $mode = toString $mode -}}
+{{- $kube := .Capabilities.KubeVersion.Version -}}
+{{- if eq $mode "auto" -}}
+{{- if semverCompare ">=1.29-0" $kube -}}true{{- end -}}
+{{- else if eq $mode "true" -}}
+{{- if semverCompare "<1.28-0" $kube -}}
+{{- fail (printf "watchdog.nativeSidecar=true: Kubernetes %s has no restartPolicy on init containers (1.28 alpha behind the SidecarContainers gate, on by default from 1.29); the API server would drop it, leaving the watchdog an init container that never exits and the model server never started. Use auto or false" $kube) -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
 {{/* The PodSecurity level the release's namespace enforces (values: podSecurityLevel). */}}
 {{- define "gpu-watchdog.podSecurityLevel" -}}
 {{- .Values.podSecurityLevel | default "restricted" -}}
@@ -133,6 +174,16 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- $escalation := deepCopy ($policy.escalation | default dict) -}}
 {{- $_ := set $escalation "node_event" (.Values.watchdog.nodeEvents | default false) -}}
 {{- $_ := set $policy "escalation" $escalation -}}
+{{- /* The chart creates the fleet's Lease and its Role may touch that one alone (resourceNames). */ -}}
+{{- with include "gpu-watchdog.fleetLease" . -}}
+{{- $fleet := deepCopy ($policy.fleet | default dict) -}}
+{{- $own := toString ($fleet.lease_name | default "") -}}
+{{- if and $own (ne $own .) -}}
+{{- fail (printf "watchdog.config.policy.fleet.lease_name=%q: the chart creates the fleet's Lease as %q and lets the sidecar get and update that one only; leave lease_name unset" $own .) -}}
+{{- end -}}
+{{- $_ := set $fleet "lease_name" . -}}
+{{- $_ := set $policy "fleet" $fleet -}}
+{{- end -}}
 {{- $_ := set $cfg "policy" $policy -}}
 {{- toYaml $cfg -}}
 {{- end -}}

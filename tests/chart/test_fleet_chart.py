@@ -1,0 +1,155 @@
+"""The fleet's ledger as the chart installs it: the Lease, the sidecar's rights to it and its Deployment,
+and the name handed to the sidecar, checked on the rendered manifests."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from tests.chart.test_chart import (
+    ALL_ON,
+    CHART,
+    EXTERNAL,
+    K8S_VERSION,
+    VLLM,
+    by_kind,
+    render,
+    render_manifests,
+    watchdog_config,
+)
+from tests.chart.test_day_one import render_error
+from watchdog.actions.fleet import lease_name
+from watchdog.actions.kube import workload_from_pod
+from watchdog.config import FleetSettings, RestartBudgetSettings, from_mapping
+
+
+def lease(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
+    leases = by_kind(docs, "Lease")
+    assert len(leases) <= 1, leases
+    return leases[0] if leases else None
+
+
+def role_rules(docs: list[dict[str, Any]], group: str, resource: str) -> list[dict[str, Any]]:
+    roles = [r for r in by_kind(docs, "Role") if r["metadata"].get("namespace", "serving") == "serving"]
+    return [rule for role in roles for rule in role["rules"]
+            if group in rule["apiGroups"] and resource in rule["resources"]]
+
+
+def strategy(name: str, **fleet: Any) -> dict[str, Any]:
+    config: dict[str, Any] = {"restart": {"strategy": name}}
+    if fleet:
+        config["policy"] = {"fleet": fleet}
+    return {"watchdog": {"config": config}}
+
+
+@pytest.mark.parametrize("values", [{}, strategy("evict"), strategy("delete"), VLLM, EXTERNAL, ALL_ON])
+def test_the_chart_creates_the_lease_and_hands_its_name_to_the_sidecar(values: dict[str, Any],
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(values)
+    found = lease(docs)
+    assert found is not None
+    kubernetes_validate.validate(found, K8S_VERSION, strict=True)
+    [deploy] = by_kind(docs, "Deployment")
+    assert found["metadata"]["name"] == f"{deploy['metadata']['name']}-fleet"
+    assert "namespace" not in found["metadata"]  # the release's, beside the pods that write it
+    settings = watchdog_config(values, monkeypatch)
+    assert settings.policy.fleet.enabled is True
+    # The name the sidecar's ledger opens is the one the chart created.
+    assert lease_name("anything", settings.policy.fleet.lease_name) == found["metadata"]["name"]
+
+
+@pytest.mark.parametrize("values", [{}, ALL_ON, {"podAnnotations": {"team": "ml"}}])
+def test_the_lease_leaves_the_sidecars_ledger_to_them(values: dict[str, Any]) -> None:
+    """The sidecars keep the ledger in the Lease's annotations and write spec.holderIdentity and
+    renewTime; whatever the chart templates there a `helm upgrade` patches back, with no
+    resourceVersion check, over slots taken and an open breaker."""
+    found = lease(render(values))
+    assert found is not None
+    assert "annotations" not in found["metadata"]
+    assert found["spec"] == {}
+
+
+@pytest.mark.parametrize("values", [strategy("none"), strategy("container", enabled=False),
+                                    strategy("evict", enabled=False)])
+def test_no_lease_and_no_right_to_one_where_the_fleet_is_off(values: dict[str, Any],
+                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    docs = render(values)
+    assert lease(docs) is None
+    assert role_rules(docs, "coordination.k8s.io", "leases") == []
+    assert watchdog_config(values, monkeypatch).policy.fleet.lease_name == ""
+
+
+def test_the_user_keeps_the_other_fleet_settings(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = strategy("container", max_unavailable=2, breaker="60%", window="2h", slot_timeout="10m")
+    fleet = watchdog_config(values, monkeypatch).policy.fleet
+    assert (fleet.max_unavailable, fleet.breaker, fleet.window, fleet.slot_timeout) == ("2", 0.6, 7200.0, 600.0)
+    assert fleet.lease_name == "demo-gpu-watchdog-fleet"
+
+
+def test_a_lease_name_the_role_does_not_grant_is_refused() -> None:
+    text = render_error(strategy("container", lease_name="shared-ledger"))
+    assert "lease_name" in text and "shared-ledger" in text and "demo-gpu-watchdog-fleet" in text, text
+    # Naming the chart's own Lease changes nothing.
+    same = render(strategy("container", lease_name="demo-gpu-watchdog-fleet"))
+    assert lease(same) is not None
+
+
+def test_the_lease_rule_is_get_and_update_of_that_lease_alone() -> None:
+    docs = render()
+    found = lease(docs)
+    assert found is not None
+    [rule] = role_rules(docs, "coordination.k8s.io", "leases")
+    assert rule["resourceNames"] == [found["metadata"]["name"]]
+    assert sorted(rule["verbs"]) == ["get", "update"]  # no create (the chart's), no list, watch, delete
+
+
+@pytest.mark.parametrize("values", [{}, strategy("evict", enabled=False), strategy("delete")])
+def test_the_deployment_rule_is_get_of_the_charts_deployment_alone(values: dict[str, Any]) -> None:
+    docs = render(values)
+    [deploy] = by_kind(docs, "Deployment")
+    [rule] = role_rules(docs, "apps", "deployments")
+    assert sorted(rule["verbs"]) == ["get"]
+    assert rule["resourceNames"] == [deploy["metadata"]["name"]]
+    # The name the sidecar reads spec.replicas under: its pod's ReplicaSet, <deployment>-<pod-template-hash>.
+    assert workload_from_pod(f"{deploy['metadata']['name']}-7d9f8c6b5-x2x4q", {"pod-template-hash": "7d9f8c6b5"},
+                             [("ReplicaSet", f"{deploy['metadata']['name']}-7d9f8c6b5")]) == rule["resourceNames"][0]
+    assert role_rules(docs, "apps", "statefulsets") == [] and role_rules(docs, "apps", "replicasets") == []
+
+
+def test_the_notes_say_how_to_close_the_breaker() -> None:
+    notes = render_manifests({})["gpu-watchdog/templates/NOTES.txt"]
+    assert "demo-gpu-watchdog-fleet" in notes
+    assert "-c watchdog -- gpu-watchdog fleet reset-breaker" in notes
+    off = render_manifests(strategy("container", enabled=False))["gpu-watchdog/templates/NOTES.txt"]
+    assert "reset-breaker" not in off
+
+
+def test_the_values_give_the_sidecars_defaults_and_comment_every_fleet_setting() -> None:
+    """values.yaml spells the fleet's settings out; they must be the sidecar's own defaults, each one
+    explained in the comment above them."""
+    text = (CHART / "values.yaml").read_text()
+    policy = yaml.safe_load(text)["watchdog"]["config"]["policy"]
+    settings = from_mapping({"policy": {"fleet": policy["fleet"], "restart_budget": policy["restart_budget"]},
+                             "kubernetes": {"pod_name": "p", "namespace": "n"}})
+    assert settings.policy.fleet == FleetSettings()
+    assert settings.policy.restart_budget == RestartBudgetSettings()
+    fleet_comment = comment_above(text, "fleet: {")
+    for f in dataclasses.fields(FleetSettings):
+        assert f.name in fleet_comment, f"values.yaml says nothing of policy.fleet.{f.name}"
+    assert "per_replica" in comment_above(text, "restart_budget: {")
+
+
+def comment_above(text: str, line_start: str) -> str:
+    """The comment lines right above the line that starts (after its indent) with `line_start`."""
+    lines = text.splitlines()
+    at = next(i for i, line in enumerate(lines) if line.strip().startswith(line_start))
+    comment: list[str] = []
+    for line in reversed(lines[:at]):
+        if not line.strip().startswith("#"):
+            break
+        comment.insert(0, line.strip().lstrip("# "))
+    return " ".join(comment)

@@ -1,0 +1,97 @@
+"""The dashboard's queries parse (promtool), and the fleet's panels and alerts ask for series the
+sidecar really exposes, with the labels it puts on them (its own /metrics text, parsed)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import yaml
+from prometheus_client import generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+
+from tests.helpers import ROOT
+from tests.tooling import require
+from watchdog import names
+from watchdog.fleet import Breaker, FleetView
+from watchdog.metrics import Snapshot, WatchdogMetrics
+
+DASH = ROOT / "dashboards"
+# Labels Prometheus adds to every scraped series (the pod's, through the ServiceMonitor).
+TARGET_LABELS = {"namespace", "pod", "job", "instance", "service", "container", "endpoint"}
+
+
+def dashboard() -> dict[str, Any]:
+    data: dict[str, Any] = json.loads((DASH / "gpu-watchdog.json").read_text())
+    return data
+
+
+def panel_queries() -> list[tuple[str, str]]:
+    return [(p["title"], t["expr"]) for p in dashboard()["panels"] if p["type"] != "row" for t in p["targets"]]
+
+
+def concrete(expr: str) -> str:
+    """Grafana's variables as it substitutes them for 'All'."""
+    return re.sub(r"\$(namespace|pod|gpu)\b", ".*", expr.replace("$__rate_interval", "1m"))
+
+
+def test_every_panel_query_parses(tmp_path: Path) -> None:
+    rules = {"groups": [{"name": "panels", "rules": [
+        {"record": f"panel:query_{i}", "expr": concrete(expr)} for i, (_, expr) in enumerate(panel_queries())]}]}
+    path = tmp_path / "panels.yaml"
+    path.write_text(yaml.safe_dump(rules))
+    out = subprocess.run([require("promtool"), "check", "rules", str(path)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0, out.stdout + out.stderr
+
+
+def exposed_fleet_series() -> dict[str, set[str]]:
+    """What a sidecar whose workload's breaker is open and whose restart waits serves on /metrics:
+    each sample's name and its labels."""
+    breaker = Breaker(reason="context_loss", opened_at=1.0, held_at=2.0, replicas=4, restarted=("a", "b", "c"),
+                      opened_by="c")
+    view = FleetView(lease="demo-gpu-watchdog-fleet", replicas=4, max_unavailable=1, restarting=("a",),
+                     breaker=breaker, held=names.FLEET_BREAKER_OPEN)
+    snapshot = Snapshot(fleet=view, workload="demo-gpu-watchdog", states=frozenset({names.FLEET_BREAKER_OPEN}))
+    metrics = WatchdogMetrics(lambda: snapshot)
+    text = generate_latest(metrics.registry).decode()
+    out: dict[str, set[str]] = {}
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            out.setdefault(sample.name, set()).update(sample.labels)
+    return out
+
+
+def fleet_queries() -> list[tuple[str, str]]:
+    rules = yaml.safe_load((DASH / "alerts.yaml").read_text())["groups"][0]["rules"]
+    queries = [(title, expr) for title, expr in panel_queries() if "fleet" in expr]
+    queries += [(r["alert"], r["expr"]) for r in rules if "fleet" in r["expr"]]
+    return queries
+
+
+def test_the_fleet_panels_and_alerts_ask_for_what_the_sidecar_exposes() -> None:
+    exposed = exposed_fleet_series()
+    queries = fleet_queries()
+    assert {"Fleet restart slots in use vs max", "Fleet breaker", "Restarts held by the fleet",
+            "GPUWatchdogFleetBreakerOpen", "GPUWatchdogFleetRestartWaiting",
+            "GPUWatchdogFleetLedgerUnknown"} <= {title for title, _ in queries}
+    for title, expr in queries:
+        used = set(re.findall(r"\b(gpu_watchdog_\w+)", expr))
+        assert used, (title, expr)
+        for name in used:
+            assert name in exposed, f"{title}: {name} is not a series the sidecar exposes"
+        grouped = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
+        own = set.intersection(*(exposed[name] for name in used))
+        assert grouped <= own | TARGET_LABELS, (title, grouped - own - TARGET_LABELS)
+
+
+def test_the_fleet_states_asked_for_are_the_sidecars() -> None:
+    """A state name misspelt in an alert matches nothing, so the alert can never fire."""
+    asked = {state for _, expr in fleet_queries() for state in re.findall(r'state="(fleet_\w+)"', expr)}
+    assert asked == {names.FLEET_UNAVAILABLE_LIMIT, names.FLEET_LEDGER_UNKNOWN}
+    assert asked <= set(names.STATES)
+    [pattern] = {m for _, expr in panel_queries() for m in re.findall(r'state=~"(fleet_[^"]*)"', expr)}
+    assert {s for s in names.STATES if re.fullmatch(pattern, s)} == set(names.FLEET_HOLDS)

@@ -1,0 +1,491 @@
+"""N pods of one Deployment, each a real model server and a real `gpu-watchdog run` sidecar.
+
+    async with Fleet(kmock, tmp_path, replicas=8, sidecar_config={"policy": {"fleet": {...}}}) as fleet:
+        await fleet.hang(fleet.pods()[0])
+        await fleet.wait_until(lambda: fleet.deletions(), 30, "a restart")
+        assert fleet.max_restarting() <= 2
+
+The harness is also the cluster's ReplicaSet controller and kubelet: a pod really deleted or evicted
+(not a dry run) has its two processes stopped with SIGTERM and a replacement pod created at once,
+named as a ReplicaSet names its pods, with its own processes; the kubelet's readiness probe (the
+sidecar's `/readyz`, polled) sets each pod's Ready condition, which the disruption budget counts.
+A timeline records what happened, for assertions on how many replicas were down at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import copy
+import inspect
+import random
+import sys
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+import aiohttp
+import yaml
+
+from tests.fleet import cluster as k8s
+from tests.fleet.cluster import Cluster, PodRemoval, Write
+from tests.helpers import ROOT, Proc, free_port, json_lines, spawn, spawn_python
+
+# The alphabet Kubernetes names generated objects with (k8s.io/apimachinery/pkg/util/rand): no vowels,
+# no look-alike digits.
+NAME_ALPHABET = "bcdfghjklmnpqrstvwxz2456789"
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    """`override` over `base`, dicts merged key by key, anything else replaced."""
+    out = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = deep_merge(out[key], value)
+        else:
+            out[key] = copy.deepcopy(value)
+    return out
+
+
+def base_sidecar_config(model_port: int, sidecar_port: int, kubeconfig: Path) -> dict[str, Any]:
+    return {
+        "target": {"openai_url": f"http://127.0.0.1:{model_port}", "metrics_url": None},
+        "canary": {"interval": "300ms", "timeout": "1s"},
+        "policy": {"hang": {"consecutive_timeouts": 2}},
+        "restart": {"strategy": "delete", "max_attempts": 3, "retry_initial": "100ms"},
+        "kubernetes": {"pod_name": "${POD_NAME}", "namespace": "${POD_NAMESPACE}", "node_name": "${NODE_NAME}",
+                       "kubeconfig": str(kubeconfig)},
+        "server": {"host": "127.0.0.1", "port": sidecar_port},
+    }
+
+
+def write_kubeconfig(path: Path, url: str, namespace: str) -> None:
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "fleet",
+        "clusters": [{"name": "fleet", "cluster": {"server": url}}],
+        "users": [{"name": "fleet", "user": {"token": "not-a-real-token"}}],
+        "contexts": [{"name": "fleet", "context": {"cluster": "fleet", "user": "fleet", "namespace": namespace}}],
+    }))
+
+
+@dataclass(frozen=True)
+class Moment:
+    """One thing that happened. kind: created | ready | unready | deleted | evicted | dry_delete |
+    dry_evict | refused_delete | refused_evict | stopped | exited."""
+
+    at: float
+    kind: str
+    pod: str
+    detail: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class FleetPod:
+    """One pod: its processes, ports and life. `generation` 0 for the Deployment's first pods; a
+    replacement's is one more than the pod it `replaces`."""
+
+    name: str
+    node: str
+    generation: int
+    replaces: str | None
+    model_port: int
+    sidecar_port: int
+    hang_after: int | None
+    config_path: Path
+    created_at: float
+    model: Proc | None = None
+    sidecar: Proc | None = None
+    ready_at: float | None = None  # the first /readyz 200
+    ready: bool = False  # the probe's last answer
+    removed_at: float | None = None
+    removed_how: str | None = None  # delete | evict
+    exited: bool = False  # the sidecar ended by itself while its pod was alive
+
+    @property
+    def alive(self) -> bool:
+        return self.removed_at is None
+
+    @property
+    def sidecar_url(self) -> str:
+        return f"http://127.0.0.1:{self.sidecar_port}"
+
+    @property
+    def model_url(self) -> str:
+        return f"http://127.0.0.1:{self.model_port}"
+
+    def log_text(self) -> str:
+        return self.sidecar.log() if self.sidecar is not None else ""
+
+    def log(self) -> list[dict[str, Any]]:
+        """The sidecar's JSON log lines."""
+        return json_lines(self.log_text())
+
+    def model_log_text(self) -> str:
+        return self.model.log() if self.model is not None else ""
+
+
+PodRef = FleetPod | str
+
+
+class Fleet:
+    """The Deployment `deployment` (spec.replicas = `replicas`) in `namespace`, its ReplicaSet
+    `<deployment>-<10-char hash>` and its pods, each with a model server and a sidecar.
+
+    - `sidecar_config`: deep-merged over the base config (see `base_sidecar_config`).
+    - `hang_after` / `replacement_hang_after`: how the first pods' / the replacements' model servers
+      start (`--hang-after N`; None: healthy). `set_replacement_hang_after` changes the latter mid-test.
+    - `replacement_node`: "fresh" (a node no pod has used yet: node-<N>, node-<N+1>, ...) or "same"
+      (the node of the pod it replaces).
+    - `min_available`: a PodDisruptionBudget over the Deployment's pods (None: none).
+    - `ready_timeout`: how long the first pods' sidecars may take to become ready on entry.
+    """
+
+    def __init__(self, cluster: Any, tmp_path: Path, replicas: int = 8,
+                 sidecar_config: dict[str, Any] | None = None, *, namespace: str = "serving",
+                 deployment: str = "llm", hang_after: int | None = None, replacement_hang_after: int | None = None,
+                 replacement_node: str = "fresh", min_available: int | None = None, ready_timeout: float = 90.0,
+                 probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        if not isinstance(cluster, Cluster):
+            raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
+                            f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
+                            f" selects the class) or @pytest.mark.kmock(cls=Cluster)")
+        if replicas < 1:
+            raise ValueError(f"replicas must be at least 1, not {replicas}")
+        if replacement_node not in ("fresh", "same"):
+            raise ValueError(f"replacement_node: 'fresh' or 'same', not {replacement_node!r}")
+        self.cluster: Cluster = cluster
+        self.dir = tmp_path / "fleet"
+        self.replicas = replicas
+        self.sidecar_config = sidecar_config or {}
+        self.namespace = namespace
+        self.deployment = deployment
+        self.hang_after = hang_after
+        self.replacement_hang_after = replacement_hang_after
+        self.replacement_node = replacement_node
+        self.min_available = min_available
+        self.ready_timeout = ready_timeout
+        self.probe_interval = probe_interval
+        self.stop_timeout = stop_timeout
+        self.env = env or {}
+        self.clock = clock
+        self.random = random.Random(seed)
+        self.template_hash = "".join(self.random.choice(NAME_ALPHABET) for _ in range(10))
+        self.replica_set_name = f"{deployment}-{self.template_hash}"
+        self.labels = {"app": deployment}
+        self.timeline: list[Moment] = []
+        self.all_pods: dict[str, FleetPod] = {}  # every pod ever, in creation order
+        self._restarting: set[str] = set()  # replacements not yet ready, each standing for one restart
+        self._restarting_series: list[tuple[float, int]] = []
+        self._nodes_used = 0
+        self._rs: dict[str, Any] = {}
+        self._tasks: set[asyncio.Task[Any]] = set()
+        self._unhook: list[Callable[[], None]] = []
+        self._probe_task: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+        self._kubeconfig = self.dir / "kubeconfig"
+        self.started_at = clock()
+
+    # --- life -------------------------------------------------------------------------------------------------
+
+    async def __aenter__(self) -> Fleet:
+        self.started_at = self.clock()
+        self.dir.mkdir(parents=True, exist_ok=True)
+        write_kubeconfig(self._kubeconfig, str(self.cluster.url).rstrip("/"), self.namespace)
+        self._http = aiohttp.ClientSession()
+        try:
+            deploy = self.cluster.add(k8s.deployment(self.deployment, self.namespace, self.replicas, self.labels))
+            self._rs = self.cluster.add(k8s.replica_set(deploy, self.template_hash))
+            if self.min_available is not None:
+                self.cluster.set_disruption_budget(self.namespace, self.deployment, self.labels, self.min_available)
+            self._unhook += [self.cluster.on_pod_removed(self._on_removed), self.cluster.on_write(self._on_write)]
+            first = [self._create_pod(replaces=None, ready=True) for _ in range(self.replicas)]
+            await asyncio.gather(*(self._start(pod) for pod in first))
+            self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
+            await self.wait_until(lambda: all(p.ready_at is not None for p in first), self.ready_timeout,
+                                  f"all {self.replicas} sidecars ready")
+        except BaseException:
+            await self._close(failed=True)
+            raise
+        return self
+
+    async def __aexit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                        tb: TracebackType | None) -> None:
+        await self._close(failed=exc is not None)
+
+    async def _close(self, failed: bool) -> None:
+        for unhook in self._unhook:
+            unhook()
+        self._unhook.clear()
+        if self._probe_task is not None:
+            self._probe_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._probe_task
+        # Starts and stops in flight finish first, so that no process is left behind.
+        while self._tasks:
+            await asyncio.gather(*list(self._tasks), return_exceptions=True)
+        await asyncio.gather(*(self._stop_procs(p) for p in self.all_pods.values()), return_exceptions=True)
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if failed:
+            self.print_logs()
+
+    def print_logs(self, lines: int = 30) -> None:
+        """The tail of every sidecar's log and the timeline, for a failed test's report."""
+        out = [f"--- fleet timeline ({len(self.timeline)} moments) ---"]
+        out += [f"{m.at - self.started_at:8.3f}s {m.kind:<14} {m.pod} {m.detail or ''}" for m in self.timeline]
+        for pod in self.all_pods.values():
+            tail = pod.log_text().splitlines()[-lines:]
+            out.append(f"--- sidecar {pod.name} (node {pod.node}, generation {pod.generation},"
+                       f" {'alive' if pod.alive else 'gone'}) last {len(tail)} lines ---")
+            out += tail
+        print("\n".join(out), file=sys.stdout, flush=True)
+
+    # --- the ReplicaSet controller and the kubelet ---------------------------------------------------------
+
+    def _next_node(self) -> str:
+        node = f"node-{self._nodes_used}"
+        self._nodes_used += 1
+        return node
+
+    def _new_name(self) -> str:
+        while True:
+            name = f"{self.replica_set_name}-{''.join(self.random.choice(NAME_ALPHABET) for _ in range(5))}"
+            if name not in self.all_pods:
+                return name
+
+    def _create_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
+        name = self._new_name()
+        node = replaces.node if replaces is not None and self.replacement_node == "same" else self._next_node()
+        pod = FleetPod(name=name, node=node, generation=0 if replaces is None else replaces.generation + 1,
+                       replaces=None if replaces is None else replaces.name, model_port=free_port(),
+                       sidecar_port=free_port(),
+                       hang_after=self.hang_after if replaces is None else self.replacement_hang_after,
+                       config_path=self.dir / f"{name}.yaml", created_at=self.clock())
+        self.all_pods[name] = pod
+        self.cluster.add(k8s.pod_of(self._rs, name, node, ready=ready, wall=self.cluster.wall))
+        self._moment("created", name, node=node, replaces=pod.replaces, hang_after=pod.hang_after)
+        return pod
+
+    def _config(self, pod: FleetPod) -> dict[str, Any]:
+        return deep_merge(base_sidecar_config(pod.model_port, pod.sidecar_port, self._kubeconfig), self.sidecar_config)
+
+    async def _start(self, pod: FleetPod) -> None:
+        pod.config_path.write_text(yaml.safe_dump(self._config(pod)))
+        model_argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
+        if pod.hang_after is not None:
+            model_argv += ["--hang-after", str(pod.hang_after)]
+        env = {"POD_NAME": pod.name, "POD_NAMESPACE": self.namespace, "NODE_NAME": pod.node,
+               # Not the runner's: the sidecar learns its workload from its pod, as in the cluster.
+               "GPU_WATCHDOG_TOKEN": "", "GPU_WATCHDOG_WORKLOAD": "", **self.env}
+        # Popen of a Python costs milliseconds each: off the loop that also serves the API.
+        pod.model, pod.sidecar = await asyncio.gather(
+            asyncio.to_thread(spawn_python, model_argv, self.dir / f"{pod.name}.model.log", None, ROOT),
+            asyncio.to_thread(spawn, ["run", "--config", str(pod.config_path)], self.dir / f"{pod.name}.sidecar.log",
+                              env))
+        if not pod.alive:  # removed while starting: the kubelet stops what it just started
+            await self._stop_procs(pod)
+
+    async def _stop_procs(self, pod: FleetPod) -> None:
+        """SIGTERM to both at once, as the kubelet stops a pod's containers; SIGKILL after `stop_timeout`.
+        Waited for on the loop: a thread each would queue behind the few the default pool has."""
+        procs = [p.proc for p in (pod.sidecar, pod.model) if p is not None and p.proc.poll() is None]
+        if not procs:
+            return
+        for proc in procs:
+            proc.terminate()
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.stop_timeout
+        while any(proc.poll() is None for proc in procs) and loop.time() < deadline:
+            await asyncio.sleep(0.05)
+        killed = [proc for proc in procs if proc.poll() is None]
+        for proc in killed:
+            proc.kill()
+            await asyncio.to_thread(proc.wait)
+        self._moment("stopped", pod.name, exit_codes=[proc.returncode for proc in procs], killed=len(killed))
+
+    def _spawn_task(self, coro: Awaitable[Any]) -> None:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    def _on_write(self, write: Write) -> None:
+        if write.resource != "pods" or write.verb not in ("delete", "evict") or write.name not in self.all_pods:
+            return
+        noun = "deleted" if write.verb == "delete" else "evicted"
+        if not write.ok:
+            kind = f"refused_{write.verb}"
+        elif write.dry_run:
+            kind = f"dry_{write.verb}"
+        else:
+            kind = noun
+        self._moment(kind, write.name, code=write.code, dry_run=write.dry_run, reason=write.reason)
+
+    def _on_removed(self, removal: PodRemoval) -> None:
+        # Called inside the API request that removed the pod: the controller's reaction is immediate.
+        if removal.namespace != self.namespace or removal.name not in self.all_pods:
+            return
+        gone = self.all_pods[removal.name]
+        gone.removed_at, gone.removed_how, gone.ready = removal.at, removal.how, False
+        self._spawn_task(self._stop_procs(gone))
+        # A replacement of a pod that never became ready continues the same restart, not a new one.
+        self._restarting.discard(gone.name)
+        if len(self.pods()) < self._desired():
+            replacement = self._create_pod(replaces=gone, ready=False)
+            self._restarting.add(replacement.name)
+            self._spawn_task(self._start(replacement))
+        self._restarting_series.append((self.clock(), len(self._restarting)))
+
+    def _desired(self) -> int:
+        found = self.cluster.read("deployments", self.namespace, self.deployment)
+        return int(found["spec"]["replicas"]) if found is not None else self.replicas
+
+    async def _probe_loop(self) -> None:
+        while True:
+            live = [p for p in self.all_pods.values() if p.alive and p.sidecar is not None]
+            await asyncio.gather(*(self._probe(p) for p in live))
+            await asyncio.sleep(self.probe_interval)
+
+    async def _probe(self, pod: FleetPod) -> None:
+        assert self._http is not None and pod.sidecar is not None
+        if pod.sidecar.proc.poll() is not None:
+            if not pod.exited:  # on its own: the kubelet here does not restart containers
+                pod.exited = True
+                self._moment("exited", pod.name, code=pod.sidecar.proc.returncode)
+            ok = False
+        else:
+            ok = await self._get_status(pod.sidecar_url + "/readyz") == 200
+        if not pod.alive:
+            return  # removed while the probe was out
+        if ok and pod.ready_at is None:
+            pod.ready_at = self.clock()
+            if pod.name in self._restarting:
+                self._restarting.discard(pod.name)
+                self._restarting_series.append((pod.ready_at, len(self._restarting)))
+        if ok != pod.ready:
+            pod.ready = ok
+            self.cluster.set_pod_ready(self.namespace, pod.name, ok)
+            self._moment("ready" if ok else "unready", pod.name)
+
+    async def _get_status(self, url: str) -> int:
+        assert self._http is not None
+        try:
+            async with self._http.get(url, timeout=aiohttp.ClientTimeout(total=1.0)) as r:
+                await r.read()
+                return r.status
+        except (aiohttp.ClientError, TimeoutError):
+            return 0
+
+    def _moment(self, kind: str, pod: str, **detail: Any) -> None:
+        self.timeline.append(Moment(self.clock(), kind, pod, detail))
+
+    # --- what tests use ------------------------------------------------------------------------------------------
+
+    def _pod(self, pod: PodRef) -> FleetPod:
+        if isinstance(pod, FleetPod):
+            return pod
+        if pod not in self.all_pods:
+            raise KeyError(f"no pod {pod!r} in the fleet (pods: {', '.join(self.all_pods)})")
+        return self.all_pods[pod]
+
+    def pods(self) -> list[FleetPod]:
+        """The pods alive now (not deleted), oldest first."""
+        return [p for p in self.all_pods.values() if p.alive]
+
+    def pod(self, name: str) -> FleetPod:
+        return self._pod(name)
+
+    def replacements(self) -> list[FleetPod]:
+        """Every pod created to replace another, in order."""
+        return [p for p in self.all_pods.values() if p.replaces is not None]
+
+    def deletions(self, dry_run: bool = False) -> list[Moment]:
+        """The pods deleted or evicted (`dry_run`: those only asked about), in order."""
+        kinds = ("dry_delete", "dry_evict") if dry_run else ("deleted", "evicted")
+        return [m for m in self.timeline if m.kind in kinds]
+
+    def restarting(self) -> int:
+        """Replicas restarting now: removed, and their replacement's sidecar not yet ready."""
+        return len(self._restarting)
+
+    def max_restarting(self) -> int:
+        """The most replicas restarting at once over the run so far."""
+        return max((n for _, n in self._restarting_series), default=0)
+
+    def restarting_series(self) -> list[tuple[float, int]]:
+        """(time, replicas restarting) at every change."""
+        return list(self._restarting_series)
+
+    def set_replacement_hang_after(self, n: int | None) -> None:
+        """How the model servers of replacements created from now on start (None: healthy)."""
+        self.replacement_hang_after = n
+
+    def logs(self, pod: PodRef) -> list[dict[str, Any]]:
+        """The JSON lines of a pod's sidecar log (gone pods too)."""
+        return self._pod(pod).log()
+
+    def events_of(self, pod: PodRef, event: str) -> list[dict[str, Any]]:
+        """A sidecar's log lines whose `event` is `event`."""
+        return [line for line in self.logs(pod) if line.get("event") == event]
+
+    async def status(self, pod: PodRef) -> dict[str, Any]:
+        """The sidecar's /status JSON."""
+        assert self._http is not None
+        p = self._pod(pod)
+        async with self._http.get(p.sidecar_url + "/status", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise AssertionError(f"{p.name}: /status answered {r.status}: {(await r.text())[:300]}")
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def fault(self, pod: PodRef, kind: str) -> dict[str, Any]:
+        """Inject a fault into a pod's model server: hang | error | clear."""
+        assert self._http is not None
+        p = self._pod(pod)
+        async with self._http.post(p.model_url + "/fault", json={"kind": kind},
+                                   timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise AssertionError(f"{p.name}: fault {kind!r} answered {r.status}: {(await r.text())[:300]}")
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def hang(self, pod: PodRef) -> None:
+        await self.fault(pod, "hang")
+
+    async def hang_all(self) -> None:
+        await asyncio.gather(*(self.hang(p) for p in self.pods()))
+
+    async def clear(self, pod: PodRef) -> None:
+        await self.fault(pod, "clear")
+
+    async def model_stats(self, pod: PodRef) -> dict[str, Any]:
+        assert self._http is not None
+        async with self._http.get(self._pod(pod).model_url + "/stats", timeout=aiohttp.ClientTimeout(total=5)) as r:
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def wait_until(self, predicate: Callable[[], Any], timeout: float, what: str,
+                         interval: float = 0.1) -> Any:
+        """Poll `predicate` (sync or async) until it is truthy; its value. On timeout an AssertionError
+        naming `what` and the fleet's state."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            value = predicate()
+            if inspect.isawaitable(value):
+                value = await value
+            if value:
+                return value
+            if loop.time() >= deadline:
+                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}; {self.describe()}")
+            await asyncio.sleep(interval)  # yields to the emulator, which serves from this loop
+
+    def describe(self) -> str:
+        alive = ", ".join(f"{p.name}@{p.node}{'' if p.ready else ' (unready)'}" for p in self.pods())
+        recent = "; ".join(f"{m.kind} {m.pod}" for m in self.timeline[-8:])
+        return (f"{len(self.pods())} pods alive [{alive}], {self.restarting()} restarting,"
+                f" {len(self.deletions())} removed; recent: {recent}")

@@ -1,0 +1,283 @@
+"""The driver's word first: NVIDIA's Xid catalog, NVML's recovery action and the pod's device health,
+on traces (samples in, decisions out), and which decisions the Node hears of at once."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from watchdog import policy, xid_catalog
+from watchdog.config import PolicySettings, Settings
+from watchdog.escalation import driver_says
+from watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD
+from watchdog.policy import Decision, decide
+from watchdog.samplers.device_health import device_health
+from watchdog.samples import (
+    CanarySample,
+    DeviceHealth,
+    DeviceHealthSample,
+    GpuSample,
+    History,
+    TorchSample,
+    XidEvent,
+)
+from watchdog.state import RestartEnded, reduce
+
+UUID, OTHER = "GPU-aaaa", "GPU-bbbb"
+
+
+def settings() -> PolicySettings:
+    return Settings().policy
+
+
+def history(**kw: Any) -> History:
+    """A target that has served, on our one GPU (the inference process names it)."""
+    h = History(started_at=0.0, epoch=0.0, served_at=0.0, **kw)
+    h.torch.append(TorchSample(at=1, reachable=True, device="cuda", uuid=UUID, instance_id="i1"))
+    h.canaries.append(CanarySample(at=1, ok=True, latency_s=0.05, error_class=None, instance_id="i1"))
+    return h
+
+
+def gpu(at: float, recovery: int | None, uuid: str = UUID, lost: bool = False) -> GpuSample:
+    return GpuSample(at=at, available=True, uuid=uuid, index=0, recovery_action=recovery, lost=lost)
+
+
+def restart(ds: list[Decision]) -> Decision | None:
+    restarts = [d for d in ds if d.action == "restart"]
+    assert len(restarts) <= 1
+    return restarts[0] if restarts else None
+
+
+# -- the catalog -----------------------------------------------------------------------------------
+
+
+def test_the_catalog_names_its_source_and_keeps_every_xid_we_knew() -> None:
+    assert "NVIDIA Xid catalog, docs.nvidia.com/deploy/xid-errors" in " ".join((xid_catalog.__doc__ or "").split())
+    before = {13, 31, 43, 45, 68, 48, 94, 46, 62, 64, 74, 79, 95, 109, 119, 120, 63, 92}
+    common = {8, 13, 31, 43, 45, 48, 61, 62, 63, 64, 68, 69, 74, 79, 92, 94, 95, 109, 119, 120, 121, 140, 143, 154}
+    assert before | common <= set(xid_catalog.CATALOG)
+    assert all(x.bucket in xid_catalog.REMEDY for x in xid_catalog.CATALOG.values())
+
+
+def test_the_catalogs_own_buckets_for_the_common_xids() -> None:
+    """Spot checks against the catalog itself (not derived from the table under test)."""
+    bucket = {code: x.bucket for code, x in xid_catalog.CATALOG.items()}
+    assert [bucket[x] for x in (8, 13, 31, 68, 69, 94)] == ["RESTART_APP"] * 6
+    assert [bucket[x] for x in (46, 62, 64, 95, 109, 119, 120, 140, 143)] == ["RESET_GPU"] * 9
+    assert [bucket[x] for x in (43, 63, 92, 121)] == ["IGNORE"] * 4
+    assert (bucket[79], bucket[48], bucket[45], bucket[74], bucket[61], bucket[154]) == (
+        "RESTART_BM", "WORKFLOW_XID_48", "WORKFLOW_XID_45", "WORKFLOW_NVLINK_ERR", "CONTACT_SUPPORT", "XID_154")
+
+
+def test_the_policys_sets_come_from_the_catalog() -> None:
+    assert policy.XID_CRITICAL == policy.XID_APP_FAULT | policy.XID_ECC | policy.XID_HARDWARE
+    assert not policy.XID_CRITICAL & policy.XID_WARN_ONLY
+    assert policy.XID_CRITICAL | policy.XID_WARN_ONLY == set(xid_catalog.CATALOG)
+    # The catalog says otherwise than the sets did: 43 is IGNORE, 45 follows another Xid.
+    assert {43, 45, 63, 92} <= policy.XID_WARN_ONLY
+    assert {13, 31, 68} <= policy.XID_APP_FAULT and {48, 94} <= policy.XID_ECC
+    assert {46, 62, 64, 74, 79, 95, 109, 119, 120} <= policy.XID_HARDWARE
+
+
+# What each bucket must do for us, written out here rather than read from the table under test:
+# (restarts, rung, node_action).
+EXPECTED = {
+    "RESTART_APP": (True, RUNG_CONTAINER, None),
+    "RESET_GPU": (True, RUNG_POD, "reset_gpu"),
+    "WORKFLOW_XID_48": (True, RUNG_POD, "reset_gpu"),
+    "WORKFLOW_NVLINK_ERR": (True, RUNG_POD, "reset_gpu"),
+    "RESTART_BM": (True, RUNG_POD, "reboot"),
+    "RESTART_VM": (True, RUNG_POD, "reboot"),
+    "IGNORE": (False, None, None),
+    "CONTACT_SUPPORT": (False, None, None),
+    "CHECK_MECHANICALS": (False, None, None),
+    "WORKFLOW_XID_45": (False, None, None),
+    "WORKFLOW_NVLINK5_ERR": (False, None, None),
+    "XID_154": (False, None, None),
+}
+
+
+@pytest.mark.parametrize("code", sorted(xid_catalog.CATALOG))
+def test_every_xid_of_the_catalog_on_our_gpu(code: int) -> None:
+    row = xid_catalog.CATALOG[code]
+    restarts, rung, node_action = EXPECTED[row.bucket]
+    h = history()
+    h.xids.append(XidEvent(at=2, xid=code, uuid=UUID))
+    d = restart(decide(settings(), h, 2.5))
+    if not restarts:
+        assert d is None, f"Xid {code} ({row.bucket}) must never restart"
+        return
+    assert d is not None and (d.reason, d.rung, d.drain) == (CONTEXT_LOSS, rung, False)
+    assert d.detail["xid"] == code and d.detail["bucket"] == row.bucket and d.detail.get("node_action") == node_action
+    assert d.detail["class"] == ("ecc" if code in (48, 94, 140) else "hardware" if node_action else "app_fault")
+
+
+def test_an_xid_the_catalog_does_not_name_never_restarts() -> None:
+    h = history()
+    h.xids.append(XidEvent(at=2, xid=999, uuid=UUID))
+    assert xid_catalog.remedy(999) is None and restart(decide(settings(), h, 2.5)) is None
+
+
+def test_an_xid_that_needs_the_node_wins_over_an_earlier_one_a_new_process_cures() -> None:
+    h = history()
+    h.xids.extend([XidEvent(at=2, xid=13, uuid=UUID), XidEvent(at=3, xid=79, uuid=UUID)])
+    d = restart(decide(settings(), h, 3.5))
+    assert d is not None and (d.detail["xid"], d.detail["node_action"], d.rung) == (79, "reboot", RUNG_POD)
+
+
+def test_another_pods_gpu_never_restarts_whatever_the_catalog_says() -> None:
+    h = history(gpus_visible=8, pod_gpus=(UUID,))
+    h.xids.append(XidEvent(at=2, xid=79, uuid=OTHER))
+    assert restart(decide(settings(), h, 2.5)) is None
+
+
+# -- NVML's recovery action ---------------------------------------------------------------------------
+
+NAMES = {1: ("GPU_RESET", "reset_gpu"), 2: ("NODE_REBOOT", "reboot"), 3: ("DRAIN_P2P", "drain_p2p"),
+         4: ("DRAIN_AND_RESET", "reset_gpu"), 5: ("RECOVER_IMEX_DOMAIN", "recover_imex_domain"),
+         6: ("BUS_RESET", "reset_gpu"), 7: ("SYSTEM_REBOOT", "reboot"),
+         9: ("UNKNOWN_9", "recovery_action_9")}  # a value newer than the table
+
+
+@pytest.mark.parametrize("value", sorted(NAMES))
+def test_every_recovery_action_but_none_restarts_the_pod_and_names_what_the_node_needs(value: int) -> None:
+    h = history(gpus=(gpu(2, value),), gpus_visible=1)
+    d = restart(decide(settings(), h, 2.5))
+    name, node_action = NAMES[value]
+    assert d is not None and (d.reason, d.rung, d.drain) == (CONTEXT_LOSS, RUNG_POD, False)
+    assert {k: d.detail[k] for k in ("evidence", "recovery_action", "node_action", "uuid")} == {
+        "evidence": "recovery_action", "recovery_action": name, "node_action": node_action, "uuid": UUID}
+
+
+@pytest.mark.parametrize("value", [0, None])
+def test_no_action_or_no_field_is_nothing(value: int | None) -> None:
+    h = history(gpus=(gpu(2, value),), gpus_visible=1)
+    assert decide(settings(), h, 2.5) == []
+
+
+def test_the_recovery_action_is_weighed_before_the_canary() -> None:
+    h = history(gpus=(gpu(2, 1),), gpus_visible=1)
+    h.canaries.append(CanarySample(at=2, ok=False, latency_s=0.1, error_class="fatal_cuda", error="illegal address",
+                                   instance_id="i1"))
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None and (d.detail["evidence"], d.rung) == ("recovery_action", RUNG_POD)
+
+
+def test_a_lost_gpu_that_says_what_it_needs_is_reported_as_that() -> None:
+    h = history(gpus=(gpu(2, 2, lost=True),), gpus_visible=1)
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None and (d.detail["evidence"], d.detail["node_action"]) == ("recovery_action", "reboot")
+
+
+def test_a_reading_from_before_the_last_restart_says_nothing_of_the_new_process() -> None:
+    h = history(gpus=(gpu(2, 1),), gpus_visible=1)
+    reduce(h, RestartEnded(at=3, reason=CONTEXT_LOSS, done=True, keep_unready=False))
+    assert restart(decide(settings(), h, 3.5)) is None
+    h.gpus = (gpu(4, 1),)  # the card still needs its reset: the next reading says so again
+    assert restart(decide(settings(), h, 4.5)) is not None
+
+
+# -- device health in the pod's status --------------------------------------------------------------
+
+
+def health(at: float, *states: str) -> DeviceHealthSample:
+    return DeviceHealthSample(at=at, read=True, devices=tuple(
+        DeviceHealth("inference", "nvidia.com/gpu", f"GPU-{i}", s) for i, s in enumerate(states)))
+
+
+def test_an_unhealthy_gpu_in_the_pods_status_restarts_the_pod() -> None:
+    h = history()
+    reduce(h, health(2, "Healthy", "Unhealthy"))
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None and (d.reason, d.rung) == (CONTEXT_LOSS, RUNG_POD)
+    assert {k: d.detail[k] for k in ("evidence", "resource_id", "container", "uuid")} == {
+        "evidence": "device_health", "resource_id": "GPU-1", "container": "inference", "uuid": "GPU-1"}
+    assert "node_action" not in d.detail  # the device plugin is the node's own: it knows already
+
+
+@pytest.mark.parametrize("states", [(), ("Healthy",), ("Unknown",)])
+def test_healthy_unknown_or_absent_device_health_is_nothing(states: tuple[str, ...]) -> None:
+    h = history()
+    reduce(h, health(2, *states))
+    assert decide(settings(), h, 2.5) == []
+
+
+def test_an_unreadable_status_keeps_the_last_reading_and_an_old_one_is_ignored() -> None:
+    h = history()
+    reduce(h, health(2, "Healthy"))
+    reduce(h, DeviceHealthSample(at=3, read=False, error="403: forbidden"))
+    assert h.device_health is not None and h.device_health.at == 2
+    reduce(h, health(4, "Unhealthy"))
+    reduce(h, RestartEnded(at=5, reason=CONTEXT_LOSS, done=True, keep_unready=False))
+    assert decide(settings(), h, 5.5) == []
+
+
+def test_the_pods_status_is_read_with_the_real_client_models() -> None:
+    def status(name: str, resources: list[dict[str, Any]] | None) -> dict[str, Any]:
+        out: dict[str, Any] = {"name": name, "image": "img", "imageID": "sha", "ready": True, "restartCount": 0}
+        if resources is not None:
+            out["allocatedResourcesStatus"] = resources
+        return out
+
+    pod = client.V1Pod.from_dict({
+        "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "model-0"},
+        "spec": {"containers": [{"name": "inference", "image": "img"}, {"name": "watchdog", "image": "img"}]},
+        "status": {"containerStatuses": [
+            status("inference", [
+                {"name": "nvidia.com/gpu", "resources": [{"resourceID": "GPU-1111::2", "health": "Unhealthy",
+                                                          "message": "Xid 79"}]},
+                {"name": "example.com/nic", "resources": [{"resourceID": "nic0", "health": "Unhealthy"}]}]),
+            status("watchdog", None)]}})
+    sample = device_health(pod, at=7.0)
+    assert sample.read and sample.at == 7.0
+    assert [(d.container, d.resource, d.resource_id, d.health, d.message, d.uuid) for d in sample.devices] == [
+        ("inference", "nvidia.com/gpu", "GPU-1111::2", "Unhealthy", "Xid 79", "GPU-1111")]
+    bare = client.V1Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "model-0"},
+                                   "spec": {"containers": [{"name": "inference", "image": "img"}]}})
+    assert device_health(bare, at=1.0).devices == ()
+
+
+# -- which decisions the Node hears of at once --------------------------------------------------------
+
+
+def test_the_driver_saying_reset_or_reboot_is_a_suspect_at_once() -> None:
+    h = history(gpus=(gpu(2, 1),), gpus_visible=1)
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None
+    s = driver_says(d.reason, d.detail)
+    assert s is not None and (s.uuid, s.driver_says, s.node_action, s.restarts) == (UUID, "GPU_RESET", "reset_gpu", ())
+    h = history()
+    h.xids.append(XidEvent(at=2, xid=79, uuid=None))  # an event that names no GPU: the pod's only one
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None
+    s = driver_says(d.reason, d.detail)
+    assert s is not None and (s.uuid, s.driver_says, s.node_action, s.xids) == (UUID, "RESTART_BM", "reboot", [79])
+
+
+def test_what_a_new_process_cures_waits_for_restarts_that_do_not() -> None:
+    h = history()
+    h.xids.append(XidEvent(at=2, xid=13, uuid=UUID))
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None and driver_says(d.reason, d.detail) is None
+    h = history()
+    reduce(h, health(2, "Unhealthy"))
+    d = restart(decide(settings(), h, 2.5))
+    assert d is not None and driver_says(d.reason, d.detail) is None
+    assert driver_says(HANG, {"node_action": "reset_gpu"}) is None  # only context loss carries the driver's word
+
+
+def test_with_no_gpu_named_the_node_still_hears_of_it() -> None:
+    s = driver_says(CONTEXT_LOSS, {"evidence": "xid", "xid": 79, "bucket": "RESTART_BM", "node_action": "reboot",
+                                   "uuid": None, "gpus": ["GPU-1", "GPU-2"]})
+    assert s is not None and s.uuid == "unknown" and s.driver_says == "RESTART_BM"
+
+
+def test_settings_other_than_the_defaults_change_nothing_of_the_rung() -> None:
+    """The driver's word sends the pod at once, whatever the in-place ladder allows."""
+    s = replace(settings(), in_place=replace(settings().in_place, max_restarts=10))
+    h = history(gpus=(gpu(2, 4),), gpus_visible=1)
+    d = restart(decide(s, h, 2.5))
+    assert d is not None and d.rung == RUNG_POD

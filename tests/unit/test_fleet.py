@@ -1,0 +1,347 @@
+"""The fleet's rules on traces: slots, the breaker, the ledger as stored, and the budget that grows
+with the replicas while one lineage's restart loop stays bounded."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from watchdog import fleet
+from watchdog.config import FleetSettings, PolicySettings, RestartBudgetSettings
+from watchdog.fleet import BREAKER_OPEN, GRANTED, UNAVAILABLE_LIMIT, Ledger, LedgerError
+from watchdog.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
+from watchdog.policy import budget_blocker, budget_remaining, workload_allowance
+from watchdog.samples import ActionRecord, History, PastRestart
+
+S = FleetSettings()
+
+
+def take(ledger: Ledger, pod: str, now: float, replicas: int = 8, reason: str = HANG,
+         rung: str = RUNG_POD, settings: FleetSettings = S) -> tuple[Ledger, fleet.Verdict]:
+    return fleet.take(settings, ledger, replicas, pod, reason, rung, now)
+
+
+@pytest.mark.parametrize(("value", "replicas", "slots"), [
+    ("25%", 8, 2), ("25%", 40, 10), ("25%", 2, 1), ("25%", 1, 1), ("25%", None, 1), ("25%", 7, 1),
+    ("50%", 3, 1), ("100%", 5, 5), ("3", 2, 3), ("1", 40, 1)])
+def test_max_unavailable_is_a_count_or_a_share_rounded_down_and_at_least_one(
+        value: str, replicas: int | None, slots: int) -> None:
+    assert fleet.unavailable_slots(FleetSettings(max_unavailable=value), replicas) == slots
+
+
+def test_no_more_than_max_unavailable_restart_at_once_and_a_freed_slot_is_taken() -> None:
+    ledger = Ledger()
+    granted = []
+    for i in range(8):  # every replica asks at once
+        ledger, verdict = take(ledger, f"p{i}", 100.0 + i * 0.01)
+        granted.append(verdict.outcome)
+    assert granted == [GRANTED, GRANTED] + [UNAVAILABLE_LIMIT] * 6
+    _, held = take(ledger, "p5", 101.0)
+    assert held.detail["restarting"] == ["p0", "p1"] and held.detail["max_unavailable"] == 2
+    # A replacement serves: that replica is back and the next one may go.
+    ledger, slot = fleet.replaced(ledger, "p1-new", started_at=105.0)
+    assert slot is not None and slot.pod == "p1"
+    ledger, verdict = take(ledger, "p5", 110.0)
+    assert verdict.granted and sorted(s.pod for s in ledger.slots) == ["p0", "p5"]
+
+
+def test_each_replacement_gives_back_the_slot_taken_just_before_it_was_created() -> None:
+    ledger, _ = take(Ledger(), "a", 0.0)
+    ledger, _ = take(ledger, "b", 100.0)
+    ledger, slot = fleet.replaced(ledger, "b2", started_at=105.0)  # b's replacement serves first
+    assert slot is not None and slot.pod == "b"
+    ledger, slot = fleet.replaced(ledger, "a2", started_at=5.0)
+    assert slot is not None and slot.pod == "a" and ledger.slots == ()
+    assert [(r.pod, r.returned_as) for r in ledger.restarts] == [("a", "a2"), ("b", "b2")]
+
+
+def test_a_statefulset_replacement_of_the_same_name_gives_back_its_predecessors_slot() -> None:
+    ledger, _ = take(Ledger(), "llm-0", 100.0)
+    mine, slot = fleet.replaced(ledger, "llm-0", started_at=104.0)  # the new llm-0, created after
+    assert slot is not None and slot.pod == "llm-0" and mine.slots == ()
+    assert fleet.replaced(ledger, "llm-0", started_at=90.0)[1] is None  # the old llm-0 itself
+
+
+def test_asking_again_with_a_slot_is_granted_without_a_second_slot() -> None:
+    ledger, _ = take(Ledger(), "p0", 100.0)
+    again, verdict = take(ledger, "p0", 101.0)
+    assert verdict.granted and len(again.slots) == 1 and len(again.restarts) == 1
+
+
+def test_a_slot_lapses_after_its_bound_and_a_restart_that_did_not_happen_is_not_the_fleets() -> None:
+    ledger, _ = take(Ledger(), "p0", 100.0)
+    ledger, _ = take(ledger, "p1", 100.0)
+    assert not take(ledger, "p2", 100.0 + S.slot_timeout - 1)[1].granted
+    assert take(ledger, "p2", 100.0 + S.slot_timeout)[1].granted  # both lapsed
+    back = fleet.give_back(ledger, "p1", restarted=False)
+    assert [s.pod for s in back.slots] == ["p0"] and [r.pod for r in back.restarts] == ["p0"]
+    kept = fleet.give_back(ledger, "p1", restarted=True)  # an in-place restart whose target serves again
+    assert [s.pod for s in kept.slots] == ["p0"] and [r.pod for r in kept.restarts] == ["p0", "p1"]
+
+
+def test_a_replacement_gives_back_only_a_pod_slot_taken_before_it_started() -> None:
+    ledger, _ = take(Ledger(), "p0", 100.0, rung=RUNG_CONTAINER)  # in place: p0 gives it back itself
+    ledger, _ = take(ledger, "p1", 500.0)
+    assert fleet.replaced(ledger, "old", started_at=50.0)[1] is None  # a pod older than any slot
+    same, slot = fleet.replaced(ledger, "p1", started_at=400.0)  # a pod never replaces itself
+    assert slot is None and same == ledger
+    ledger, slot = fleet.replaced(ledger, "p1-new", started_at=510.0)
+    assert slot is not None and slot.pod == "p1"
+    assert [r.returned_as for r in ledger.restarts] == [None, "p1-new"]
+
+
+def every_replica_fails(replicas: int, settings: FleetSettings = S, serves_after: float = 3.0,
+                        fails_after: float = 3.0) -> tuple[Ledger, list[tuple[float, str, str]], int, int]:
+    """A fault on every replica at once; each replacement serves `serves_after` seconds after its
+    restart was granted (giving the slot back) and fails the same way `fails_after` later. Every failing
+    replica asks each second. Returns the ledger, every (time, pod, outcome), the restarts carried out
+    and the most slots in use at once."""
+    ledger, log, done, most = Ledger(), [], 0, 0
+    failing = {f"p{i}": 0.0 for i in range(replicas)}  # pod -> failing since
+    coming: list[tuple[float, float, str]] = []  # (serves at, fails at, replacement)
+    served: set[str] = set()
+    now = 1000.0
+    while fleet.breaker_open(ledger) is None and now < 1600:
+        for serves_at, fails_at, new in list(coming):
+            if serves_at <= now and new not in served:
+                served.add(new)
+                ledger, _ = fleet.replaced(ledger, new, started_at=serves_at - 1)
+            if fails_at <= now:
+                failing[new] = fails_at
+                coming.remove((serves_at, fails_at, new))
+        for pod in sorted(failing):
+            ledger, verdict = take(ledger, pod, now, replicas=replicas, settings=settings)
+            log.append((now, pod, verdict.outcome))
+            most = max(most, len(ledger.slots))
+            if verdict.granted:
+                done += 1
+                del failing[pod]
+                new = f"{pod.split('-')[0]}-g{done}"
+                coming.append((now + serves_after, now + serves_after + fails_after, new))
+        now += 1.0
+    return ledger, log, done, most
+
+
+def test_every_replica_failing_opens_the_breaker_when_restarted_ones_come_back_failing() -> None:
+    ledger, log, done, most = every_replica_fails(8)
+    breaker = fleet.breaker_open(ledger)
+    assert breaker is not None and breaker.reason == HANG
+    assert most <= 2  # never more than max_unavailable (25 % of 8) restarting at once
+    # Every replica failed (four restarted, four waiting for a slot) and two lineages that were
+    # restarted came back failing the same way: the restart does not cure.
+    assert breaker.restarted == tuple(f"p{i}" for i in range(8)) and breaker.opened_by == "p1-g2"
+    assert done == 5  # the first comeback is given one more try; the second tells
+    assert log[-1][2] == BREAKER_OPEN
+    # Now every replica is held, whatever it asks for.
+    for pod in ("p6", "p7"):
+        assert take(ledger, pod, log[-1][0] + 1, reason=MAX_AGE)[1].outcome == BREAKER_OPEN
+
+
+def test_a_fault_a_restart_cures_restarts_every_replica_two_at_a_time() -> None:
+    ledger, log, done, most = every_replica_fails(8, fails_after=10_000.0)
+    assert fleet.breaker_open(ledger) is None and done == 8 and most == 2
+    held = [pod for _, pod, outcome in log if outcome == UNAVAILABLE_LIMIT]
+    assert held and set(held) <= {f"p{i}" for i in range(8)}
+
+
+def test_independent_faults_on_many_replicas_never_open_the_breaker() -> None:
+    ledger = Ledger()
+    for i in range(8):  # eight replicas fail one after another, each replacement serves and stays well
+        ledger, verdict = take(ledger, f"p{i}", 100.0 + 60 * i)
+        assert verdict.granted
+        ledger, _ = fleet.replaced(ledger, f"p{i}-new", started_at=101.0 + 60 * i)
+    assert fleet.breaker_open(ledger) is None
+
+
+def test_a_single_replica_that_keeps_failing_is_never_the_fleets_fault() -> None:
+    ledger = Ledger()
+    pod = "only"
+    for i in range(4):
+        ledger, verdict = take(ledger, pod, 100.0 + 60 * i, replicas=1)
+        assert verdict.granted, i
+        new = f"only-{i}"
+        ledger, _ = fleet.replaced(ledger, new, started_at=101.0 + 60 * i)
+        pod = new
+    assert fleet.breaker_open(ledger) is None  # the lineage's loop bound (the budget) stops it instead
+
+
+def test_the_breaker_closes_on_a_reset_or_a_quiet_window_and_opens_again_if_the_fault_stays() -> None:
+    ledger, _, _, _ = every_replica_fails(8)
+    b = fleet.breaker_open(ledger)
+    assert b is not None
+    reset = fleet.reset_breaker(ledger, b.opened_at + 10)
+    assert fleet.breaker_open(reset) is None
+    assert take(reset, "p7", b.opened_at + 11)[1].outcome in (GRANTED, UNAVAILABLE_LIMIT)
+    # Held restarts keep it open (the fault is still there); a whole window without one closes it.
+    held, _ = take(ledger, "p7", b.opened_at + 1000)
+    assert fleet.breaker_open(fleet.prune(S, held, b.opened_at + S.window + 10)) is not None
+    quiet = fleet.prune(S, held, b.opened_at + 1000 + S.window)
+    assert fleet.breaker_open(quiet) is None
+
+
+def test_the_ledger_round_trips_and_anything_else_is_refused() -> None:
+    ledger, _, _, _ = every_replica_fails(8)
+    assert fleet.parse(fleet.dump(ledger)) == ledger
+    assert fleet.parse(None) == Ledger() and fleet.parse("") == Ledger()
+    for garbage in ("{", "[]", json.dumps({"v": 2}), json.dumps({"v": 1, "slots": [{"pod": 1}]}),
+                    json.dumps({"v": 1, "slots": "x"}), json.dumps({"v": 1, "breaker": {"restarted": "x"}}),
+                    json.dumps({"v": 1, "restarts": [{"pod": "a", "reason": "hang", "at": "nan"}]})):
+        with pytest.raises(LedgerError):
+            fleet.parse(garbage)
+
+
+def test_the_ledger_stays_bounded() -> None:
+    ledger = Ledger()
+    for i in range(fleet.MAX_RESTARTS_KEPT + 50):
+        ledger, _ = take(ledger, f"p{i}", 100.0 + i, replicas=1000, settings=FleetSettings(max_unavailable="100%"))
+    assert len(ledger.restarts) == fleet.MAX_RESTARTS_KEPT
+    assert len(fleet.dump(ledger)) < 64 * 1024
+
+
+# -- the budget: the workload's allowance grows with its replicas, a lineage's loop stays bounded ----
+
+
+def policy(max_restarts: int = 3, per_replica: float = 1.0) -> PolicySettings:
+    return PolicySettings(restart_budget=RestartBudgetSettings(max_restarts=max_restarts, per_replica=per_replica))
+
+
+def fleet_history(replicas: int | None, restarts: list[PastRestart], pod: str = "me", node: str = "node-me",
+                  gpus: tuple[str, ...] | None = None) -> History:
+    h = History(started_at=0.0, pod=pod, node=node, replicas=replicas, pod_gpus=gpus)
+    h.workload_restarts, h.workload_read_at = tuple(restarts), 100.0
+    return h
+
+
+@pytest.mark.parametrize(("replicas", "allowance"), [(None, 3), (1, 3), (2, 3), (8, 8), (40, 40)])
+def test_the_workload_allowance_grows_with_its_replicas(replicas: int | None, allowance: int) -> None:
+    assert workload_allowance(policy(), replicas) == allowance
+    assert workload_allowance(policy(per_replica=0.5), 40) == 20
+
+
+def test_four_independent_faults_in_eight_replicas_are_all_restarted() -> None:
+    """Today's measurement: the fourth restart was blocked in a fleet of seven healthy replicas."""
+    past = [PastRestart(10.0 + i, f"p{i}", f"node-{i}") for i in range(3)]
+    h = fleet_history(8, past)
+    assert budget_remaining(policy(), h, 100.0, from_events=True) == 3  # lineage bound; 5 left for the fleet
+
+
+def test_forty_replicas_get_forty_restarts_an_hour_two_replicas_three() -> None:
+    past = [PastRestart(float(i), f"p{i}", f"node-{i}") for i in range(39)]
+    assert budget_remaining(policy(), fleet_history(40, past), 100.0, from_events=True) == 1
+    assert budget_remaining(policy(), fleet_history(40, [*past, PastRestart(50.0, "x", "n")]), 100.0, True) == 0
+    two = [PastRestart(1.0, "a", "node-a"), PastRestart(2.0, "b", "node-b")]
+    assert budget_remaining(policy(), fleet_history(2, two), 100.0, from_events=True) == 1
+
+
+def test_one_lineage_restarting_in_a_loop_is_stopped_while_the_fleet_has_room() -> None:
+    # Three restarts on our node (each a new pod of the Deployment) in the window: a loop.
+    past = [PastRestart(10.0 * i, f"gen{i}", "node-me") for i in range(3)]
+    h = fleet_history(8, past)
+    assert budget_remaining(policy(), h, 100.0, from_events=True) == 0
+    assert budget_blocker(policy(), h, 100.0, from_events=True) == "restart_loop"
+    # The same count spread over other nodes is no loop of ours.
+    elsewhere = fleet_history(8, [PastRestart(10.0 * i, f"gen{i}", f"node-{i}") for i in range(3)])
+    assert budget_remaining(policy(), elsewhere, 100.0, from_events=True) == 3
+
+
+def test_a_lineage_is_the_gpu_where_both_name_theirs() -> None:
+    ours = ("GPU-a",)
+    past = [PastRestart(float(i), f"gen{i}", "node-me", ("GPU-b",)) for i in range(3)]
+    h = fleet_history(8, past, gpus=ours)  # same node, another GPU: another lineage
+    assert budget_remaining(policy(), h, 100.0, from_events=True) == 3
+    same_gpu = fleet_history(8, [PastRestart(float(i), f"gen{i}", "node-x", ours) for i in range(3)], gpus=ours)
+    assert budget_remaining(policy(), same_gpu, 100.0, from_events=True) == 0
+
+
+def test_our_own_restarts_count_for_our_lineage_even_where_the_events_lost_them() -> None:
+    h = fleet_history(40, [])
+    for at in (101.0, 102.0, 103.0):
+        h.actions.append(ActionRecord(at, "restart", HANG, RUNG_CONTAINER))
+    assert budget_remaining(policy(), h, 110.0, from_events=True) == 0
+    assert budget_blocker(policy(), h, 110.0, from_events=True) == "restart_loop"
+
+
+def test_unreadable_events_still_spend_the_budget() -> None:
+    h = fleet_history(40, [])
+    h.workload_restarts = None
+    assert budget_remaining(policy(), h, 100.0, from_events=True) == 0
+    assert budget_blocker(policy(), h, 100.0, from_events=True) == "restart_budget_unknown"
+
+
+def test_two_bad_replicas_looping_in_a_healthy_fleet_never_open_the_breaker() -> None:
+    ledger, pods, now = Ledger(), {"p0": "p0", "p1": "p1"}, 100.0
+    for round_ in range(6):  # each comes back failing, again and again (bad cards): the loop bound's job
+        for key, pod in list(pods.items()):
+            ledger, verdict = take(ledger, pod, now)
+            assert verdict.granted, (round_, pod)
+            new = f"{key}-{round_}"
+            ledger, _ = fleet.replaced(ledger, new, started_at=now + 1)
+            pods[key] = new
+            now += 5
+    assert fleet.breaker_open(ledger) is None
+
+
+def test_replicas_waiting_for_a_slot_count_as_failing_and_leave_when_they_serve() -> None:
+    ledger, _ = take(Ledger(), "p0", 100.0, settings=FleetSettings(max_unavailable="1"))
+    ledger, verdict = take(ledger, "p1", 100.5, settings=FleetSettings(max_unavailable="1"))
+    assert verdict.outcome == UNAVAILABLE_LIMIT and [w.pod for w in ledger.waiting] == ["p1"]
+    again, _ = take(ledger, "p1", 102.0, settings=FleetSettings(max_unavailable="1"))
+    assert again == ledger  # asking again writes nothing
+    assert fleet.failed_for(S, ledger, HANG, 103.0) == ["p0", "p1"]
+    recovered = fleet.give_back(ledger, "p1", restarted=False)  # p1's target serves again on its own
+    assert recovered.waiting == () and fleet.failed_for(S, recovered, HANG, 103.0) == ["p0"]
+    assert fleet.failed_for(S, ledger, MAX_AGE, 103.0) == []  # another reason is another fault
+
+
+def test_after_a_reset_only_new_failures_count_and_one_comeback_does_not_reopen_it() -> None:
+    ledger, log, _, _ = every_replica_fails(8)
+    b = fleet.breaker_open(ledger)
+    assert b is not None
+    at = log[-1][0] + 1
+    reset = fleet.reset_breaker(ledger, at)
+    assert fleet.breaker_open(reset) is None and reset.breaker is None
+    # A pod that had come back failing asks again: it is a comeback, but what came before the reset
+    # is no evidence, so it gets its restart instead of reopening the breaker at once.
+    again, verdict = take(reset, b.opened_by, at + 1)
+    assert verdict.granted and fleet.breaker_open(again) is None
+
+
+def test_an_open_breaker_holds_its_own_reason_and_planned_restarts_only() -> None:
+    ledger, log, _, _ = every_replica_fails(8)
+    b = fleet.breaker_open(ledger)
+    assert b is not None and b.reason == HANG
+    at = log[-1][0] + 120
+    assert take(ledger, "px", at, reason=MAX_AGE)[1].outcome == BREAKER_OPEN
+    other, verdict = take(ledger, "px", at, reason="context_loss")
+    assert verdict.outcome in (GRANTED, UNAVAILABLE_LIMIT)
+    assert other.breaker == ledger.breaker  # another fault does not keep this one open
+    held, _ = take(ledger, "py", at, reason=HANG)
+    assert held.breaker is not None and held.breaker.held_at == at
+
+
+def test_one_bad_card_and_one_transient_fault_in_two_replicas_do_not_open_the_breaker() -> None:
+    ledger, _ = take(Ledger(), "a", 100.0, replicas=2)  # a transient fault, cured
+    ledger, _ = fleet.replaced(ledger, "a2", started_at=101.0)
+    ledger, _ = take(ledger, "b", 200.0, replicas=2)  # a bad card: it comes back failing, again and again
+    ledger, _ = fleet.replaced(ledger, "b2", started_at=201.0)
+    ledger, verdict = take(ledger, "b2", 300.0, replicas=2)
+    assert verdict.granted and fleet.breaker_open(ledger) is None
+    ledger, _ = fleet.replaced(ledger, "b3", started_at=301.0)
+    ledger, verdict = take(ledger, "b3", 400.0, replicas=2)
+    assert verdict.granted and fleet.breaker_open(ledger) is None  # one lineage only: the loop bound's job
+
+
+def test_entries_dated_in_the_future_are_not_believed() -> None:
+    now = 1000.0
+    forged = Ledger(slots=(fleet.Slot("x", HANG, RUNG_POD, now + 1e9), fleet.Slot("y", HANG, RUNG_POD, now + 1e9)),
+                    breaker=fleet.Breaker(HANG, now + 1e9, now + 1e9, 8, ("a", "b"), "a"))
+    ledger, verdict = take(forged, "p0", now)
+    assert verdict.granted and [s.pod for s in ledger.slots] == ["p0"] and ledger.breaker is None
+    near = Ledger(slots=(fleet.Slot("x", HANG, RUNG_POD, now + 30),))  # within the clock skew: believed
+    assert [s.pod for s in fleet.prune(S, near, now).slots] == ["x"]
+
+
+def test_percentages_are_rounded_as_written() -> None:
+    assert fleet.unavailable_slots(FleetSettings(max_unavailable="29%"), 100) == 29
+    assert workload_allowance(policy(per_replica=0.07), 100) == 7

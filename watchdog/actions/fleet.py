@@ -1,0 +1,164 @@
+"""The workload's shared ledger in a `coordination.k8s.io/v1` Lease, and its replica count.
+
+Blocking (callers run it through `asyncio.to_thread`). Every change is read, decided by a pure rule
+(`watchdog.fleet`) and written back with the `resourceVersion` that was read: a write that lost a race
+gets 409 and is decided again on what the winner wrote, so a slot is taken once.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import random
+import re
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+from kubernetes import client
+
+from watchdog import fleet, logs
+from watchdog.actions.kube import CONTROLLER, event_name
+from watchdog.fleet import LEDGER_ANNOTATION, Ledger
+
+log = logs.get("watchdog.fleet")
+
+T = TypeVar("T")
+CONFLICT_TRIES = 8  # writers that lost a race; more than this many in a row is an API to report
+
+
+class LedgerUnavailable(RuntimeError):
+    """The ledger could not be read or written: no slot can be known, so none is taken."""
+
+
+def lease_name(workload: str, configured: str = "") -> str:
+    """The Lease's name: configured (the chart's), else gpu-watchdog-<workload> as a DNS name."""
+    if configured:
+        return configured
+    name = re.sub(r"[^a-z0-9.-]+", "-", f"gpu-watchdog-{workload}".lower()).strip("-.")
+    return name[:253].rstrip("-.")
+
+
+def _describe(exc: BaseException) -> str:
+    status = getattr(exc, "status", None)
+    if status is not None:
+        return f"HTTP {status} {getattr(exc, 'reason', '') or ''}".strip()
+    return f"{type(exc).__name__}: {str(exc)[:200]}"
+
+
+class LeaseLedger:
+    def __init__(self, api_client: client.ApiClient, namespace: str, name: str, workload: str, pod_name: str,
+                 request_timeout: float, wall_clock: Callable[[], float] = time.time) -> None:
+        self.namespace = namespace
+        self.name = name
+        self.workload = workload
+        self.pod_name = pod_name
+        self.timeout = request_timeout
+        self.wall_clock = wall_clock
+        self.coordination = client.CoordinationV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.core = client.CoreV1Api(api_client)
+        self.events = client.EventsV1Api(api_client)
+
+    # -- the ledger --------------------------------------------------------------------------------
+
+    def _get(self) -> Any | None:
+        try:
+            return self.coordination.read_namespaced_lease(self.name, self.namespace, _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None
+            raise
+
+    def read(self) -> Ledger:
+        try:
+            lease = self._get()
+        except Exception as exc:
+            raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+        return self._ledger(lease)
+
+    def _ledger(self, lease: Any | None) -> Ledger:
+        annotations = (lease.metadata.annotations if lease is not None and lease.metadata is not None else None) or {}
+        try:
+            return fleet.parse(annotations.get(LEDGER_ANNOTATION))
+        except fleet.LedgerError as exc:
+            raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: its ledger is not ours ({exc})") from None
+
+    def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T:
+        """Read, decide (`decide(ledger, wall_now)`), write back if it changed; again on a conflict."""
+        for attempt in range(CONFLICT_TRIES):
+            if attempt:
+                # Writers that lost a race to the same version would collide again in step.
+                time.sleep(random.uniform(0.0, 0.05 * 2**min(attempt, 4)))
+            try:
+                lease = self._get()
+            except Exception as exc:
+                raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+            ledger = self._ledger(lease)
+            new, result = decide(ledger, self.wall_clock())
+            if new == ledger:
+                return result
+            try:
+                self._write(lease, new)
+            except client.ApiException as exc:
+                if exc.status == 409:
+                    continue  # another replica wrote first: decide again on what it wrote
+                raise LedgerUnavailable(f"cannot write Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+            except Exception as exc:
+                raise LedgerUnavailable(f"cannot write Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+            return result
+        raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: {CONFLICT_TRIES} conflicting writes in a row")
+
+    def _write(self, lease: Any | None, ledger: Ledger) -> None:
+        now = dt.datetime.now(dt.UTC)
+        text = fleet.dump(ledger)
+        if lease is None:
+            body = client.V1Lease(
+                metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace,
+                                             annotations={LEDGER_ANNOTATION: text},
+                                             labels={"app.kubernetes.io/managed-by": "gpu-watchdog"}),
+                spec=client.V1LeaseSpec(holder_identity=self.pod_name, renew_time=now))
+            self.coordination.create_namespaced_lease(self.namespace, body, _request_timeout=self.timeout)
+            return
+        meta = lease.metadata
+        meta.annotations = {**(meta.annotations or {}), LEDGER_ANNOTATION: text}
+        spec = lease.spec or client.V1LeaseSpec()
+        spec.holder_identity, spec.renew_time = self.pod_name, now
+        body = client.V1Lease(metadata=meta, spec=spec)  # carries the resourceVersion that was read
+        self.coordination.replace_namespaced_lease(self.name, self.namespace, body, _request_timeout=self.timeout)
+
+    # -- what the cluster says of the workload -------------------------------------------------------
+
+    def replicas(self) -> int | None:
+        """The workload's desired replicas: its Deployment's (else StatefulSet's) `spec.replicas`."""
+        for read in (self.apps.read_namespaced_deployment, self.apps.read_namespaced_stateful_set):
+            try:
+                found = read(self.workload, self.namespace, _request_timeout=self.timeout)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            spec = found.spec
+            replicas = spec.replicas if spec is not None else None
+            return replicas if isinstance(replicas, int) and replicas >= 0 else None
+        return None
+
+    def pod_created_at(self) -> float | None:
+        """When our pod was created (wall clock): a replacement is a pod created after a slot was taken."""
+        found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
+        created = found.metadata.creation_timestamp if found.metadata is not None else None
+        return created.timestamp() if created is not None else None
+
+    def report_breaker(self, breaker: fleet.Breaker) -> None:
+        """A Warning Event on the workload (its Deployment): the breaker opened."""
+        note = (f"gpu-watchdog stopped restarts of {self.workload} fleet-wide: {len(breaker.restarted)} of"
+                f" {breaker.replicas} replicas were restarted for {breaker.reason} and one came back failing the same"
+                f" way (pods {', '.join(breaker.restarted)}). A restart does not cure this fault; reset with"
+                " `gpu-watchdog fleet reset-breaker` once it is fixed.")
+        body = client.EventsV1Event(
+            metadata=client.V1ObjectMeta(name=event_name(self.workload), namespace=self.namespace,
+                                         annotations={"gpu-watchdog.io/reason": breaker.reason}),
+            event_time=dt.datetime.now(dt.UTC), reporting_controller=CONTROLLER, reporting_instance=self.pod_name,
+            action="StopRestarts", reason="FleetBreakerOpen", note=note[:1024], type="Warning",
+            regarding=client.V1ObjectReference(kind="Deployment", api_version="apps/v1", name=self.workload,
+                                               namespace=self.namespace))
+        self.events.create_namespaced_event(self.namespace, body, _request_timeout=self.timeout)

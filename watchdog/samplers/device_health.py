@@ -1,0 +1,81 @@
+"""Our pod's GPUs' health as the kubelet reports it in the pod's own status (KEP-4680).
+
+`status.containerStatuses[].allocatedResourcesStatus`: `[{name: "nvidia.com/gpu", resources: [{resourceID,
+health: Healthy | Unhealthy | Unknown}]}]`, filled by the kubelet from the device plugin's health (feature
+gate `ResourceHealthStatus`: alpha in Kubernetes 1.31, beta in 1.36). The python client (37.x) models it
+as `V1ContainerStatus.allocated_resources_status` -> `V1ResourceStatus(name, resources)` ->
+`V1ResourceHealth(resource_id, health, message)`. Read with the `get` on our own pod the sidecar has
+already; where the field is absent nothing is known, which is never a restart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import functools
+import os
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+
+from watchdog import logs
+from watchdog.actions.kube import load_api_client
+from watchdog.config import Settings
+from watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
+from watchdog.samples import DeviceHealth, DeviceHealthSample
+
+log = logs.get("watchdog.device_health")
+
+INTERVAL_S = 30.0  # the kubelet updates the status when the plugin's health changes; a read costs one GET
+
+
+def device_health(pod: Any, at: float) -> DeviceHealthSample:
+    """The GPU devices of every container of `pod` (a `V1Pod`) with their health, as read at `at`."""
+    statuses = (pod.status.container_statuses if pod.status is not None else None) or []
+    devices = [
+        DeviceHealth(container=c.name, resource=r.name, resource_id=d.resource_id, health=d.health or "Unknown",
+                     message=d.message)
+        for c in statuses for r in (c.allocated_resources_status or []) if r.name.startswith(GPU_RESOURCE_PREFIX)
+        for d in (r.resources or [])
+    ]
+    return DeviceHealthSample(at=at, read=True, devices=tuple(devices))
+
+
+class DeviceHealthSampler:
+    """Reads our pod through the API (blocking, in a thread); says once what changed."""
+
+    interval = INTERVAL_S
+
+    def __init__(self, read_pod: Callable[[], Any], clock: Callable[[], float]) -> None:
+        self.read_pod = read_pod
+        self.clock = clock
+        self._error: str | None = None
+        self._health: dict[str, str] = {}
+
+    async def sample(self) -> DeviceHealthSample:
+        try:
+            pod = await asyncio.to_thread(self.read_pod)
+        except Exception as exc:  # 403, timeouts, garbage: nothing learnt this time
+            error = f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}"
+            if error != self._error:
+                log.warning("device_health_unreadable", error=error, retry_in_s=INTERVAL_S)
+            self._error = error
+            return DeviceHealthSample(at=self.clock(), read=False, error=error)
+        self._error = None
+        sample = device_health(pod, self.clock())
+        health = {d.resource_id: d.health for d in sample.devices}
+        if health != self._health:
+            log.info("device_health", devices=[{"container": d.container, "resource_id": d.resource_id,
+                                                "health": d.health, "message": d.message} for d in sample.devices])
+        self._health = health
+        return sample
+
+
+def pod_reader(settings: Settings) -> Callable[[], Any] | None:
+    """A blocking read of our own pod where the Kubernetes API is configured (in a cluster, or a kubeconfig
+    named in the settings) and our pod is named; None elsewhere (`gpu-watchdog up`, a laptop)."""
+    k = settings.kubernetes
+    if not (k.pod_name and k.namespace) or (k.kubeconfig is None and not os.environ.get("KUBERNETES_SERVICE_HOST")):
+        return None
+    core = client.CoreV1Api(load_api_client(k.kubeconfig, k.request_timeout))
+    return functools.partial(core.read_namespaced_pod, k.pod_name, k.namespace, _request_timeout=k.request_timeout)
