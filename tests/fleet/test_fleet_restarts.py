@@ -75,10 +75,13 @@ async def test_every_replica_failing_at_once_restarts_at_most_max_unavailable_th
         await f.wait_until(lambda: all(any(line.get("event") in (FLEET_BREAKER_OPEN, "fleet_breaker_opened")
                                            for line in p.log()) for p in f.pods()), 60,
                            "every sidecar to see the breaker")
-        await asyncio.sleep(3.0)  # would anything restart now?
-        assert len(f.deletions()) == restarts_at_open
+        # A restart whose slot was granted before the breaker opened may still be carried out (at most
+        # one per slot); after that, nothing restarts any more.
+        settled = len(f.deletions())
+        await asyncio.sleep(4.0)
+        assert len(f.deletions()) == settled <= restarts_at_open + 2
         assert f.max_restarting() <= 2, f.restarting_series()
-        assert restarts_at_open <= REPLICAS
+        assert settled <= REPLICAS
         statuses = [await f.status(p) for p in f.pods()]
         assert all(FLEET_BREAKER_OPEN in s["states"] for s in statuses)
         breaker = statuses[0]["fleet"]["breaker"]
@@ -88,7 +91,8 @@ async def test_every_replica_failing_at_once_restarts_at_most_max_unavailable_th
         assert len(events) == 1 and events[0]["regarding"]["kind"] == "Deployment"
         assert events[0]["regarding"]["name"] == "llm"
         held = held_lines(f, FLEET_UNAVAILABLE_LIMIT)
-        figures("all_at_once", restarts=restarts_at_open, max_restarting_at_once=f.max_restarting(),
+        figures("all_at_once", restarts=settled, restarts_when_it_opened=restarts_at_open,
+                max_restarting_at_once=f.max_restarting(),
                 held_for_a_slot=len(held), breaker_open_after_s=round(opened_s, 1),
                 held_by_breaker=sum(1 for s in statuses if s["fleet"]["held"] == FLEET_BREAKER_OPEN))
 
