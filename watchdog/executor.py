@@ -315,14 +315,14 @@ class Executor:
             self.fleet = fleet_view(self.fleet, self.settings, replicas, None, error=str(exc))
             self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)})
             return FLEET_LEDGER_UNKNOWN
-        self.fleet = fleet_view(self.fleet, self.settings, replicas, ledger, slot_held=verdict.granted)
+        self.fleet = fleet_view(self.fleet, self.settings, replicas, ledger)
         if verdict.granted:
             if self.fleet.held is not None:
                 log.info("fleet_slot_taken", reason=decision.reason,
                          waited_s=round(self.clock() - self._fleet_held_since, 3), **verdict.detail)
             self._fleet_held_since = 0.0
             self._in_place_pending = False
-            self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={})
+            self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={}, slot_held=True)
             return None
         if verdict.opened and ledger.breaker is not None:
             self._breaker_seen(ledger.breaker, opened_here=True)
@@ -538,13 +538,11 @@ def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, r
 
 
 def fleet_view(view: FleetView, settings: Settings, replicas: int | None, ledger: Ledger | None,
-               error: str | None = None, slot_held: bool | None = None) -> FleetView:
+               error: str | None = None) -> FleetView:
     """The view after a read or write of the ledger (None: not read; the last figures stand)."""
     out = dataclasses.replace(view, replicas=replicas,
                               max_unavailable=fleet.unavailable_slots(settings.policy.fleet, replicas), error=error)
     if ledger is not None:
         out = dataclasses.replace(out, restarting=tuple(sorted(sl.pod for sl in ledger.slots)),
                                   breaker=fleet.breaker_open(ledger))
-    if slot_held is not None:
-        out = dataclasses.replace(out, slot_held=slot_held or view.slot_held)
     return out

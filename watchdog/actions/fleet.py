@@ -62,19 +62,16 @@ class LeaseLedger:
     # -- the ledger --------------------------------------------------------------------------------
 
     def _get(self) -> Any | None:
+        """The Lease (None: there is none yet); LedgerUnavailable when it cannot be read."""
         try:
             return self.coordination.read_namespaced_lease(self.name, self.namespace, _request_timeout=self.timeout)
-        except client.ApiException as exc:
-            if exc.status == 404:
+        except Exception as exc:
+            if getattr(exc, "status", None) == 404:
                 return None
-            raise
+            raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
 
     def read(self) -> Ledger:
-        try:
-            lease = self._get()
-        except Exception as exc:
-            raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
-        return self._ledger(lease)
+        return self._ledger(self._get())
 
     def _ledger(self, lease: Any | None) -> Ledger:
         annotations = (lease.metadata.annotations if lease is not None and lease.metadata is not None else None) or {}
@@ -89,21 +86,16 @@ class LeaseLedger:
             if attempt:
                 # Writers that lost a race to the same version would collide again in step.
                 time.sleep(random.uniform(0.0, 0.05 * 2**min(attempt, 4)))
-            try:
-                lease = self._get()
-            except Exception as exc:
-                raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+            lease = self._get()
             ledger = self._ledger(lease)
             new, result = decide(ledger, self.wall_clock())
             if new == ledger:
                 return result
             try:
                 self._write(lease, new)
-            except client.ApiException as exc:
-                if exc.status == 409:
-                    continue  # another replica wrote first: decide again on what it wrote
-                raise LedgerUnavailable(f"cannot write Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
             except Exception as exc:
+                if getattr(exc, "status", None) == 409:
+                    continue  # another replica wrote first: decide again on what it wrote
                 raise LedgerUnavailable(f"cannot write Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
             return result
         raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: {CONFLICT_TRIES} conflicting writes in a row")
