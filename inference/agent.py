@@ -43,6 +43,7 @@ from inference.drain import Drain
 from inference.engine import CanaryResult
 from inference.errors import (
     AdmissionTimeout,
+    ContextLost,
     Draining,
     FatalCudaError,
     InferenceOOM,
@@ -55,6 +56,7 @@ from inference.faults import FaultInjector
 from inference.http_control import ControlAPI
 from inference.metrics import InferenceMetrics
 from inference.poison import EXIT_POISONED, write_termination_log
+from inference.screen import FAILURE_READ_WAIT_S, MARKED, Screen
 from watchdog.contract import ensure_token
 
 log = structlog.get_logger(__name__)
@@ -109,7 +111,7 @@ class Admitted:
             raise AdmissionTimeout("no admission slot within the queue timeout")
         self._grant = grant
         if a.faults is not None:
-            self._guarded(a.faults.before_forward, a.gate.stats().holders)
+            self._guarded(a.faults.before_forward, a.gate.stats().holders, MARKED.get())
 
     async def __aenter__(self) -> None:
         a = self._agent
@@ -121,11 +123,11 @@ class Admitted:
         self._grant = grant
         if a.faults is not None:
             # An injected hang or delay blocks a thread, never the app's event loop.
-            await asyncio.to_thread(self._guarded, a.faults.before_forward, a.gate.stats().holders)
+            await asyncio.to_thread(self._guarded, a.faults.before_forward, a.gate.stats().holders, MARKED.get())
 
-    def _guarded(self, fn: Callable[[int], None], arg: int) -> None:
+    def _guarded(self, fn: Callable[[int, frozenset[str]], None], arg: int, marks: frozenset[str]) -> None:
         try:
-            fn(arg)
+            fn(arg, marks)
         except BaseException as exc:
             self._release()
             replacement = self._agent._recorded(exc)
@@ -152,7 +154,11 @@ class Admitted:
 
 
 class Agent:
-    def __init__(self, settings: AgentSettings | None = None, canary: Callable[[], object] | None = None) -> None:
+    def __init__(self, settings: AgentSettings | None = None, canary: Callable[[], object] | None = None,
+                 fingerprint: Callable[[bytes], object] | None = None) -> None:
+        """`fingerprint`: what determines a request's work, from its body (anything JSON can write;
+        None: not fingerprinted); the agent hashes it with the workload's key. Default: the body's
+        computation fields where it is JSON (`inference.fingerprint.WORK_FIELDS`), else its bytes."""
         self.settings = s = settings or AgentSettings()
         self.gate = AdmissionGate(float(s.limit))
         self.limit = s.limit
@@ -168,6 +174,9 @@ class Agent:
         self.faults = FaultInjector() if s.fault_injection else None
         self.device = torch.device(s.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.instance_id = os.environ.get("GPU_WATCHDOG_INSTANCE_ID") or uuid.uuid4().hex[:12]
+        self.screen = Screen(self.instance_id, s.model, self.faults)
+        self.screen.on_refused = self.metrics.quarantined.inc
+        self._describe_work = fingerprint
         self.drain = Drain()
         self.oom_count = 0
         self.empty_cache_count = 0
@@ -208,6 +217,14 @@ class Agent:
     def metrics_page(self) -> bytes:
         return generate_latest(self.metrics.registry)
 
+    def screen_body(self, scope: dict[str, Any], raw: bytes) -> None:
+        """One request's body, for the framework glue: fingerprinted, refused (`Quarantined`, 422)
+        if quarantined, else booked in flight until `request_done`."""
+        self.screen.screened(scope, self.screen.of_raw(raw, self._describe_work))
+
+    def request_done(self, scope: dict[str, Any], code: int) -> None:
+        self.screen.done(scope.get("ticket"), ok=code < 400)
+
     def observe(self, route: str, code: int, seconds: float) -> None:
         """One answered request, for the framework glue."""
         self.metrics.requests.labels(route=route, code=str(code)).inc()
@@ -217,7 +234,7 @@ class Agent:
 
     def _check_admitting(self) -> None:
         if self.poison_reason is not None:
-            raise FatalCudaError(self.poison_reason)
+            raise ContextLost(f"the GPU context was lost ({self.poison_reason[:120]}); the process is restarting")
         if self.draining:
             raise Draining("the server is draining")
 
@@ -249,8 +266,10 @@ class Agent:
                 return
             self.poison_reason = reason
         self.metrics.fatal.inc()
-        log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id)
-        write_termination_log(reason)
+        at_failure = self.screen.book.failed()
+        log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id,
+                  inflight=at_failure["inflight"])
+        write_termination_log(reason, at_failure["inflight"])
         if self._loop is not None:
             asyncio.run_coroutine_threadsafe(self._exit_when_reported(), self._loop)
         else:
@@ -262,6 +281,8 @@ class Agent:
             await asyncio.wait_for(self.poison_reported.wait(), self.settings.poison_linger_s)
         if not self.poison_reported.is_set():
             log.warning("poison_not_reported", linger_s=self.settings.poison_linger_s)
+        elif not await asyncio.to_thread(self.screen.book.wait_read):
+            log.warning("inflight_not_read", wait_s=FAILURE_READ_WAIT_S)
         await asyncio.sleep(0.3)  # the control answer that reported it goes out first
         self._exit()
 

@@ -7,6 +7,7 @@ admission, OOM and poison errors, and starts and stops the agent with the app.
 from __future__ import annotations
 
 import time
+from typing import Any
 
 from aiohttp import web
 
@@ -14,8 +15,10 @@ from inference.agent import METRICS_CONTENT_TYPE, Agent
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.http_control import Handler
 from inference.http_public import error_response
+from inference.screen import MARKED, Quarantined
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
 
 
 def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") -> None:
@@ -28,10 +31,19 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
             return await handler(request)
         start = time.perf_counter()
         status = 500
+        screen: dict[str, Any] = {}
+        # One connection's requests run in one task: no request's fault marks carry over to the next.
+        marked = MARKED.set(frozenset())
         try:
+            if request.method in BODY_METHODS and request.can_read_body:
+                # Read once here; aiohttp keeps it for the handler's own read.
+                agent.screen_body(screen, await request.read())
             response = await handler(request)
             status = response.status
             return response
+        except Quarantined as exc:
+            status = exc.status
+            return web.json_response(exc.body(), status=status)
         except ANSWERED as exc:
             answer = error_response(exc, retry_after)
             status = answer.status
@@ -40,6 +52,8 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
             status = exc.status
             raise
         finally:
+            MARKED.reset(marked)
+            agent.request_done(screen, status)
             resource = request.match_info.route.resource
             # The template, not the path: a scan of random paths must not grow the label set.
             route = resource.canonical if resource is not None else "other"

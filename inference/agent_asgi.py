@@ -7,7 +7,9 @@ the cache flush did not cure; 500 for a poisoned context.
 
 from __future__ import annotations
 
+import json
 import time
+from typing import Any
 
 from starlette.applications import Starlette
 from starlette.requests import Request
@@ -17,8 +19,17 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inference.agent import METRICS_CONTENT_TYPE, Agent
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.http_public import error_response
+from inference.screen import MARKED, Quarantined
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
+BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
+
+
+async def _send_json(send: Send, status: int, body: dict[str, Any]) -> None:
+    data = json.dumps(body).encode()
+    await send({"type": "http.response.start", "status": status,
+                "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(data)).encode())]})
+    await send({"type": "http.response.body", "body": data})
 
 
 class _Observe:
@@ -36,6 +47,7 @@ class _Observe:
             return
         start = time.perf_counter()
         status = 500
+        screen: dict[str, Any] = {}
 
         async def sending(message: Message) -> None:
             nonlocal status
@@ -43,13 +55,44 @@ class _Observe:
                 status = message["status"]
             await send(message)
 
+        # One connection's requests may share a context: no request's fault marks carry over.
+        marked = MARKED.set(frozenset())
         try:
+            if scope["method"] in BODY_METHODS:
+                receive = await self._screened(receive, screen)
             await self.app(scope, receive, sending)
+        except Quarantined as exc:
+            status = exc.status
+            await _send_json(send, status, exc.body())
         finally:
+            MARKED.reset(marked)
+            self.agent.request_done(screen, status)
             route = scope.get("route")
             # The template, not the path: a scan of random paths must not grow the label set.
             name = getattr(route, "path", None) or "other"
             self.agent.observe(name, status, time.perf_counter() - start)
+
+    async def _screened(self, receive: Receive, screen: dict[str, Any]) -> Receive:
+        """The body read whole (the app reads it again from the returned `receive`), fingerprinted,
+        refused if quarantined (`Quarantined`), else booked in flight."""
+        chunks: list[bytes] = []
+        first: list[Message] = []
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                first.append(message)  # the client left: the app hears it as it would have
+                break
+            chunks.append(message.get("body", b""))
+            if not message.get("more_body", False):
+                break
+        raw = b"".join(chunks)
+        self.agent.screen_body(screen, raw)
+        pending: list[Message] = [{"type": "http.request", "body": raw, "more_body": False}, *first]
+
+        async def replay() -> Message:
+            return pending.pop(0) if pending else await receive()
+
+        return replay
 
 
 def install(app: Starlette, agent: Agent, metrics_path: str = "/metrics") -> None:

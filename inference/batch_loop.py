@@ -26,6 +26,7 @@ from inference.decode import EngineProbe
 from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from inference.handler import RequestHandler
 from inference.loop_thread import LoopHooks, LoopThread
+from inference.screen import MARKED
 
 _order = itertools.count()
 
@@ -42,6 +43,7 @@ class Job:
         self.order = next(_order)
         self.future: Future[Any] = Future()
         self.grant: Grant | None = None
+        self.marks = MARKED.get()  # the per-request faults its request triggers (fault injection)
 
 
 class BatchLoop(LoopThread):
@@ -178,7 +180,7 @@ class BatchLoop(LoopThread):
             return
         try:
             if self.faults is not None:
-                self.faults.before_forward(len(live))
+                self.faults.before_forward(len(live), frozenset().union(*(j.marks for j in live)))
             self._forwards += 1
             self._largest = max(self._largest, len(live))
             self._threads.add(threading.get_ident())

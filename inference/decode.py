@@ -48,6 +48,7 @@ from inference.sampling import (
     sample,
     token_logprobs,
 )
+from inference.screen import MARKED
 from inference.settings import DEFAULT_PREFILL_TOKENS
 
 
@@ -134,6 +135,8 @@ class Seq:
         self.prompt_logprobs: list[TokenLogprob | None] | None = None
         self.end_token: int | None = None
         self.cached_tokens = 0
+        # The per-request faults its request triggers (fault injection; created in the request's task).
+        self.marks = MARKED.get()
 
     def history(self, eos_id: int | None) -> History:
         return History(self.request.prompt_ids, self.generated, eos_id)
@@ -371,16 +374,16 @@ class DecodeLoop(LoopThread):
         try:
             if partial is not None:
                 if self.faults is not None:
-                    self.faults.before_forward(len(self._rows) + 1)
+                    self.faults.before_forward(len(self._rows) + 1, partial.seq.marks)
                 self._prefill_chunk(partial)
             chunk_pending = False
             if joiners:
                 if self.faults is not None:
-                    self.faults.before_forward(len(self._rows) + len(joiners))
+                    self.faults.before_forward(len(self._rows) + len(joiners), _marks(joiners))
                 self._prefill(joiners)
             if self._rows:
                 if self.faults is not None:
-                    self.faults.during_forward(len(self._rows))
+                    self.faults.during_forward(len(self._rows), _marks(self._rows))
                 assert self._kv is not None
                 width = self._kv.width
                 self._decode()
@@ -730,6 +733,10 @@ class DecodeLoop(LoopThread):
             self._waiting.extendleft(reversed(back))
         for i in decision.fail:
             self._finish(involved[i], InferenceOOM(str(exc)))
+
+
+def _marks(seqs: list[Seq]) -> frozenset[str]:
+    return frozenset().union(*(s.marks for s in seqs)) if seqs else frozenset()
 
 
 def _cache_of(out: Any) -> Any:

@@ -20,7 +20,7 @@ from inference.admission import AdmissionGate
 from inference.batch_loop import BatchLoop, Job
 from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
 from inference.drain import Drain
-from inference.errors import AdmissionTimeout, Draining, FatalCudaError, QueueFull, classify
+from inference.errors import AdmissionTimeout, ContextLost, Draining, QueueFull, classify
 from inference.faults import FaultInjector
 from inference.handler import RequestHandler, item_cost
 from inference.loop_thread import LoopHooks
@@ -173,7 +173,7 @@ class Engine:
 
     def _sequence(self, request: GenRequest) -> Seq:
         if self.poisoned is not None:
-            raise FatalCudaError(self.poisoned)
+            raise ContextLost(f"the GPU context was lost ({self.poisoned[:120]}); the process is restarting")
         return self._decode.new_sequence(request, self.weight(request))
 
     def weight(self, request: GenRequest) -> float:
@@ -187,7 +187,7 @@ class Engine:
     async def submit(self, request: GenRequest, timeout: float) -> GenResult:
         """Queue a request; its result once generated. `timeout` bounds the wait for admission only."""
         if self.poisoned is not None:
-            raise FatalCudaError(self.poisoned)
+            raise ContextLost(f"the GPU context was lost ({self.poisoned[:120]}); the process is restarting")
         if self.draining:
             raise Draining("the server is draining")
         if self._loop.waiting >= self.max_queue:
@@ -239,7 +239,7 @@ class Engine:
         `timeout` bounds the wait for admission only; the request waits for all its items.
         """
         if self.poisoned is not None:
-            raise FatalCudaError(self.poisoned)
+            raise ContextLost(f"the GPU context was lost ({self.poisoned[:120]}); the process is restarting")
         if self.draining:
             raise Draining("the server is draining")
         loop_ = self._items

@@ -44,6 +44,11 @@ class Draining(Exception):
     """The process stopped admitting new work."""
 
 
+class ContextLost(Draining):
+    """The CUDA context was lost before this request was admitted: it never ran, so another replica
+    can take it (503 + Retry-After; those in flight at the failure get `FatalCudaError`'s 500)."""
+
+
 class InferenceOOM(Exception):
     """Out of memory that survived emptying the cache (and splitting the batch)."""
 

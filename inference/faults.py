@@ -15,6 +15,10 @@ from typing import Any
 from inference.errors import FatalCudaError
 
 FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear")
+# The kinds that act on one request's work: with `when_prompt_contains`, they fire only for requests
+# whose prompt, messages or input contain the string, every time, until `clear` (a query of death).
+PER_REQUEST_KINDS = ("context_loss", "oom", "hang", "slow")
+TRIGGER_MAX = 1000
 
 # Raised as the engine's own types (`FatalCudaError`, `torch.OutOfMemoryError`): errors are told
 # apart by type, and no text makes an exception sticky or an OOM.
@@ -43,12 +47,32 @@ class FaultInjector:
         # A simulated card: more sequences than this in the engine at once run out of memory.
         self._memory_cap: int | None = None
         self.injected_ooms = 0
+        self._when: dict[str, str] = {}  # kind -> the prompt substring it fires for
+        self._slow_s_marked = 0.0
+
+    def marks(self, text: str) -> frozenset[str]:
+        """The per-request faults a request with this prompt text triggers."""
+        with self._lock:
+            return frozenset(kind for kind, s in self._when.items() if s in text)
 
     def inject(self, kind: str, params: dict[str, Any]) -> dict[str, Any]:
         if kind not in FAULT_KINDS:
             raise FaultError(f"kind: must be one of {', '.join(FAULT_KINDS)}")
+        trigger = params.get("when_prompt_contains")
+        if trigger is not None:
+            if kind not in PER_REQUEST_KINDS:
+                raise FaultError(f"when_prompt_contains: only for {', '.join(PER_REQUEST_KINDS)}, not {kind}")
+            if not isinstance(trigger, str) or not 0 < len(trigger) <= TRIGGER_MAX:
+                raise FaultError(f"when_prompt_contains: must be a non-empty string of at most {TRIGGER_MAX}"
+                                 " characters")
         with self._lock:
-            if kind == "context_loss":
+            if trigger is not None:
+                if kind == "slow":
+                    self._slow_s_marked = _float_param(params, "delay_s", 0.5, 0.0, 60.0)
+                if kind == "hang":
+                    self._unhang.clear()
+                self._when[kind] = trigger
+            elif kind == "context_loss":
                 self._context_loss = True
             elif kind == "oom":
                 count = _int_param(params, "count", 1, 1, 1000)
@@ -76,6 +100,7 @@ class FaultInjector:
                 self._slow_s = 0.0
                 self._fragmentation = None
                 self._memory_cap = None
+                self._when.clear()
             return self.describe()
 
     def describe(self) -> dict[str, Any]:
@@ -85,13 +110,17 @@ class FaultInjector:
             "hang": self._hang.is_set(),
             "slow_s": self._slow_s,
             "memory_cap": self._memory_cap,
+            "when_prompt_contains": {kind: len(s) for kind, s in self._when.items()},  # lengths, not texts
             "fragmentation": None
             if self._fragmentation is None
             else {"ratio": self._fragmentation.ratio, "sticky": self._fragmentation.sticky},
         }
 
-    def before_forward(self, active_sequences: int = 0) -> None:
-        """Called in the worker thread right before GPU work: raise, block or delay as injected."""
+    def before_forward(self, active_sequences: int = 0, marks: frozenset[str] = frozenset()) -> None:
+        """Called in the worker thread right before GPU work: raise, block or delay as injected.
+        `marks`: the per-request faults the work's requests trigger (`marks`)."""
+        if marks:
+            self._marked(marks)
         with self._lock:
             fatal = self._context_loss
             oom = self._oom_remaining > 0
@@ -111,12 +140,29 @@ class FaultInjector:
         if slow > 0:
             time.sleep(slow)
 
+    def _marked(self, marks: frozenset[str]) -> None:
+        with self._lock:
+            live = marks & self._when.keys()
+            if "oom" in live:
+                self.injected_ooms += 1
+            delay = self._slow_s_marked if "slow" in live else 0.0
+        if "context_loss" in live:
+            raise FatalCudaError(INJECTED_FATAL_MESSAGE)
+        if "oom" in live:
+            raise _oom_error()
+        if "hang" in live:
+            self._unhang.wait()
+        if delay > 0:
+            time.sleep(delay)
+
     def _over_cap(self, active_sequences: int) -> bool:
         return self._memory_cap is not None and active_sequences > self._memory_cap
 
-    def during_forward(self, active_sequences: int = 0) -> None:
+    def during_forward(self, active_sequences: int = 0, marks: frozenset[str] = frozenset()) -> None:
         """Called between decoding steps: a lost context fails the very next kernel, a hang stops it,
         and more sequences than the simulated card holds run out of memory."""
+        if marks:
+            self._marked(marks)
         if self._context_loss:
             raise FatalCudaError(INJECTED_FATAL_MESSAGE)
         with self._lock:

@@ -17,6 +17,7 @@ from aiohttp import web
 from inference.drain import Drain
 from inference.faults import FaultError, FaultInjector
 from inference.openapi import control_spec
+from inference.screen import Entry, QuarantineError, Screen, parse_entry
 from inference.validation import BadRequest, parse_json_object
 from watchdog import contract
 
@@ -85,6 +86,8 @@ class ControlTarget(Protocol):
 
     instance_id: str
     faults: FaultInjector | None
+    # Fingerprints in flight and the quarantine list the server refuses by.
+    screen: Screen
     # Set once the poisoned state was reported through the control API (to the watchdog).
     poison_reported: asyncio.Event
     # Whether new work is refused; the control API begins and lifts its drains here.
@@ -124,11 +127,73 @@ class ControlAPI:
         r.add_delete(contract.DRAIN, self.undrain)
         r.add_post(contract.ADMISSION, self.admission)
         r.add_post(contract.FAULT, self.fault)
+        r.add_get(contract.REQUESTS, self.requests)
+        r.add_get(contract.QUARANTINE, self.quarantine)
+        r.add_post(contract.QUARANTINE, self.quarantine_add)
+        r.add_put(contract.QUARANTINE, self.quarantine_replace)
+        r.add_delete(contract.QUARANTINE, self.quarantine_lift)
         r.add_get(contract.CONTROL_OPENAPI, self.openapi)
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
         return web.json_response(control_spec())
+
+    # -- the query of death -------------------------------------------------------------------
+
+    async def requests(self, request: web.Request) -> web.Response:
+        """The fingerprints in flight, the newest admitted, those answered lately, and what was in
+        flight when the context was lost (`at_failure`); read by the sidecar before a restart."""
+        return web.json_response(self.service.screen.book.report())
+
+    async def quarantine(self, request: web.Request) -> web.Response:
+        return web.json_response(self.service.screen.describe())
+
+    async def _entries(self, request: web.Request, many: bool) -> list[Entry]:
+        body = await _optional_body(request)
+        try:
+            if not many:
+                return [parse_entry(body)]
+            entries = body.get("entries")
+            if not isinstance(entries, list):
+                raise QuarantineError("entries", "entries: must be a list of {fingerprint, until}")
+            return [parse_entry(e, f"entries[{i}].") for i, e in enumerate(entries)]
+        except QuarantineError as exc:
+            raise BadRequest(400, exc.param, str(exc)) from None
+
+    async def quarantine_add(self, request: web.Request) -> web.Response:
+        try:
+            entries = await self._entries(request, many=False)
+        except BadRequest as exc:
+            return _bad(exc)
+        self.service.screen.quarantine.add(entries[0])
+        log.warning("quarantine_added", fingerprint=entries[0].fingerprint, until=entries[0].until, by="control")
+        return web.json_response(self.service.screen.describe())
+
+    async def quarantine_replace(self, request: web.Request) -> web.Response:
+        try:
+            entries = await self._entries(request, many=True)
+        except BadRequest as exc:
+            return _bad(exc)
+        before = {e["fingerprint"] for e in self.service.screen.quarantine.describe()}
+        self.service.screen.quarantine.replace(entries)
+        after = {e.fingerprint for e in entries}
+        if before != after:
+            log.warning("quarantine_replaced", added=sorted(after - before), lifted=sorted(before - after),
+                        by="control")
+        return web.json_response(self.service.screen.describe())
+
+    async def quarantine_lift(self, request: web.Request) -> web.Response:
+        fp = request.query.get("fingerprint")
+        if fp is None:
+            try:
+                fp = (await _optional_body(request)).get("fingerprint")
+            except BadRequest as exc:
+                return _bad(exc)
+        if not isinstance(fp, str) or not fp:
+            return _bad(BadRequest(400, "fingerprint", "fingerprint: required (the query or the body)"))
+        lifted = self.service.screen.quarantine.lift(fp)
+        log.warning("quarantine_lifted", fingerprint=fp, lifted=lifted, by="control")
+        return web.json_response({**self.service.screen.describe(), "lifted": lifted})
 
     def _require_started(self) -> None:
         if not self.service.started:

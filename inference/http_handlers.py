@@ -110,6 +110,7 @@ class HandlerRoutes:
         model = data.get("model")
         if model is not None and model != self.service.model_name:
             raise BadRequest(404, "model", f"The model `{model}` does not exist", code="model_not_found")
+        self.service.screen.request(request, data)
         return data
 
     async def _outputs(self, request: web.Request, handler: RequestHandler, data: dict[str, Any]

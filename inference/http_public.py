@@ -16,7 +16,7 @@ from prometheus_client.aiohttp import make_aiohttp_handler
 
 from inference import http_tokenize
 from inference.decode import GenRequest, GenResult
-from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from inference.errors import AdmissionTimeout, ContextLost, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.handlers.inputs import MAX_INPUTS
 from inference.http_handlers import HandlerRoutes, capabilities
 from inference.mailbox import Mailbox
@@ -29,6 +29,7 @@ from inference.openai_extras import (
     request_options,
 )
 from inference.openapi import public_spec
+from inference.screen import MARKED
 from inference.service import InferenceService
 from inference.validation import (
     BadRequest,
@@ -56,6 +57,7 @@ def error_response(exc: BaseException, retry_after: int) -> web.Response:
         return web.json_response(exc.body(), status=exc.status)
     if isinstance(exc, AdmissionTimeout | QueueFull | Draining | InferenceOOM):
         kind = {
+            ContextLost: "context_lost",
             AdmissionTimeout: "queue_timeout",
             QueueFull: "queue_full",
             Draining: "draining",
@@ -80,6 +82,8 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
     start = time.perf_counter()
     service = request.app[SERVICE_KEY]
     status = 500
+    # One connection's requests run in one task: no request's fault marks carry over to the next.
+    marked = MARKED.set(frozenset())
     try:
         response = await handler(request)
         status = CLIENT_CLOSED if request.get("client_gone") else response.status
@@ -102,6 +106,8 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
         status = CLIENT_CLOSED
         raise
     finally:
+        MARKED.reset(marked)
+        service.screen.done(request.get("ticket"), ok=status < 400)
         elapsed = time.perf_counter() - start
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         if request.path not in ("/metrics", "/healthz", "/readyz"):
@@ -109,7 +115,8 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
             service.metrics.duration.labels(route=route).observe(elapsed)
             log.info("request", request_id=rid, route=route, method=request.method, status=status,
                      latency_s=round(elapsed, 4), prompt_tokens=request.get("prompt_tokens"),
-                     completion_tokens=request.get("completion_tokens"), user=request.get("user"))
+                     completion_tokens=request.get("completion_tokens"), user=request.get("user"),
+                     fingerprint=request.get("fingerprint"))
 
 
 @dataclass(frozen=True)
@@ -216,7 +223,9 @@ class PublicAPI:
             raise BadRequest(408, "body", f"request body not received within {s.settings.body_timeout_s:g} s") from None
         except web.HTTPRequestEntityTooLarge:
             raise BadRequest(413, "body", f"request body larger than {s.settings.max_body_bytes} bytes") from None
-        return await http_tokenize.off_loop(request, parse_json_object, raw)
+        data = await http_tokenize.off_loop(request, parse_json_object, raw)
+        s.screen.request(request, data)
+        return data
 
     def _jobs(self, request: web.Request, prompts: list[list[int]], sampling: Sampling) -> list[_Job]:
         engine = self.service.engine

@@ -13,6 +13,7 @@ from aiohttp import web
 from inference.http_control import ControlAPI
 from inference.http_public import PublicAPI
 from inference.poison import EXIT_POISONED
+from inference.screen import FAILURE_READ_WAIT_S
 from inference.service import InferenceService
 from inference.settings import ServeSettings
 from watchdog.contract import TokenError, ensure_token
@@ -65,6 +66,8 @@ async def _serve(settings: ServeSettings) -> int:
         reported.cancel()
         if not done:
             log.warning("poison_not_reported", linger_s=settings.poison_linger_s)
+        elif not await asyncio.to_thread(service.screen.book.wait_read):
+            log.warning("inflight_not_read", wait_s=FAILURE_READ_WAIT_S)
         await asyncio.sleep(0.3)
         log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
         return EXIT_POISONED

@@ -30,6 +30,9 @@ class InferenceMetrics:
                                      "Prompt tokens computed by prefill (those from the prefix cache not counted)",
                                      registry=r)
         self.empty_cache = Counter("gpu_inference_empty_cache", "Allocator cache flushes", registry=r)
+        self.quarantined = Counter("gpu_inference_quarantined",
+                                   "Requests refused (422) because their fingerprint is quarantined: in flight at"
+                                   " failures of the workload", registry=r)
         self.fatal = Counter("gpu_inference_fatal_errors", "Sticky CUDA errors that poisoned the process",
                              registry=r)
         self.prefix_queried = Counter("gpu_inference_prefix_cache_queried_tokens",

@@ -299,6 +299,10 @@ def control_spec() -> dict[str, Any]:
     timeout_body = {"type": "object", "properties": {"timeout": {"type": "number", "minimum": 0.01,
                                                                   "maximum": 600}}}
     obj = {"type": "object"}
+    entry = {"type": "object", "required": ["fingerprint", "until"], "properties": {
+        "fingerprint": {"type": "string", "pattern": "^[0-9a-f]{1,64}$"},
+        "until": {"type": "number", "description": "seconds since the epoch"},
+        "failures": {"type": "integer", "minimum": 0}, "pods": {"type": "array", "items": {"type": "string"}}}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "gpu-watchdog control API (pod-local)", "version": __version__},
@@ -353,7 +357,26 @@ def control_spec() -> dict[str, Any]:
                 "operationId": "fault",
                 "requestBody": {"required": True, "content": {"application/json": {"schema": {
                     "type": "object", "required": ["kind"], "properties": {"kind": {"type": "string", "enum": [
-                        "context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear"]}}}}}},
+                        "context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear"]},
+                        "when_prompt_contains": {"type": "string", "maxLength": 1000,
+                                                 "description": "context_loss, oom, hang, slow: only for requests "
+                                                                "whose prompt, messages or input contain it"}}}}}},
                 "responses": {"200": _json(obj, "fault injected"), **_errors(400, 401, 404)}}},
+            "/control/requests": {"get": {"operationId": "requests", "responses": {
+                "200": _json(obj, "fingerprints in flight, the newest admitted, those answered lately, and those "
+                                  "in flight when the context was lost (`at_failure`)"), **_errors(401)}}},
+            "/control/quarantine": {
+                "get": {"operationId": "quarantine", "responses": {
+                    "200": _json(obj, "the fingerprints refused (422) and until when"), **_errors(401)}},
+                "post": {"operationId": "quarantine_add", "requestBody": _body(entry, required=True),
+                         "responses": {"200": _json(obj, "added"), **_errors(400, 401)}},
+                "put": {"operationId": "quarantine_replace", "requestBody": _body(
+                    {"type": "object", "required": ["entries"],
+                     "properties": {"entries": {"type": "array", "items": entry}}}, required=True),
+                    "responses": {"200": _json(obj, "the whole list replaced"), **_errors(400, 401)}},
+                "delete": {"operationId": "quarantine_lift", "parameters": [
+                    {"name": "fingerprint", "in": "query", "required": False, "schema": {"type": "string"}}],
+                    "responses": {"200": _json(obj, "lifted (`lifted` false when it was not listed)"),
+                                  **_errors(400, 401)}}},
         },
     }

@@ -29,6 +29,7 @@ from inference.metrics import InferenceMetrics
 from inference.model import BUILTIN_NAME
 from inference.planner import CostModel, Plan, plan
 from inference.poison import write_termination_log
+from inference.screen import Screen
 from inference.settings import CPU_PREFIX_CACHE_MIB, ServeSettings
 
 log = structlog.get_logger(__name__)
@@ -83,6 +84,10 @@ class InferenceService:
         self.metrics = InferenceMetrics()
         self.faults = FaultInjector() if settings.fault_injection else None
         self.instance_id = os.environ.get("GPU_WATCHDOG_INSTANCE_ID") or uuid.uuid4().hex[:12]
+        # Fingerprints in flight and the quarantine list (the query of death): one key per model.
+        self.screen = Screen(self.instance_id, settings.served_model_name or settings.model or BUILTIN_NAME,
+                             self.faults)
+        self.screen.on_refused = self.metrics.quarantined.inc
         self.ready = False
         self.fatal_event = asyncio.Event()
         # Set once the poisoned state was reported through the control API (to the watchdog).
@@ -302,14 +307,19 @@ class InferenceService:
         log.info("admission_limit_changed", limit=limit, capacity=self.gate.capacity)
 
     def _on_fatal_threadsafe(self, reason: str) -> None:
+        # What was in flight at the failure, frozen here in the engine's thread: by the time the
+        # loop runs `_on_fatal`, those requests have been answered.
+        self.screen.book.failed()
         assert self._loop is not None
         self._loop.call_soon_threadsafe(self._on_fatal, reason)
 
     def _on_fatal(self, reason: str) -> None:
         if self.fatal_event.is_set():
             return
-        log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id)
-        write_termination_log(reason)
+        at_failure = self.screen.book.failed()
+        log.error("fatal_cuda_error", reason=reason, action="exit", instance_id=self.instance_id,
+                  inflight=at_failure["inflight"])
+        write_termination_log(reason, at_failure["inflight"])
         self.fatal_event.set()
 
     def _prefix_cache_report(self) -> dict[str, Any] | None:

@@ -28,6 +28,7 @@ from watchdog.escalation import CURING_REASONS
 from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
+from watchdog.names import QUARANTINE_REASONS
 from watchdog.policy import Decision, max_age_jitter
 from watchdog.samplers.device_health import DeviceHealthSampler
 from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
@@ -52,6 +53,9 @@ LAG_PROBE_S = 0.25  # how often the loop measures its own lateness
 BUDGET_READ_S = 60.0  # the workload's restart Events are read again this often (and before a restart)
 # A restart asked again while the fleet holds it (every 2 s) reads them again only once this old.
 BUDGET_FRESH_S = 10.0
+# The workload's quarantine is read from its Lease and pushed to our server this often: a request
+# quarantined by another replica is refused here within it.
+QUARANTINE_SYNC_S = 5.0
 
 
 @dataclass
@@ -162,6 +166,8 @@ class Watchdog:
             periodic("server", self._server_delay, self._sample_server)
         if samplers.device_health is not None:
             periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
+        if s.policy.quarantine.enabled and samplers.control is not None:
+            periodic("quarantine", lambda: QUARANTINE_SYNC_S, executor.sync_quarantine)
         if self.node is not None:
             self._spawn(self._escalate("start"))
         log.info("watchdog_started", control_url=s.target.control_url if samplers.control else None,
@@ -425,6 +431,11 @@ class Watchdog:
             if policy.budget_remaining(self.settings.policy, self.history, self.clock(), from_events) <= 0:
                 self._fold(RestartCancelled(self.clock()))  # the next evaluation reports it blocked
                 return
+        if decision.reason in QUARANTINE_REASONS:
+            # What was in flight, read before anything restarts: the query of death's evidence.
+            inflight = await self.executor.record_failure(decision)
+            if inflight is not None:
+                decision = dataclasses.replace(decision, detail={**decision.detail, "inflight": list(inflight)})
         held = await self.executor.take_slot(decision)
         if held is not None:
             # The fleet's ledger says not now: nothing was done; asked again shortly (policy).
@@ -468,6 +479,7 @@ class Watchdog:
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,
             fleet=executor.fleet if executor is not None and executor.ledger is not None else None,
+            quarantine=None if executor is None else executor.quarantine_status(),
             budget_read_error=None if executor is None else executor.budget_read_error, loop_lag=self.loop_lag(),
         )
 

@@ -67,6 +67,13 @@ def build_parser() -> argparse.ArgumentParser:
     fleet.add_argument("--config", default="/etc/gpu-watchdog/config.yaml", metavar="FILE",
                        help="the sidecar's config (default: the chart's, inside the watchdog container)")
 
+    quarantine = sub.add_parser("quarantine", help="request fingerprints refused fleet-wide (the query of death)")
+    quarantine.add_argument("action", choices=("list", "lift"),
+                            help="list: the quarantined fingerprints and their evidence; lift: serve one again")
+    quarantine.add_argument("fingerprint", nargs="?", help="the fingerprint to lift (from list or the access log)")
+    quarantine.add_argument("--config", default="/etc/gpu-watchdog/config.yaml", metavar="FILE",
+                            help="the sidecar's config (default: the chart's, inside the watchdog container)")
+
     check = sub.add_parser("check-config", help="validate a watchdog config file")
     check.add_argument("file")
 
@@ -187,6 +194,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         from watchdog.wiring import fleet_main
 
         return fleet_main(args.config, args.action)
+    if args.command == "quarantine":
+        if (args.action == "lift") != (args.fingerprint is not None):
+            parser.error("quarantine lift needs a FINGERPRINT; quarantine list takes none")
+        from watchdog.wiring import quarantine_main
+
+        return quarantine_main(args.config, args.action, args.fingerprint)
     if args.command == "bench":
         try:
             # A load generator, not part of the sidecar: it ships with the source tree, not the images.

@@ -191,6 +191,17 @@ class FleetSettings:
 
 
 @dataclass(frozen=True)
+class QuarantineSettings:
+    """The query of death: a request in flight at `failures` failures of the workload within `window`,
+    on two pods or processes, is refused by every replica for `ttl`."""
+
+    enabled: bool = True
+    failures: int = 2
+    window: float = field(default=3600.0, metadata=_duration())
+    ttl: float = field(default=3600.0, metadata=_duration())
+
+
+@dataclass(frozen=True)
 class PolicySettings:
     memory_pressure: MemoryPressureSettings = MemoryPressureSettings()
     fragmentation: FragmentationSettings = FragmentationSettings()
@@ -204,6 +215,7 @@ class PolicySettings:
     max_age_jitter: float = field(default=0.1, metadata=_ratio())
     restart_budget: RestartBudgetSettings = RestartBudgetSettings()
     fleet: FleetSettings = FleetSettings()
+    quarantine: QuarantineSettings = QuarantineSettings()
     in_place: InPlaceSettings = InPlaceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     escalation: EscalationSettings = EscalationSettings()
@@ -394,6 +406,9 @@ def _check(s: Settings, errors: list[str]) -> None:
         errors.append("server.port: must be between 1 and 65535")
     if s.policy.in_place.max_restarts < 1:
         errors.append("policy.in_place.max_restarts: must be at least 1")
+    if s.policy.quarantine.failures < 2:
+        # One failure says nothing of a request: it was in flight, as its neighbours were.
+        errors.append("policy.quarantine.failures: must be at least 2 (failures on two pods or processes)")
     if s.restart.strategy in ("evict", "delete"):
         if not s.kubernetes.pod_name:
             errors.append(f"kubernetes.pod_name: required for restart strategy {s.restart.strategy}"

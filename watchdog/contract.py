@@ -23,6 +23,10 @@ CANARY = "/control/canary"
 DRAIN = "/control/drain"  # POST drains (until its `deadline`), DELETE lifts the drain
 ADMISSION = "/control/admission"
 FAULT = "/control/fault"
+# The query of death: the fingerprints in flight (and at the failure), and the quarantine list
+# (GET lists, POST adds one, PUT replaces all, DELETE lifts one).
+REQUESTS = "/control/requests"
+QUARANTINE = "/control/quarantine"
 CONTROL_OPENAPI = "/control/openapi.json"
 
 # A drain the server lifts by itself once its deadline passes, so a sidecar that dies mid-restart

@@ -74,3 +74,14 @@ class ControlClient:
     async def undrain(self, timeout: float = 10.0) -> dict[str, Any]:
         """Lift the drain now (`DELETE /control/drain`; lifting none is not an error)."""
         return await self._call("DELETE", contract.DRAIN, None, timeout)
+
+    async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
+        """The fingerprints in flight, and those in flight when the context was lost (`at_failure`)."""
+        return await self._call("GET", contract.REQUESTS, None, timeout)
+
+    async def quarantine(self, timeout: float = 3.0) -> dict[str, Any]:
+        return await self._call("GET", contract.QUARANTINE, None, timeout)
+
+    async def set_quarantine(self, entries: list[dict[str, Any]], timeout: float = 3.0) -> dict[str, Any]:
+        """The server's whole quarantine list replaced (`PUT /control/quarantine`)."""
+        return await self._call("PUT", contract.QUARANTINE, {"entries": entries}, timeout)

@@ -26,6 +26,8 @@ XID_ANNOTATION = "gpu-watchdog.io/xid"
 WORKLOAD_ANNOTATION = "gpu-watchdog.io/workload"
 # The node the restarted pod ran on: one lineage of a restart loop where the GPUs are not known.
 NODE_ANNOTATION = "gpu-watchdog.io/node"
+# The request fingerprints in flight at a hang or a lost context (the query of death's evidence).
+INFLIGHT_ANNOTATION = "gpu-watchdog.io/inflight"
 
 
 @dataclass(frozen=True)

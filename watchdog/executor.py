@@ -10,10 +10,11 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from watchdog import contract, escalation, fleet, ladder, logs
+from watchdog import contract, escalation, fleet, ladder, logs, quarantine
 from watchdog.actions.node import NodeReporter
 from watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
 from watchdog.config import Settings
@@ -99,6 +100,9 @@ class FleetLedger(Protocol):
     def replicas(self) -> int | None: ...
     def pod_created_at(self) -> float | None: ...
     def report_breaker(self, breaker: fleet.Breaker) -> None: ...
+    def read_records(self) -> quarantine.Records: ...
+    def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T: ...
+    def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None: ...
 
 
 class Executor:
@@ -146,6 +150,12 @@ class Executor:
         self._give_back_pending: bool | None = None
         self._came_back_done = False
         self._came_back_failed = False
+        # The query of death: the workload's failures and quarantine (the Lease's, else this pod's own).
+        self.records = quarantine.Records()
+        self.records_error: str | None = None
+        self.records_read_at: float | None = None
+        self._failures_seen: dict[tuple[str, str | None], tuple[str, ...]] = {}
+        self._pushed: list[dict[str, Any]] | None = None
 
     # -- the bundled server's control API ----------------------------------------------------
 
@@ -174,6 +184,120 @@ class Executor:
         if ok:
             self.metrics.admission_changes.labels(direction="down" if change.action == ladder.SHRINK else "up").inc()
         return AdmissionAnswered(self.clock(), change, ok)
+
+    # -- the query of death ----------------------------------------------------------------------
+
+    async def record_failure(self, decision: Decision) -> tuple[str, ...] | None:
+        """Before a restart for a hang or a lost context: what the server had in flight, added to
+        the workload's failures, and the quarantine decided again (pushed to our server at once).
+        The fingerprints for the restart's Event; None where none could be read. Nothing here holds
+        the restart: an unreadable server or an unwritable Lease is said and the restart goes on."""
+        s = self.settings.policy.quarantine
+        if not s.enabled or self.control is None:
+            return None
+        key = (decision.reason, decision.instance_id)
+        if decision.instance_id is not None and key in self._failures_seen:
+            return self._failures_seen[key]  # asked again (held): recorded once
+        try:
+            failure = quarantine.failure_from(await self.control.requests(), self.settings.kubernetes.pod_name
+                                              or "local", decision.reason, self.wall_clock())
+        except (ControlError, quarantine.RecordsError) as exc:
+            log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
+                        action="restarting without them")
+            return None
+        self._failures_seen[(decision.reason, decision.instance_id or failure.process)] = failure.inflight
+
+        def add(records: quarantine.Records, now: float
+                ) -> tuple[quarantine.Records, tuple[quarantine.Records, list[quarantine.Quarantined]]]:
+            new, quarantined = quarantine.record(s, records, failure, now)
+            return new, (new, quarantined)
+
+        ledger = self.ledger
+        try:
+            if ledger is None:
+                self.records, new = add(self.records, self.wall_clock())[1]
+            else:
+                async with self._ledger_lock:
+                    self.records, new = await asyncio.to_thread(ledger.update_records, add)
+            self.records_error = None
+        except Exception as exc:
+            self.records_error = str(exc)[:300]
+            log.error("failure_not_recorded", reason=decision.reason, error=self.records_error,
+                      action="restarting; this failure does not count toward a quarantine")
+            return failure.inflight
+        log.warning("failure_recorded", reason=decision.reason, process=failure.process,
+                    inflight=list(failure.inflight), newest=failure.newest,
+                    workload_failures=len(self.records.failures))
+        for q in new:
+            log.error("request_quarantined", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
+                      failures=len(q.failures), workload=self.workload,
+                      action="refused (422) by every replica until then; find the client by its fingerprint"
+                             " in the access log; lift with `gpu-watchdog quarantine lift`")
+            self.metrics.quarantines.inc()
+            if ledger is not None:
+                self._report(functools.partial(ledger.report_quarantine, q), "quarantine_event_failed")
+        await self.push_quarantine()
+        return failure.inflight
+
+    async def sync_quarantine(self) -> None:
+        """The workload's quarantine read from the Lease and pushed to our server; an unreadable Lease
+        keeps the list last read (refusing a request that killed replicas stays the safe side)."""
+        if not self.settings.policy.quarantine.enabled:
+            return
+        ledger = self.ledger
+        if ledger is not None:
+            try:
+                async with self._ledger_lock:
+                    self.records = await asyncio.to_thread(ledger.read_records)
+                if self.records_error is not None:
+                    log.info("quarantine_records_read", workload=self.workload)
+                self.records_error = None
+                self.records_read_at = self.clock()
+            except Exception as exc:
+                if self.records_error is None:
+                    log.warning("quarantine_records_unknown", error=str(exc)[:300],
+                                action="the list last read stays in force")
+                self.records_error = str(exc)[:300]
+        await self.push_quarantine()
+
+    async def push_quarantine(self) -> None:
+        if self.control is None:
+            return
+        now = self.wall_clock()
+        entries = quarantine.server_entries(self.records, now)
+        self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
+        try:
+            listed = await self.control.quarantine()
+            have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
+            if have == sorted(e["fingerprint"] for e in entries):
+                self._pushed = entries
+                return
+            await self.control.set_quarantine(entries)
+        except ControlError as exc:
+            if exc.kind != "unreachable":  # a server starting or gone is pushed to at the next sync
+                log.warning("quarantine_not_pushed", error=str(exc)[:300])
+            return
+        log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries])
+        self._pushed = entries
+
+    def _report(self, call: Callable[[], None], failed: str) -> None:
+        async def report() -> None:
+            try:
+                await asyncio.to_thread(call)
+            except Exception as exc:  # the log line, metric and /status still say it
+                log.warning(failed, error=str(exc)[:300])
+
+        task = asyncio.get_running_loop().create_task(report())
+        self._reports.add(task)
+        task.add_done_callback(self._reports.discard)
+
+    def quarantine_status(self) -> dict[str, Any]:
+        now = self.wall_clock()
+        return {"enabled": self.settings.policy.quarantine.enabled,
+                "records": "lease" if self.ledger is not None else "this sidecar",
+                "entries": [quarantine.describe(q, now) for q in self.records.quarantined if now < q.until],
+                "failures": len(self.records.failures), "error": self.records_error,
+                "pushed": None if self._pushed is None else [e["fingerprint"] for e in self._pushed]}
 
     # -- restarts ------------------------------------------------------------------------------
 
@@ -378,16 +502,7 @@ class Executor:
     def _report_breaker(self, breaker: fleet.Breaker) -> None:
         ledger = self.ledger
         assert ledger is not None
-
-        async def report() -> None:
-            try:
-                await asyncio.to_thread(ledger.report_breaker, breaker)
-            except Exception as exc:  # the log line, metric and /status still say it
-                log.warning("fleet_breaker_event_failed", error=str(exc)[:300])
-
-        task = asyncio.get_running_loop().create_task(report())
-        self._reports.add(task)
-        task.add_done_callback(self._reports.discard)
+        self._report(lambda: ledger.report_breaker(breaker), "fleet_breaker_event_failed")
 
     def restart_ended(self, ended: RestartEnded) -> None:
         """An in-place restart done: its slot is given back once the target serves again."""

@@ -5,14 +5,17 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import MutableMapping
-from typing import Any
+from typing import Any, TextIO
 
 import structlog
 
 
-def configure(component: str, level: str = "info", force_json: bool | None = None) -> None:
-    """Send every log line to stdout: JSON when piped (kubectl logs, CI), coloured on a TTY."""
-    as_json = (not sys.stdout.isatty()) if force_json is None else force_json
+def configure(component: str, level: str = "info", force_json: bool | None = None, stream: TextIO | None = None
+              ) -> None:
+    """Send every log line to stdout (`stream`: elsewhere, for a command whose stdout is its answer):
+    JSON when piped (kubectl logs, CI), coloured on a TTY."""
+    out = stream or sys.stdout
+    as_json = (not out.isatty()) if force_json is None else force_json
     renderer: Any = structlog.processors.JSONRenderer() if as_json else structlog.dev.ConsoleRenderer()
     def add_component(_: Any, __: str, event: MutableMapping[str, Any]) -> MutableMapping[str, Any]:
         # Not a contextvar: callbacks scheduled from worker threads run without this context.
@@ -29,7 +32,7 @@ def configure(component: str, level: str = "info", force_json: bool | None = Non
             renderer,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(logging.getLevelNamesMapping()[level.upper()]),
-        logger_factory=structlog.PrintLoggerFactory(file=sys.stdout),
+        logger_factory=structlog.PrintLoggerFactory(file=out),
         cache_logger_on_first_use=False,
     )
     # Library loggers (aiohttp access log, kubernetes client) would print unstructured text;

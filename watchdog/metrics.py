@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -203,4 +203,9 @@ class WatchdogMetrics:
                                   ["why"], registry=r)
         for why in FLEET_HOLDS:
             self.fleet_held.labels(why=why)
+        # The query of death: fingerprints this sidecar quarantined, and those its server refuses now.
+        self.quarantines = Counter(P + "quarantines", "Request fingerprints this sidecar quarantined (in flight at"
+                                   " policy.quarantine.failures failures of the workload)", registry=r)
+        self.quarantined = Gauge(P + "quarantined", "Request fingerprints the workload refuses now, as pushed to"
+                                 " this pod's server", ["workload"], registry=r)
         r.register(SnapshotCollector(snapshot))

@@ -35,6 +35,7 @@ class Extras:
     loop_lag: dict[str, float] | None = None  # the sidecar's own event-loop lag: last, p99, max
     ignored_records: int = 0  # restart records dated in the future at the last read, not counted
     fleet: FleetView | None = None  # the workload's ledger, where restarts go through one
+    quarantine: dict[str, Any] | None = None  # the query of death: failures recorded, fingerprints refused
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
@@ -149,6 +150,7 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "restart_failed": x.restart_failed,
         "restart_not_recorded": x.restart_not_recorded,
         "fleet": None if x.fleet is None else fleet_status(x.fleet),
+        "quarantine": x.quarantine,
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},

@@ -114,7 +114,7 @@ def fleet_main(config_path: str, action: str) -> int:
     from watchdog import fleet
     from watchdog.actions.fleet import LedgerUnavailable
 
-    logs.configure("watchdog")
+    logs.configure("watchdog", stream=sys.stderr)  # stdout is the answer
     try:
         settings = load(config_path)
         workload = resolve_workload(settings)
@@ -152,6 +152,62 @@ def fleet_main(config_path: str, action: str) -> int:
                       "restarting": [dataclasses.asdict(sl) for sl in current.slots],
                       "breaker": None if breaker is None else dataclasses.asdict(breaker),
                       "restarts_in_window": len(current.restarts)}, indent=2))
+    return 0
+
+
+def quarantine_main(config_path: str, action: str, fingerprint: str | None) -> int:
+    """`gpu-watchdog quarantine list|lift FP`: the workload's quarantine in its Lease, with this pod's
+    sidecar's rights. A lift reaches every replica at its sidecar's next sync (5 s)."""
+    import json
+
+    from watchdog import quarantine
+
+    logs.configure("watchdog", stream=sys.stderr)  # stdout is the answer
+    try:
+        settings = load(config_path)
+        workload = resolve_workload(settings)
+        ledger = build_ledger(settings, workload)
+    except ConfigError as exc:
+        for line in exc.errors:
+            print(f"error: {line}", file=sys.stderr)
+        return 2
+    except Exception as exc:
+        print(f"gpu-watchdog quarantine: {exc}", file=sys.stderr)
+        return 2
+    if ledger is None:
+        print("gpu-watchdog quarantine: this config reaches no Kubernetes API: the quarantine is this sidecar's"
+              " own (see its /status); lift one with DELETE /control/quarantine on the server", file=sys.stderr)
+        return 2
+    try:
+        if action == "lift":
+            assert fingerprint is not None
+
+            def lift(records: quarantine.Records, now: float
+                     ) -> tuple[quarantine.Records, tuple[quarantine.Records, bool]]:
+                new, was = quarantine.lift_records(records, fingerprint, now)
+                return new, (new, was)
+
+            records, was = ledger.update_records(lift)
+            if not was:
+                print(f"gpu-watchdog quarantine: {fingerprint} is not quarantined in {workload}", file=sys.stderr)
+                return 1
+            for q in records.quarantined:
+                if q.fingerprint == fingerprint:
+                    try:
+                        ledger.report_quarantine(q, lifted=True)
+                    except Exception as exc:  # lifted all the same: the Event is the record of it
+                        print(f"gpu-watchdog quarantine: lifted; its Event was not written: {exc}", file=sys.stderr)
+            print(f"{fingerprint} lifted in {workload}: every replica serves it again within 5 s")
+            return 0
+        records = ledger.read_records()
+    except Exception as exc:  # LedgerUnavailable, an API error
+        print(f"gpu-watchdog quarantine: {getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:300]}",
+              file=sys.stderr)
+        return 1
+    now = time.time()
+    print(json.dumps({"workload": workload, "lease": ledger.name, "enabled": settings.policy.quarantine.enabled,
+                      "quarantined": [quarantine.describe(q, now) for q in records.quarantined if now < q.until],
+                      "failures_in_window": len(records.failures)}, indent=2))
     return 0
 
 

@@ -24,7 +24,7 @@ from tests.chart.test_chart import (
 from tests.chart.test_day_one import render_error
 from watchdog.actions.fleet import lease_name
 from watchdog.actions.kube import workload_from_pod
-from watchdog.config import FleetSettings, RestartBudgetSettings, from_mapping
+from watchdog.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
 
 
 def lease(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -73,14 +73,32 @@ def test_the_lease_leaves_the_sidecars_ledger_to_them(values: dict[str, Any]) ->
     assert found["spec"] == {}
 
 
-@pytest.mark.parametrize("values", [strategy("none"), strategy("container", enabled=False),
-                                    strategy("evict", enabled=False)])
-def test_no_lease_and_no_right_to_one_where_the_fleet_is_off(values: dict[str, Any],
-                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+def quarantine_off(values: dict[str, Any]) -> dict[str, Any]:
+    config = values["watchdog"]["config"]
+    config.setdefault("policy", {})["quarantine"] = {"enabled": False}
+    return values
+
+
+@pytest.mark.parametrize("values", [strategy("none"), quarantine_off(strategy("container", enabled=False)),
+                                    quarantine_off(strategy("evict", enabled=False))])
+def test_no_lease_and_no_right_to_one_where_the_fleet_and_the_quarantine_are_off(
+        values: dict[str, Any], monkeypatch: pytest.MonkeyPatch) -> None:
     docs = render(values)
     assert lease(docs) is None
     assert role_rules(docs, "coordination.k8s.io", "leases") == []
     assert watchdog_config(values, monkeypatch).policy.fleet.lease_name == ""
+
+
+def test_the_quarantine_alone_keeps_the_lease_for_its_records(monkeypatch: pytest.MonkeyPatch) -> None:
+    values = strategy("evict", enabled=False)
+    docs = render(values)
+    found = lease(docs)
+    assert found is not None
+    [rule] = role_rules(docs, "coordination.k8s.io", "leases")
+    assert rule["resourceNames"] == [found["metadata"]["name"]] and sorted(rule["verbs"]) == ["get", "update"]
+    settings = watchdog_config(values, monkeypatch)
+    assert settings.policy.fleet.enabled is False and settings.policy.quarantine.enabled is True
+    assert lease_name("anything", settings.policy.fleet.lease_name) == found["metadata"]["name"]
 
 
 def test_the_user_keeps_the_other_fleet_settings(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -141,6 +159,38 @@ def test_the_values_give_the_sidecars_defaults_and_comment_every_fleet_setting()
     for f in dataclasses.fields(FleetSettings):
         assert f.name in fleet_comment, f"values.yaml says nothing of policy.fleet.{f.name}"
     assert "per_replica" in comment_above(text, "restart_budget: {")
+
+
+def test_the_quarantine_settings_are_the_sidecars_defaults_and_each_is_explained() -> None:
+    text = (CHART / "values.yaml").read_text()
+    policy = yaml.safe_load(text)["watchdog"]["config"]["policy"]
+    settings = from_mapping({"policy": {"quarantine": policy["quarantine"]},
+                             "kubernetes": {"pod_name": "p", "namespace": "n"}})
+    assert settings.policy.quarantine == QuarantineSettings()
+    said = comment_above(text, "quarantine: {")
+    for f in dataclasses.fields(QuarantineSettings):
+        assert f.name in said, f"values.yaml says nothing of policy.quarantine.{f.name}"
+    notes = render_manifests({})["gpu-watchdog/templates/NOTES.txt"]
+    assert "-c watchdog -- gpu-watchdog quarantine lift FINGERPRINT" in notes
+    off = render_manifests(quarantine_off(strategy("container")))["gpu-watchdog/templates/NOTES.txt"]
+    assert "quarantine lift" not in off
+
+
+@pytest.mark.parametrize("values", [{}, VLLM, EXTERNAL, ALL_ON])
+def test_every_replica_gets_the_releases_fingerprint_key(values: dict[str, Any]) -> None:
+    docs = render(values)
+    [secret] = [s for s in by_kind(docs, "Secret") if s["metadata"]["name"].endswith("-fingerprint")]
+    kubernetes_validate.validate(secret, K8S_VERSION, strict=True)
+    assert len(secret["data"]["key"]) >= 48
+    [deploy] = by_kind(docs, "Deployment")
+    spec = deploy["spec"]["template"]["spec"]
+    model = [c for c in spec["containers"] if c["name"] != "watchdog"]
+    for container in model:
+        [env] = [e for e in container.get("env", []) if e["name"] == "GPU_WATCHDOG_FINGERPRINT_KEY"]
+        assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "key"}
+    # The sidecar never needs it: it reads fingerprints, it does not compute them.
+    watchdog = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "watchdog"]
+    assert watchdog and all("GPU_WATCHDOG_FINGERPRINT_KEY" not in str(c.get("env")) for c in watchdog)
 
 
 def comment_above(text: str, line_start: str) -> str:

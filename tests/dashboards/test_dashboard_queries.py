@@ -95,3 +95,26 @@ def test_the_fleet_states_asked_for_are_the_sidecars() -> None:
     assert asked <= set(names.STATES)
     [pattern] = {m for _, expr in panel_queries() for m in re.findall(r'state=~"(fleet_[^"]*)"', expr)}
     assert {s for s in names.STATES if re.fullmatch(pattern, s)} == set(names.FLEET_HOLDS)
+
+
+def test_the_quarantine_panel_and_alert_ask_for_what_the_sidecar_and_the_server_expose() -> None:
+    from inference.metrics import InferenceMetrics
+
+    watchdog = WatchdogMetrics(lambda: Snapshot())
+    watchdog.quarantined.labels(workload="llm").set(1)
+    server = InferenceMetrics()
+    server.quarantined.inc()
+    exposed: dict[str, set[str]] = {}
+    for registry in (watchdog.registry, server.registry):
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                exposed.setdefault(sample.name, set()).update(sample.labels)
+    rules = yaml.safe_load((DASH / "alerts.yaml").read_text())["groups"][0]["rules"]
+    queries = [(title, expr) for title, expr in panel_queries() if "quarantined" in expr]
+    queries += [(r["alert"], r["expr"]) for r in rules if "quarantined" in r["expr"]]
+    assert {"Requests quarantined (query of death)", "GPUWatchdogRequestQuarantined"} <= {t for t, _ in queries}
+    for title, expr in queries:
+        for name in re.findall(r"\b(gpu_(?:watchdog|inference)_\w+)", expr):
+            assert name in exposed, f"{title}: {name} is not a series the sidecar or the server exposes"
+            grouped = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
+            assert grouped <= exposed[name] | TARGET_LABELS, (title, grouped - exposed[name] - TARGET_LABELS)

@@ -62,6 +62,10 @@ def run_watchdog(kmock: Any, tmp_path: Path, server: Any, **config: Any) -> tupl
         "canary": {"interval": "300ms", "timeout": "1s"},
         "kubernetes": {"pod_name": "${POD_NAME}", "namespace": "${POD_NAMESPACE}", "kubeconfig": str(kc)},
         "server": {"host": "127.0.0.1", "port": wport},
+        # This emulator creates a Lease but cannot replace one: the quarantine's records would take
+        # the Lease's create and leave the fleet's slot a replace it refuses. Both are tested
+        # together on the emulator that has resourceVersion semantics (tests/fleet).
+        "policy": {"quarantine": {"enabled": False}},
         **config,
     }))
     env = {"POD_NAME": POD, "POD_NAMESPACE": NS, "GPU_WATCHDOG_TOKEN": ""}

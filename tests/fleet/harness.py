@@ -96,6 +96,7 @@ class FleetPod:
     hang_after: int | None
     config_path: Path
     created_at: float
+    control_port: int = 0  # serve's control API (model "serve")
     model: Proc | None = None
     sidecar: Proc | None = None
     ready_at: float | None = None  # the first /readyz 200
@@ -103,6 +104,8 @@ class FleetPod:
     removed_at: float | None = None
     removed_how: str | None = None  # delete | evict
     exited: bool = False  # the sidecar ended by itself while its pod was alive
+    model_exits: int = 0  # the model server ended by itself (and the kubelet restarted it in place)
+    model_starts: int = 0  # model server processes started in this pod, the first included
 
     @property
     def alive(self) -> bool:
@@ -116,6 +119,14 @@ class FleetPod:
     def model_url(self) -> str:
         return f"http://127.0.0.1:{self.model_port}"
 
+    @property
+    def control_url(self) -> str:
+        return f"http://127.0.0.1:{self.control_port}"
+
+    @property
+    def token(self) -> str:
+        return f"fleet-token-{self.name}"
+
     def log_text(self) -> str:
         return self.sidecar.log() if self.sidecar is not None else ""
 
@@ -124,7 +135,10 @@ class FleetPod:
         return json_lines(self.log_text())
 
     def model_log_text(self) -> str:
-        return self.model.log() if self.model is not None else ""
+        """Every model server process of the pod, in order."""
+        logs = sorted(self.config_path.parent.glob(f"{self.name}.model.*.log"),
+                      key=lambda p: int(p.stem.rsplit(".", 1)[-1]))
+        return "".join(p.read_text(errors="replace") for p in logs)
 
 
 PodRef = FleetPod | str
@@ -141,6 +155,10 @@ class Fleet:
       (the node of the pod it replaces).
     - `min_available`: a PodDisruptionBudget over the Deployment's pods (None: none).
     - `ready_timeout`: how long the first pods' sidecars may take to become ready on entry.
+    - `model`: "toy" (tests.fleet.model_server) or "serve" (the bundled server on the built-in model,
+      with fault injection; the sidecar drives its control API). A serve process that exits by itself
+      is started again in its pod, as the kubelet restarts a container; `serve_faults` are injected
+      into every serve process once it is ready (`serve_ready` says which are).
     """
 
     def __init__(self, cluster: Any, tmp_path: Path, replicas: int = 8,
@@ -148,13 +166,16 @@ class Fleet:
                  deployment: str = "llm", hang_after: int | None = None, replacement_hang_after: int | None = None,
                  replacement_node: str = "fresh", min_available: int | None = None, ready_timeout: float = 90.0,
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
-                 seed: int | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
+                 serve_faults: list[dict[str, Any]] | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
                             f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
                             f" selects the class) or @pytest.mark.kmock(cls=Cluster)")
         if replicas < 1:
             raise ValueError(f"replicas must be at least 1, not {replicas}")
+        if model not in ("toy", "serve"):
+            raise ValueError(f"model: 'toy' or 'serve', not {model!r}")
         if replacement_node not in ("fresh", "same"):
             raise ValueError(f"replacement_node: 'fresh' or 'same', not {replacement_node!r}")
         self.cluster: Cluster = cluster
@@ -172,6 +193,9 @@ class Fleet:
         self.stop_timeout = stop_timeout
         self.env = env or {}
         self.clock = clock
+        self.model = model
+        self.serve_faults = serve_faults or []
+        self.serve_ready: set[tuple[str, int]] = set()  # (pod, start): ready with its faults injected
         self.random = random.Random(seed)
         self.template_hash = "".join(self.random.choice(NAME_ALPHABET) for _ in range(10))
         self.replica_set_name = f"{deployment}-{self.template_hash}"
@@ -265,30 +289,83 @@ class Fleet:
                        replaces=None if replaces is None else replaces.name, model_port=free_port(),
                        sidecar_port=free_port(),
                        hang_after=self.hang_after if replaces is None else self.replacement_hang_after,
-                       config_path=self.dir / f"{name}.yaml", created_at=self.clock())
+                       config_path=self.dir / f"{name}.yaml", created_at=self.clock(),
+                       control_port=free_port() if self.model == "serve" else 0)
         self.all_pods[name] = pod
         self.cluster.add(k8s.pod_of(self._rs, name, node, ready=ready, wall=self.cluster.wall))
         self._moment("created", name, node=node, replaces=pod.replaces, hang_after=pod.hang_after)
         return pod
 
     def _config(self, pod: FleetPod) -> dict[str, Any]:
-        return deep_merge(base_sidecar_config(pod.model_port, pod.sidecar_port, self._kubeconfig), self.sidecar_config)
+        base = base_sidecar_config(pod.model_port, pod.sidecar_port, self._kubeconfig)
+        if self.model == "serve":
+            base["target"] = {"control_url": pod.control_url, "token_file": None, "openai_url": None,
+                              "metrics_url": f"{pod.model_url}/metrics"}
+        return deep_merge(base, self.sidecar_config)
+
+    def _model_argv(self, pod: FleetPod) -> list[str]:
+        if self.model == "serve":
+            return ["-m", "watchdog", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(pod.model_port),
+                    "--control-port", str(pod.control_port), "--fault-injection"]
+        argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
+        if pod.hang_after is not None:
+            argv += ["--hang-after", str(pod.hang_after)]
+        return argv
+
+    def _model_env(self, pod: FleetPod) -> dict[str, str] | None:
+        if self.model != "serve":
+            return None
+        # One key for the workload (the chart's Secret): every replica fingerprints a request alike.
+        return {"GPU_WATCHDOG_TOKEN": pod.token, "GPU_WATCHDOG_FINGERPRINT_KEY": f"key-of-{self.deployment}",
+                "GPU_WATCHDOG_TERMINATION_LOG": str(self.dir / f"{pod.name}.termination-log")}
+
+    def _spawn_model(self, pod: FleetPod) -> Proc:
+        pod.model_starts += 1
+        proc = spawn_python(self._model_argv(pod), self.dir / f"{pod.name}.model.{pod.model_starts}.log",
+                            self._model_env(pod), ROOT)
+        return proc
+
+    async def _serve_faults(self, pod: FleetPod, start: int) -> None:
+        """Once this serve process is ready: `serve_faults` injected, then it counts as ready."""
+        assert self._http is not None
+        headers = {"Authorization": f"Bearer {pod.token}"}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + 120
+        while pod.alive and pod.model_starts == start and loop.time() < deadline:
+            if await self._get_status(pod.model_url + "/readyz") == 200:
+                for fault in self.serve_faults:
+                    async with self._http.post(pod.control_url + "/control/fault", json=fault, headers=headers,
+                                               timeout=aiohttp.ClientTimeout(total=5)) as r:
+                        assert r.status == 200, await r.text()
+                self.serve_ready.add((pod.name, start))
+                self._moment("model_ready", pod.name, start=start)
+                return
+            await asyncio.sleep(0.1)
 
     async def _start(self, pod: FleetPod) -> None:
         pod.config_path.write_text(yaml.safe_dump(self._config(pod)))
-        model_argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
-        if pod.hang_after is not None:
-            model_argv += ["--hang-after", str(pod.hang_after)]
         env = {"POD_NAME": pod.name, "POD_NAMESPACE": self.namespace, "NODE_NAME": pod.node,
                # Not the runner's: the sidecar learns its workload from its pod, as in the cluster.
-               "GPU_WATCHDOG_TOKEN": "", "GPU_WATCHDOG_WORKLOAD": "", **self.env}
+               "GPU_WATCHDOG_TOKEN": pod.token if self.model == "serve" else "", "GPU_WATCHDOG_WORKLOAD": "",
+               **self.env}
         # Popen of a Python costs milliseconds each: off the loop that also serves the API.
         pod.model, pod.sidecar = await asyncio.gather(
-            asyncio.to_thread(spawn_python, model_argv, self.dir / f"{pod.name}.model.log", None, ROOT),
+            asyncio.to_thread(self._spawn_model, pod),
             asyncio.to_thread(spawn, ["run", "--config", str(pod.config_path)], self.dir / f"{pod.name}.sidecar.log",
                               env))
         if not pod.alive:  # removed while starting: the kubelet stops what it just started
             await self._stop_procs(pod)
+        elif self.model == "serve":
+            self._spawn_task(self._serve_faults(pod, pod.model_starts))
+
+    async def _kubelet(self, pod: FleetPod) -> None:
+        """A model server that ended by itself is started again in its pod (restartPolicy Always)."""
+        if pod.model is None or pod.model.proc.poll() is None or not pod.alive or pod.removed_at is not None:
+            return
+        pod.model_exits += 1
+        self._moment("model_exited", pod.name, code=pod.model.proc.returncode, start=pod.model_starts)
+        pod.model = await asyncio.to_thread(self._spawn_model, pod)
+        self._spawn_task(self._serve_faults(pod, pod.model_starts))
 
     async def _stop_procs(self, pod: FleetPod) -> None:
         """SIGTERM to both at once, as the kubelet stops a pod's containers; SIGKILL after `stop_timeout`.
@@ -352,6 +429,7 @@ class Fleet:
 
     async def _probe(self, pod: FleetPod) -> None:
         assert self._http is not None and pod.sidecar is not None
+        await self._kubelet(pod)
         if pod.sidecar.proc.poll() is not None:
             if not pod.exited:  # on its own: the kubelet here does not restart containers
                 pod.exited = True
@@ -452,6 +530,28 @@ class Fleet:
                 raise AssertionError(f"{p.name}: fault {kind!r} answered {r.status}: {(await r.text())[:300]}")
             data: dict[str, Any] = await r.json()
             return data
+
+    async def control(self, pod: PodRef, method: str, path: str, body: Any = None) -> dict[str, Any]:
+        """A call to a serve pod's control API (its token)."""
+        assert self._http is not None
+        p = self._pod(pod)
+        async with self._http.request(method, p.control_url + path, json=body,
+                                      headers={"Authorization": f"Bearer {p.token}"},
+                                      timeout=aiohttp.ClientTimeout(total=5)) as r:
+            if r.status != 200:
+                raise AssertionError(f"{p.name}: {method} {path} answered {r.status}: {(await r.text())[:300]}")
+            data: dict[str, Any] = await r.json()
+            return data
+
+    async def complete(self, pod: PodRef, body: dict[str, Any], timeout: float = 60) -> tuple[int, Any]:
+        """POST /v1/completions to a serve pod: (status, JSON body); (0, error) when no answer came."""
+        assert self._http is not None
+        try:
+            async with self._http.post(self._pod(pod).model_url + "/v1/completions", json=body,
+                                       timeout=aiohttp.ClientTimeout(total=timeout)) as r:
+                return r.status, await r.json(content_type=None)
+        except (aiohttp.ClientError, TimeoutError, ValueError) as exc:
+            return 0, repr(exc)
 
     async def hang(self, pod: PodRef) -> None:
         await self.fault(pod, "hang")

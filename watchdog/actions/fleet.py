@@ -16,13 +16,14 @@ from typing import Any, TypeVar
 
 from kubernetes import client
 
-from watchdog import fleet, logs
+from watchdog import fleet, logs, quarantine
 from watchdog.actions.kube import CONTROLLER, event_name
 from watchdog.fleet import LEDGER_ANNOTATION, Ledger
 
 log = logs.get("watchdog.fleet")
 
 T = TypeVar("T")
+A = TypeVar("A")
 CONFLICT_TRIES = 8  # writers that lost a race; more than this many in a row is an API to report
 
 
@@ -74,25 +75,40 @@ class LeaseLedger:
         return self._ledger(self._get())
 
     def _ledger(self, lease: Any | None) -> Ledger:
+        return self._parsed(lease, LEDGER_ANNOTATION, fleet.parse, "ledger")
+
+    def _parsed(self, lease: Any | None, annotation: str, parse: Callable[[str | None], A], what: str) -> A:
         annotations = (lease.metadata.annotations if lease is not None and lease.metadata is not None else None) or {}
         try:
-            return fleet.parse(annotations.get(LEDGER_ANNOTATION))
-        except fleet.LedgerError as exc:
-            raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: its ledger is not ours ({exc})") from None
+            return parse(annotations.get(annotation))
+        except ValueError as exc:  # LedgerError, RecordsError
+            raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: its {what} is not ours ({exc})") from None
 
     def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T:
         """Read, decide (`decide(ledger, wall_now)`), write back if it changed; again on a conflict."""
+        return self._update(LEDGER_ANNOTATION, fleet.parse, fleet.dump, "ledger", decide)
+
+    # -- the query of death's records (a second annotation of the same Lease) ----------------------
+
+    def read_records(self) -> quarantine.Records:
+        return self._parsed(self._get(), quarantine.ANNOTATION, quarantine.parse, "quarantine records")
+
+    def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T:
+        return self._update(quarantine.ANNOTATION, quarantine.parse, quarantine.dump, "quarantine records", decide)
+
+    def _update(self, annotation: str, parse: Callable[[str | None], A], dump: Callable[[A], str], what: str,
+                decide: Callable[[A, float], tuple[A, T]]) -> T:
         for attempt in range(CONFLICT_TRIES):
             if attempt:
                 # Writers that lost a race to the same version would collide again in step.
                 time.sleep(random.uniform(0.0, 0.05 * 2**min(attempt, 4)))
             lease = self._get()
-            ledger = self._ledger(lease)
-            new, result = decide(ledger, self.wall_clock())
-            if new == ledger:
+            current = self._parsed(lease, annotation, parse, what)
+            new, result = decide(current, self.wall_clock())
+            if new == current:
                 return result
             try:
-                self._write(lease, new)
+                self._write(lease, annotation, dump(new))
             except Exception as exc:
                 if getattr(exc, "status", None) == 409:
                     continue  # another replica wrote first: decide again on what it wrote
@@ -100,19 +116,18 @@ class LeaseLedger:
             return result
         raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: {CONFLICT_TRIES} conflicting writes in a row")
 
-    def _write(self, lease: Any | None, ledger: Ledger) -> None:
+    def _write(self, lease: Any | None, annotation: str, text: str) -> None:
         now = dt.datetime.now(dt.UTC)
-        text = fleet.dump(ledger)
         if lease is None:
             body = client.V1Lease(
                 metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace,
-                                             annotations={LEDGER_ANNOTATION: text},
+                                             annotations={annotation: text},
                                              labels={"app.kubernetes.io/managed-by": "gpu-watchdog"}),
                 spec=client.V1LeaseSpec(holder_identity=self.pod_name, renew_time=now))
             self.coordination.create_namespaced_lease(self.namespace, body, _request_timeout=self.timeout)
             return
         meta = lease.metadata
-        meta.annotations = {**(meta.annotations or {}), LEDGER_ANNOTATION: text}
+        meta.annotations = {**(meta.annotations or {}), annotation: text}
         spec = lease.spec or client.V1LeaseSpec()
         spec.holder_identity, spec.renew_time = self.pod_name, now
         body = client.V1Lease(metadata=meta, spec=spec)  # carries the resourceVersion that was read
@@ -139,6 +154,27 @@ class LeaseLedger:
         found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
         created = found.metadata.creation_timestamp if found.metadata is not None else None
         return created.timestamp() if created is not None else None
+
+    def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None:
+        """A Warning Event on the workload (its Deployment): a request fingerprint quarantined, or lifted."""
+        until = dt.datetime.fromtimestamp(q.until, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        if lifted:
+            note = f"gpu-watchdog lifted the quarantine of request fingerprint {q.fingerprint} in {self.workload}."
+        else:
+            note = (f"gpu-watchdog refuses request fingerprint {q.fingerprint} on every replica of {self.workload}"
+                    f" until {until}: it was in flight at {len(q.failures)} failures (pods {', '.join(q.pods)})."
+                    " A request is killing replicas: find its client by this fingerprint in the access log;"
+                    " lift with `gpu-watchdog quarantine lift`.")
+        body = client.EventsV1Event(
+            metadata=client.V1ObjectMeta(name=event_name(self.workload), namespace=self.namespace,
+                                         annotations={"gpu-watchdog.io/fingerprint": q.fingerprint}),
+            event_time=dt.datetime.now(dt.UTC), reporting_controller=CONTROLLER, reporting_instance=self.pod_name,
+            action="LiftQuarantine" if lifted else "Quarantine",
+            reason="QuarantineLifted" if lifted else "RequestQuarantined", note=note[:1024],
+            type="Normal" if lifted else "Warning",
+            regarding=client.V1ObjectReference(kind="Deployment", api_version="apps/v1", name=self.workload,
+                                               namespace=self.namespace))
+        self.events.create_namespaced_event(self.namespace, body, _request_timeout=self.timeout)
 
     def report_breaker(self, breaker: fleet.Breaker) -> None:
         """A Warning Event on the workload (its Deployment): the breaker opened."""

@@ -16,6 +16,7 @@ from watchdog.actions.kube import PodActions, RefusedError, event_reason
 from watchdog.config import RestartSettings
 from watchdog.escalation import (
     GPUS_ANNOTATION,
+    INFLIGHT_ANNOTATION,
     NODE_ANNOTATION,
     REASON_ANNOTATION,
     WORKLOAD_ANNOTATION,
@@ -77,6 +78,10 @@ def annotations_for(decision: Decision, workload: str | None = None, node: str |
         out[GPUS_ANNOTATION] = ",".join(gpus)
     if isinstance(decision.detail.get("xid"), int):
         out[XID_ANNOTATION] = str(decision.detail["xid"])
+    inflight = decision.detail.get("inflight")
+    if inflight:
+        # The query of death's evidence, where every pod of the workload can read it.
+        out[INFLIGHT_ANNOTATION] = ",".join(inflight)
     return out
 
 

@@ -60,7 +60,9 @@ policy.fleet.enabled is not false.
 */}}
 {{- define "gpu-watchdog.fleetLease" -}}
 {{- $fleet := dig "policy" "fleet" dict .Values.watchdog.config -}}
-{{- if and (ne (include "gpu-watchdog.restartStrategy" .) "none") (ne (toString (dig "enabled" true $fleet)) "false") -}}
+{{- $quarantine := dig "policy" "quarantine" dict .Values.watchdog.config -}}
+{{- $used := or (ne (toString (dig "enabled" true $fleet)) "false") (ne (toString (dig "enabled" true $quarantine)) "false") -}}
+{{- if and (ne (include "gpu-watchdog.restartStrategy" .) "none") $used -}}
 {{- printf "%s-fleet" (include "gpu-watchdog.fullname" .) -}}
 {{- end -}}
 {{- end -}}
@@ -205,4 +207,19 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- end -}}
 {{ include "gpu-watchdog.labels" $root }}
 {{ toYaml $extra }}
+{{- end -}}
+
+{{/*
+The request fingerprint key's Secret (the query of death): one per release, so every replica
+fingerprints a request alike and nobody without it can compute one. Created once and kept: an
+upgrade reads the key back (lookup) rather than drawing a new one, which would make the
+quarantined fingerprints stale.
+*/}}
+{{- define "gpu-watchdog.fingerprintSecret" -}}
+{{- printf "%s-fingerprint" (include "gpu-watchdog.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "gpu-watchdog.fingerprintEnv" -}}
+- name: GPU_WATCHDOG_FINGERPRINT_KEY
+  valueFrom: {secretKeyRef: {name: {{ include "gpu-watchdog.fingerprintSecret" . }}, key: key}}
 {{- end -}}

@@ -1,0 +1,301 @@
+"""What the server knows of its requests for the query of death: the fingerprints in flight, the
+newest admitted, those answered lately, what was in flight when the context was lost, and the
+quarantine list it refuses by. Shared by `serve` and the in-process agent (`RequestBook`,
+`QuarantineList`, `Screen`), so the sidecar reads one shape from either through the control API.
+
+Thread-safe: the agent's requests run in worker threads, `serve`'s failure comes from its decode
+thread.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import hashlib
+import json
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import structlog
+
+from inference.faults import FaultInjector
+from inference.fingerprint import fingerprint
+from inference.validation import BadRequest
+
+log = structlog.get_logger(__name__)
+
+KEY_ENV = "GPU_WATCHDOG_FINGERPRINT_KEY"
+# After a lost context, the process waits this long at most (once the watchdog saw the poisoned
+# state) for the watchdog to read what was in flight, before it exits.
+FAILURE_READ_WAIT_S = 3.0
+REPORTED = 32  # fingerprints in flight reported (and written to the termination log) at most
+COMPLETED_KEPT = 256  # fingerprints answered successfully, kept for the sidecar's bystander evidence
+QUARANTINE_MAX = 256  # entries a server holds; the sidecar's rule quarantines a few per episode
+
+# Whether the request being handled matches an injected fault's `when_prompt_contains`: set by the
+# HTTP layer for the request's task (and the threads it hands its work to), read where work starts.
+MARKED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gpu_watchdog_marked", default=frozenset())
+
+
+def workload_key(model: str) -> bytes:
+    """The fingerprint key: `GPU_WATCHDOG_FINGERPRINT_KEY` (the chart's Secret, one per release, so
+    every replica computes the same fingerprint and nobody else can), else one derived from the
+    model's name (the same across replicas; guessable by whoever knows the model)."""
+    secret = os.environ.get(KEY_ENV, "").strip()
+    if secret:
+        return secret.encode()
+    return hashlib.sha256(f"gpu-watchdog fingerprint key for {model}".encode()).digest()
+
+
+class RequestBook:
+    """The fingerprints in flight (admitted, not answered), the newest admitted, the last answered
+    successfully, and a snapshot taken at the moment the context was lost."""
+
+    def __init__(self, instance_id: str) -> None:
+        self.instance_id = instance_id
+        self._lock = threading.Lock()
+        self._inflight: dict[int, str] = {}
+        self._next = 0
+        self._newest: str | None = None
+        self._completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
+        self._at_failure: dict[str, Any] | None = None
+        self.failure_read = threading.Event()  # the watchdog read `at_failure`
+
+    def begin(self, fp: str) -> int:
+        with self._lock:
+            self._next += 1
+            self._inflight[self._next] = fp
+            self._newest = fp
+            return self._next
+
+    def end(self, ticket: int, ok: bool) -> None:
+        with self._lock:
+            fp = self._inflight.pop(ticket, None)
+            if ok and fp is not None and fp not in self._completed:
+                self._completed.append(fp)
+
+    def _now(self) -> dict[str, Any]:
+        inflight = list(dict.fromkeys(reversed(self._inflight.values())))  # newest first, once each
+        return {"inflight": inflight[:REPORTED], "inflight_total": len(self._inflight), "newest": self._newest,
+                "at": time.time()}
+
+    def failed(self) -> dict[str, Any]:
+        """Freeze what is in flight now: the context was lost (the first call wins)."""
+        with self._lock:
+            if self._at_failure is None:
+                self._at_failure = self._now()
+            return dict(self._at_failure)
+
+    def wait_read(self) -> bool:
+        """Block until the watchdog read what was in flight at the failure (bounded); True if it did
+        or there was nothing to read."""
+        with self._lock:
+            nothing = self._at_failure is None or not self._at_failure["inflight"]
+        return nothing or self.failure_read.wait(FAILURE_READ_WAIT_S)
+
+    def report(self) -> dict[str, Any]:
+        with self._lock:
+            if self._at_failure is not None:
+                self.failure_read.set()
+            return {"instance_id": self.instance_id, **self._now(), "completed": list(self._completed),
+                    "at_failure": self._at_failure}
+
+
+@dataclass(frozen=True)
+class Entry:
+    fingerprint: str
+    until: float  # wall clock
+    failures: int = 0
+    pods: tuple[str, ...] = ()
+
+    def describe(self) -> dict[str, Any]:
+        return {"fingerprint": self.fingerprint, "until": self.until, "failures": self.failures,
+                "pods": list(self.pods)}
+
+
+class QuarantineError(ValueError):
+    """A quarantine entry the control API cannot take: names the field."""
+
+    def __init__(self, param: str, message: str) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def parse_entry(data: Any, where: str = "") -> Entry:
+    if not isinstance(data, Mapping):
+        raise QuarantineError(where or "body", f"{where or 'body'}: must be an object")
+    fp = data.get("fingerprint")
+    if not isinstance(fp, str) or not 1 <= len(fp) <= 64 or not all(c in "0123456789abcdef" for c in fp):
+        raise QuarantineError(f"{where}fingerprint", f"{where}fingerprint: must be a lowercase hex string")
+    until = data.get("until")
+    if isinstance(until, bool) or not isinstance(until, int | float):
+        raise QuarantineError(f"{where}until", f"{where}until: must be a time (seconds since the epoch)")
+    failures = data.get("failures", 0)
+    if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
+        raise QuarantineError(f"{where}failures", f"{where}failures: must be a count")
+    pods = data.get("pods", [])
+    if not isinstance(pods, list) or not all(isinstance(p, str) for p in pods):
+        raise QuarantineError(f"{where}pods", f"{where}pods: must be a list of pod names")
+    return Entry(fp, float(until), failures, tuple(pods[:16]))
+
+
+class QuarantineList:
+    """The fingerprints this server refuses, each until its time."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[str, Entry] = {}
+        self._clock = clock
+
+    def lookup(self, fp: str) -> Entry | None:
+        with self._lock:
+            entry = self._entries.get(fp)
+        return entry if entry is not None and self._clock() < entry.until else None
+
+    def add(self, entry: Entry) -> None:
+        with self._lock:
+            self._entries[entry.fingerprint] = entry
+            self._trim()
+
+    def replace(self, entries: list[Entry]) -> None:
+        with self._lock:
+            self._entries = {e.fingerprint: e for e in entries}
+            self._trim()
+
+    def lift(self, fp: str) -> bool:
+        with self._lock:
+            return self._entries.pop(fp, None) is not None
+
+    def _trim(self) -> None:
+        now = self._clock()
+        self._entries = {k: e for k, e in self._entries.items() if e.until > now}
+        while len(self._entries) > QUARANTINE_MAX:  # the soonest to end go first
+            del self._entries[min(self._entries.values(), key=lambda e: e.until).fingerprint]
+
+    def describe(self) -> list[dict[str, Any]]:
+        now = self._clock()
+        with self._lock:
+            return [e.describe() for e in self._entries.values() if e.until > now]
+
+
+def refusal_body(entry: Entry) -> dict[str, Any]:
+    until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.until))
+    seen = f"{entry.failures} failures" if entry.failures else "failures"
+    return {"error": {
+        "message": f"this request was in flight at {seen} of this service and is refused until {until}"
+                   f" (fingerprint {entry.fingerprint}); an operator can lift it",
+        "type": "request_quarantined", "param": None, "code": "request_quarantined",
+        "fingerprint": entry.fingerprint, "until": until}}
+
+
+def _texts(value: Any, out: list[str]) -> None:
+    if isinstance(value, str):
+        out.append(value)
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            _texts(v, out)
+    elif isinstance(value, list):
+        for v in value:
+            _texts(v, out)
+
+
+def prompt_text(body: Any) -> str:
+    """Every string of the request's prompt, messages or input (the fault injector matches on it)."""
+    out: list[str] = []
+    if isinstance(body, Mapping):
+        for name in ("prompt", "messages", "input", "inputs", "text", "items"):
+            if name in body:
+                _texts(body[name], out)
+    else:
+        _texts(body, out)
+    return "\n".join(out)
+
+
+class Quarantined(BadRequest):
+    """A request on the quarantine list: 422, with why and until when."""
+
+    def __init__(self, entry: Entry) -> None:
+        self.entry = entry
+        body = refusal_body(entry)
+        super().__init__(422, None, body["error"]["message"], code="request_quarantined")
+
+    def body(self) -> dict[str, Any]:
+        return refusal_body(self.entry)
+
+
+class Screen:
+    """The per-request half, one per process: fingerprint, refuse if quarantined, book in flight."""
+
+    def __init__(self, instance_id: str, model: str, faults: FaultInjector | None = None) -> None:
+        self.faults = faults
+        self.key = workload_key(model)
+        self.book = RequestBook(instance_id)
+        self.quarantine = QuarantineList()
+        self.refused = 0
+        self.on_refused: Callable[[], None] | None = None  # the metrics' counter
+
+    def of_raw(self, raw: bytes, describe: Callable[[bytes], object] | None = None) -> str | None:
+        """A raw body's fingerprint (the agent's: it sees bytes): over what `describe` (the app's
+        function) says determines the work, else the body's computation fields (JSON) or bytes.
+        None: nothing to fingerprint (no body, or `describe` said None)."""
+        if not raw.strip():
+            return None
+        try:
+            body: Any = json.loads(raw)
+        except ValueError:
+            body = raw.decode("utf-8", "replace")
+        if describe is None:
+            return self.of_body(body)
+        if self.faults is not None:
+            MARKED.set(self.faults.marks(prompt_text(body)))
+        try:
+            work = describe(raw)
+        except Exception as exc:  # the app's function: its bug costs the fingerprint, not the request
+            log.warning("fingerprint_failed", error=repr(exc)[:200])
+            return None
+        return None if work is None else fingerprint(self.key, work)
+
+    def of_body(self, body: Any) -> str | None:
+        """A parsed JSON body's fingerprint (its computation fields), and the faults its prompt
+        triggers set for the request (`MARKED`)."""
+        if self.faults is not None:
+            MARKED.set(self.faults.marks(prompt_text(body)))
+        return fingerprint(self.key, body)
+
+    def check(self, fp: str | None) -> None:
+        """Refuse a quarantined fingerprint: `Quarantined` (422), counted and logged once."""
+        entry = None if fp is None else self.quarantine.lookup(fp)
+        if entry is None:
+            return
+        self.refused += 1
+        if self.on_refused is not None:
+            self.on_refused()
+        log.warning("request_quarantined", fingerprint=fp, until=entry.until, failures=entry.failures,
+                    pods=list(entry.pods))
+        raise Quarantined(entry)
+
+    def admit(self, fp: str | None) -> int | None:
+        """Book a fingerprint in flight (after `check`): the ticket `done` takes."""
+        return None if fp is None else self.book.begin(fp)
+
+    def request(self, scope: Any, body: Any) -> None:
+        """One parsed request: fingerprint it, refuse it if quarantined, else book it in flight; what
+        the request log and `done` need goes into `scope` (the framework's per-request mapping:
+        aiohttp's request, the agent glue's dict)."""
+        self.screened(scope, self.of_body(body))
+
+    def screened(self, scope: Any, fp: str | None) -> None:
+        scope["fingerprint"] = fp
+        self.check(fp)
+        scope["ticket"] = self.admit(fp)
+
+    def done(self, ticket: int | None, ok: bool) -> None:
+        if ticket is not None:
+            self.book.end(ticket, ok)
+
+    def describe(self) -> dict[str, Any]:
+        return {"entries": self.quarantine.describe(), "refused": self.refused}

@@ -1,0 +1,137 @@
+"""The query-of-death rule on traces: the culprit quarantined, bystanders never."""
+
+from __future__ import annotations
+
+import pytest
+
+from watchdog.config import QuarantineSettings
+from watchdog.quarantine import (
+    FAILURES_KEPT,
+    MAX_PER_EPISODE,
+    Failure,
+    Records,
+    RecordsError,
+    active,
+    decide,
+    dump,
+    failure_from,
+    lift,
+    lift_records,
+    parse,
+    record,
+    server_entries,
+    suspects,
+)
+
+S = QuarantineSettings()
+
+
+def failure(at: float, pod: str, inflight: tuple[str, ...], newest: str | None = None,
+            completed: tuple[str, ...] = (), process: str = "p1") -> Failure:
+    return Failure(at, pod, process, "context_loss", inflight, newest, completed)
+
+
+def test_the_request_that_killed_two_pods_is_quarantined_for_its_ttl() -> None:
+    fs = [failure(100, "a", ("qod", "x1"), newest="qod"), failure(130, "b", ("qod", "y1"), newest="qod")]
+    [q] = decide(S, fs, [], 131.0)
+    assert q.fingerprint == "qod" and q.until == 131.0 + S.ttl and q.pods == ["a", "b"]
+    assert q.active(131.0) and not q.active(131.0 + S.ttl)
+
+
+def test_one_failure_or_one_process_twice_is_not_enough() -> None:
+    assert decide(S, [failure(100, "a", ("qod",), "qod")], [], 101.0) == []
+    same = [failure(100, "a", ("qod",), "qod"), failure(110, "a", ("qod",), "qod")]
+    assert decide(S, same, [], 111.0) == []
+    again = [failure(100, "a", ("qod",), "qod"), failure(110, "a", ("qod",), "qod", process="p2")]
+    assert [q.fingerprint for q in decide(S, again, [], 111.0)] == ["qod"]  # restarted in place, killed again
+
+
+def test_a_bystander_in_flight_at_both_failures_is_not_quarantined_with_the_newest_culprit() -> None:
+    # A long request retried by its client was in flight at both failures too.
+    fs = [failure(100, "a", ("long", "qod"), newest="qod"), failure(130, "b", ("long", "qod"), newest="qod")]
+    assert [fp for fp, _ in suspects(S, fs, 131.0)] == ["qod"]
+
+
+def test_a_bystander_in_flight_at_one_failure_only_is_never_quarantined() -> None:
+    fs = [failure(100, "a", ("qod", "innocent"), newest="qod"), failure(130, "b", ("qod",), newest="qod")]
+    assert [q.fingerprint for q in decide(S, fs, [], 131.0)] == ["qod"]
+
+
+def test_a_fingerprint_that_completed_somewhere_is_no_culprit() -> None:
+    fs = [failure(100, "a", ("qod", "retried"), newest="retried"),
+          failure(130, "b", ("qod", "retried"), newest="qod", completed=("retried",))]
+    assert [q.fingerprint for q in decide(S, fs, [], 131.0)] == ["qod"]
+
+
+def test_failures_outside_the_window_are_not_evidence() -> None:
+    fs = [failure(100, "a", ("qod",), "qod"), failure(100 + S.window + 1, "b", ("qod",), "qod")]
+    assert decide(S, fs, [], 100 + S.window + 2) == []
+
+
+def test_at_most_a_few_are_quarantined_from_one_set_of_failures() -> None:
+    many = tuple(f"fp{i}" for i in range(10))
+    fs = [failure(100, "a", many), failure(130, "b", many)]
+    assert len(decide(S, fs, [], 131.0)) == MAX_PER_EPISODE
+
+
+def test_a_lift_holds_until_a_new_failure_and_nothing_happens_when_off() -> None:
+    fs = [failure(100, "a", ("qod",), "qod"), failure(130, "b", ("qod",), "qod")]
+    current = decide(S, fs, [], 131.0)
+    lifted = lift(current, "qod", 140.0)
+    assert not lifted[0].active(141.0)
+    assert decide(S, fs, lifted, 150.0) == lifted  # the same evidence does not quarantine it again
+    again = decide(S, [*fs, failure(200, "c", ("qod",), "qod")], lifted, 201.0)
+    assert [q.fingerprint for q in again if q.active(201.0)] == ["qod"]
+    assert decide(QuarantineSettings(enabled=False), fs, [], 131.0) == []
+
+
+def test_records_add_each_failure_once_and_quarantine_on_the_second_pod() -> None:
+    first = failure(100, "a", ("qod", "x"), newest="qod", completed=("done-1", "x"))
+    records, new = record(S, Records(), first, 100.0)
+    assert new == [] and len(records.failures) == 1
+    # Only completions that clear a fingerprint seen in a failure are kept: the annotation stays small.
+    assert records.failures[0].completed == ("x",)
+    again, new = record(S, records, first, 101.0)
+    assert again is records and new == []
+    records, new = record(S, records, failure(130, "b", ("qod",), newest="qod"), 130.0)
+    assert [q.fingerprint for q in new] == ["qod"] and [q.fingerprint for q in active(records, 131.0)] == ["qod"]
+    # Another failure with it in flight does not quarantine it anew.
+    records, new = record(S, records, failure(140, "c", ("qod",), newest="qod"), 140.0)
+    assert new == [] and len(records.quarantined) == 1
+
+
+def test_records_keep_only_the_window_and_a_bounded_number_of_failures() -> None:
+    records = Records()
+    for i in range(FAILURES_KEPT + 10):
+        records, _ = record(S, records, failure(float(i), f"pod-{i}", (f"fp{i}",), process=f"p{i}"), float(i))
+    assert len(records.failures) == FAILURES_KEPT
+    records, _ = record(S, records, failure(10_000.0, "late", ("z",)), 10_000.0)
+    assert [f.pod for f in records.failures] == ["late"]
+
+
+def test_the_lease_annotation_round_trips_and_rejects_what_is_not_ours() -> None:
+    records, _ = record(S, Records(), failure(100, "a", ("qod",), "qod"), 100.0)
+    records, _ = record(S, records, failure(130, "b", ("qod",), "qod"), 130.0)
+    records, was = lift_records(records, "qod", 140.0)
+    assert was and parse(dump(records)) == records and parse(None) == Records()
+    for bad in ("{", "[]", '{"v": 2}', '{"v": 1, "failures": [{"at": "x"}]}',
+                '{"v": 1, "quarantined": [{"fingerprint": 3}]}'):
+        with pytest.raises(RecordsError):
+            parse(bad)
+    assert lift_records(records, "qod", 150.0)[1] is False  # lifted already
+
+
+def test_a_failure_from_the_servers_report_prefers_what_was_in_flight_at_the_failure() -> None:
+    report = {"instance_id": "i1", "inflight": [], "newest": "late", "completed": ["ok"],
+              "at_failure": {"inflight": ["qod", "x"], "newest": "qod", "at": 1.0}}
+    f = failure_from(report, "pod-a", "context_loss", 200.0)
+    assert (f.process, f.inflight, f.newest, f.completed) == ("i1", ("qod", "x"), "qod", ("ok",))
+    hung = failure_from({"instance_id": "i2", "inflight": ["h"], "newest": "h", "completed": [], "at_failure": None},
+                        "pod-a", "hang", 200.0)
+    assert hung.inflight == ("h",) and hung.reason == "hang"
+    for bad in (None, {"inflight": []}, {"instance_id": "i", "inflight": "qod"}):
+        with pytest.raises(RecordsError):
+            failure_from(bad, "pod-a", "hang", 1.0)
+    entries = server_entries(record(S, record(S, Records(), failure(1, "a", ("q",), "q"), 1.0)[0],
+                                    failure(2, "b", ("q",), "q"), 2.0)[0], 3.0)
+    assert entries == [{"fingerprint": "q", "until": 2.0 + S.ttl, "failures": 2, "pods": ["a", "b"]}]

@@ -1,0 +1,260 @@
+"""The query of death: which request fingerprints to refuse, from the failures of the workload.
+
+Pure: failure records in (each a poison exit, a hang or a context loss of one process, with the
+fingerprints in flight at it, the newest admitted before it, and those that completed lately), the
+fingerprints to quarantine out. No I/O, no clock of its own; times are wall-clock seconds, since the
+records come from many pods.
+
+A fingerprint is quarantined when it was in flight at `failures` (2) failures of the workload within
+`window`, on two different pods or processes, and nothing clears it:
+- it completed successfully somewhere (a culprit never does);
+- a bystander (a retried innocent request that happened to be in flight twice) is told apart from
+  the culprit: the culprit is in every failure's set and is often the newest arrival before the
+  fault; where several fingerprints qualify, those that were the newest before a fault come first,
+  and at most `MAX_PER_EPISODE` are quarantined from one set of failures;
+- every quarantine lasts `ttl` and is listed and liftable by an operator.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from watchdog.config import QuarantineSettings
+
+MAX_PER_EPISODE = 3  # a bound on the damage: one set of failures quarantines this many at most
+ANNOTATION = "gpu-watchdog.io/quarantine"  # on the workload's Lease, beside the fleet's ledger
+VERSION = 1
+FAILURES_KEPT = 64  # failures within the window, newest kept: the annotation stays small
+INFLIGHT_KEPT = 32  # fingerprints of one failure (the server reports this many at most)
+COMPLETED_KEPT = 32  # of a failing process's completions, those that clear a suspect
+
+
+@dataclass(frozen=True)
+class Failure:
+    """One failure of one process: what was in flight at it."""
+
+    at: float
+    pod: str
+    process: str  # the server process's instance id (a pod restarts its container in place too)
+    reason: str
+    inflight: tuple[str, ...]
+    newest: str | None = None  # the last fingerprint admitted before the failure
+    completed: tuple[str, ...] = ()  # fingerprints the process answered successfully lately
+
+
+@dataclass(frozen=True)
+class Records:
+    """What the workload knows: its failures (with their fingerprints) and its quarantine list."""
+
+    failures: tuple[Failure, ...] = ()
+    quarantined: tuple[Quarantined, ...] = ()
+
+
+@dataclass(frozen=True)
+class Quarantined:
+    fingerprint: str
+    since: float
+    until: float
+    failures: tuple[Failure, ...]  # the evidence
+    lifted_at: float | None = None  # an operator's lift
+
+    @property
+    def pods(self) -> list[str]:
+        return sorted({f.pod for f in self.failures})
+
+    def active(self, now: float) -> bool:
+        return self.lifted_at is None and self.since <= now < self.until
+
+
+def _distinct(failures: Iterable[Failure]) -> int:
+    return len({(f.pod, f.process) for f in failures})
+
+
+def suspects(settings: QuarantineSettings, failures: list[Failure], now: float) -> list[tuple[str, list[Failure]]]:
+    """The fingerprints that qualify, best first, with the failures each was in flight at."""
+    recent = [f for f in failures if now - settings.window < f.at <= now]
+    cleared = {fp for f in recent for fp in f.completed}
+    at: dict[str, list[Failure]] = {}
+    for f in recent:
+        for fp in set(f.inflight):
+            at.setdefault(fp, []).append(f)
+    qualified = [(fp, fs) for fp, fs in at.items()
+                 if fp not in cleared and _distinct(fs) >= max(2, settings.failures)]
+    if not qualified:
+        return []
+
+    def rank(item: tuple[str, list[Failure]]) -> tuple[int, int, float, str]:
+        fp, fs = item
+        newest = sum(1 for f in fs if f.newest == fp)
+        return (-_distinct(fs), -newest, -max(f.at for f in fs), fp)
+
+    qualified.sort(key=rank)
+    # Where some were the newest arrival before a fault, the others in flight with them are bystanders.
+    if any(any(f.newest == fp for f in fs) for fp, fs in qualified):
+        qualified = [(fp, fs) for fp, fs in qualified if any(f.newest == fp for f in fs)]
+    return qualified[:MAX_PER_EPISODE]
+
+
+def decide(settings: QuarantineSettings, failures: list[Failure], current: list[Quarantined],
+           now: float) -> list[Quarantined]:
+    """The quarantine list after these failures: the current entries still active or lifted within
+    their TTL (a lifted one is not quarantined again by the same evidence), plus new ones."""
+    if not settings.enabled:
+        return []
+    kept = [q for q in current if now < q.until]
+    known = {q.fingerprint: q for q in kept}
+    out = list(kept)
+    for fp, fs in suspects(settings, failures, now):
+        old = known.get(fp)
+        if old is not None and (old.lifted_at is None or all(f.at <= old.lifted_at for f in fs)):
+            continue  # already quarantined, or lifted by an operator and no failure since
+        out = [q for q in out if q.fingerprint != fp]
+        out.append(Quarantined(fp, now, now + settings.ttl, tuple(sorted(fs, key=lambda f: f.at))))
+    return out
+
+
+def lift(current: list[Quarantined], fingerprint: str, now: float) -> list[Quarantined]:
+    return [Quarantined(q.fingerprint, q.since, q.until, q.failures, now) if q.fingerprint == fingerprint else q
+            for q in current]
+
+
+def active(records: Records, now: float) -> list[Quarantined]:
+    return [q for q in records.quarantined if q.active(now)]
+
+
+def record(settings: QuarantineSettings, records: Records, failure: Failure, now: float
+           ) -> tuple[Records, list[Quarantined]]:
+    """`failure` added (once per process and reason), and the quarantine decided again: the new
+    records and the entries this failure quarantined."""
+    if any((f.pod, f.process, f.reason) == (failure.pod, failure.process, failure.reason)
+           for f in records.failures):
+        return records, []
+    suspects_now = {fp for f in records.failures for fp in f.inflight} | set(failure.inflight)
+    # Of the failing process's completions, only those that clear a fingerprint in a failure matter.
+    kept = Failure(failure.at, failure.pod, failure.process, failure.reason, failure.inflight[:INFLIGHT_KEPT],
+                   failure.newest, tuple(fp for fp in failure.completed if fp in suspects_now)[:COMPLETED_KEPT])
+    failures = [f for f in records.failures if now - settings.window < f.at <= now] + [kept]
+    failures = failures[-FAILURES_KEPT:]
+    before = {q.fingerprint for q in active(records, now)}
+    quarantined = decide(settings, failures, list(records.quarantined), now)
+    new = [q for q in quarantined if q.active(now) and q.fingerprint not in before]
+    return Records(tuple(failures), tuple(quarantined)), new
+
+
+def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Records, bool]:
+    """An operator's lift: the entry stays (lifted) until its TTL, so the same evidence does not
+    quarantine it again; True when it was active."""
+    was = any(q.fingerprint == fingerprint and q.active(now) for q in records.quarantined)
+    return Records(records.failures, tuple(lift(list(records.quarantined), fingerprint, now))), was
+
+
+# -- the Lease annotation ------------------------------------------------------------------------
+
+
+class RecordsError(ValueError):
+    """The annotation is not one we wrote."""
+
+
+def _failure_json(f: Failure) -> dict[str, Any]:
+    return {"at": f.at, "pod": f.pod, "process": f.process, "reason": f.reason, "inflight": list(f.inflight),
+            "newest": f.newest, "completed": list(f.completed)}
+
+
+def dump(records: Records) -> str:
+    return json.dumps({"v": VERSION, "failures": [_failure_json(f) for f in records.failures],
+                       "quarantined": [{"fingerprint": q.fingerprint, "since": q.since, "until": q.until,
+                                        "lifted_at": q.lifted_at, "failures": [_failure_json(f) for f in q.failures]}
+                                       for q in records.quarantined]},
+                      sort_keys=True, separators=(",", ":"))
+
+
+def _num(d: Any, key: str, optional: bool = False) -> Any:
+    v = d.get(key)
+    if optional and v is None:
+        return None
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise RecordsError(f"{key}: expected a number, got {v!r}")
+    return float(v)
+
+
+def _strs(d: Any, key: str) -> tuple[str, ...]:
+    v = d.get(key, [])
+    if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
+        raise RecordsError(f"{key}: expected a list of strings")
+    return tuple(v)
+
+
+def _str(d: Any, key: str, optional: bool = False) -> Any:
+    v = d.get(key)
+    if optional and v is None:
+        return None
+    if not isinstance(v, str):
+        raise RecordsError(f"{key}: expected a string, got {v!r}")
+    return v
+
+
+def _failure(d: Any) -> Failure:
+    if not isinstance(d, dict):
+        raise RecordsError("failure: expected an object")
+    return Failure(_num(d, "at"), _str(d, "pod"), _str(d, "process"), _str(d, "reason"), _strs(d, "inflight"),
+                   _str(d, "newest", optional=True), _strs(d, "completed"))
+
+
+def _list(d: Any, key: str) -> list[Any]:
+    v = d.get(key, [])
+    if not isinstance(v, list):
+        raise RecordsError(f"{key}: expected a list")
+    return v
+
+
+def parse(text: str | None) -> Records:
+    """The records in the Lease's annotation; absent is empty. Raises RecordsError on anything else."""
+    if not text:
+        return Records()
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise RecordsError(f"not JSON: {exc}") from None
+    if not isinstance(data, dict) or data.get("v") != VERSION:
+        raise RecordsError(f"expected quarantine records of version {VERSION}")
+    failures = tuple(_failure(f) for f in _list(data, "failures"))
+    quarantined = []
+    for q in _list(data, "quarantined"):
+        if not isinstance(q, dict):
+            raise RecordsError("quarantined: expected objects")
+        quarantined.append(Quarantined(_str(q, "fingerprint"), _num(q, "since"), _num(q, "until"),
+                                       tuple(_failure(f) for f in _list(q, "failures")),
+                                       _num(q, "lifted_at", optional=True)))
+    return Records(failures, tuple(quarantined))
+
+
+def describe(q: Quarantined, now: float) -> dict[str, Any]:
+    """An entry as /status and the CLI show it: the evidence without the other fingerprints."""
+    return {"fingerprint": q.fingerprint, "since": q.since, "until": q.until, "active": q.active(now),
+            "lifted_at": q.lifted_at, "pods": q.pods,
+            "failures": [{"at": f.at, "pod": f.pod, "process": f.process, "reason": f.reason,
+                          "newest": f.newest == q.fingerprint, "inflight": len(f.inflight)} for f in q.failures]}
+
+
+
+def failure_from(report: Any, pod: str, reason: str, at: float) -> Failure:
+    """A failure from the server's `GET /control/requests`: what was in flight when its context was
+    lost where it says, else what is in flight now (a hang: those requests are still running).
+    Raises RecordsError on an answer that is not one."""
+    if not isinstance(report, dict):
+        raise RecordsError("expected an object")
+    frozen = report.get("at_failure")
+    source = frozen if isinstance(frozen, dict) else report
+    inflight = _strs(source, "inflight")
+    return Failure(at, pod, _str(report, "instance_id"), reason, inflight[:INFLIGHT_KEPT],
+                   _str(source, "newest", optional=True), _strs(report, "completed"))
+
+
+def server_entries(records: Records, now: float) -> list[dict[str, Any]]:
+    """The active quarantine as the server's control API takes it."""
+    return [{"fingerprint": q.fingerprint, "until": q.until, "failures": len(q.failures), "pods": q.pods}
+            for q in active(records, now)]
