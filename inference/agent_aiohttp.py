@@ -15,7 +15,7 @@ from inference.agent import METRICS_CONTENT_TYPE, Agent
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.http_control import Handler
 from inference.http_public import error_response
-from inference.screen import MARKED, Quarantined
+from inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -35,8 +35,11 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
         # One connection's requests run in one task: no request's fault marks carry over to the next.
         marked = MARKED.set(frozenset())
         try:
-            if request.method in BODY_METHODS and request.can_read_body:
-                # Read once here; aiohttp keeps it for the handler's own read.
+            length = request.content_length
+            if (request.method in BODY_METHODS and request.can_read_body and length is not None
+                    and length <= SCREEN_MAX_BYTES and not request.content_type.startswith("multipart/")):
+                # Read once here; aiohttp keeps it for the handler's own read (a multipart or
+                # streamed body is the handler's to read as it comes: not screened).
                 agent.screen_body(screen, await request.read())
             response = await handler(request)
             status = response.status

@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from inference.agent import METRICS_CONTENT_TYPE, Agent
 from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from inference.http_public import error_response
-from inference.screen import MARKED, Quarantined
+from inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -76,18 +76,23 @@ class _Observe:
         """The body read whole (the app reads it again from the returned `receive`), fingerprinted,
         refused if quarantined (`Quarantined`), else booked in flight."""
         chunks: list[bytes] = []
-        first: list[Message] = []
-        while True:
+        size, whole = 0, False
+        after: list[Message] = []
+        while size <= SCREEN_MAX_BYTES:
             message = await receive()
             if message["type"] != "http.request":
-                first.append(message)  # the client left: the app hears it as it would have
+                after.append(message)  # the client left: the app hears it as it would have
                 break
             chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
             if not message.get("more_body", False):
+                whole = True
                 break
         raw = b"".join(chunks)
-        self.agent.screen_body(screen, raw)
-        pending: list[Message] = [{"type": "http.request", "body": raw, "more_body": False}, *first]
+        if whole:
+            self.agent.screen_body(screen, raw)
+        # A body cut short (the client left) or too large to hold goes on unscreened, as it came.
+        pending: list[Message] = [{"type": "http.request", "body": raw, "more_body": not whole}, *after]
 
         async def replay() -> Message:
             return pending.pop(0) if pending else await receive()

@@ -24,6 +24,9 @@ WORK_FIELDS = ("model", "prompt", "messages", "input", "suffix", "n", "best_of",
                "stop", "stop_token_ids", "ignore_eos", "tools", "tool_choice", "response_format",
                "guided_json", "guided_regex", "guided_choice", "guided_grammar", "encoding_format",
                "dimensions", "truncate_prompt_tokens", "inputs")
+# Fields of a body with none of the above that never change the work (who asks, how it is answered).
+NOT_WORK = frozenset({"user", "stream", "stream_options", "request_id", "id", "metadata", "temperature", "top_p",
+                      "top_k", "seed", "timeout"})
 LENGTH = 16  # hex digits: 64 bits, plenty for the requests in flight across a fleet in an hour
 
 
@@ -32,10 +35,13 @@ def fingerprint(key: bytes, body: Mapping[str, Any] | Any, tokens: list[int] | N
     it (two spellings of one prompt that tokenize alike are one computation)."""
     if isinstance(body, Mapping):
         work: Any = {k: body[k] for k in WORK_FIELDS if k in body}
+        if not work:  # an app's own JSON: all of it but what never changes the work
+            work = {k: v for k, v in body.items() if k not in NOT_WORK}
     else:
         work = body  # an app's own body (the agent's default): all of it
     if tokens is not None:
         work = {**work, "prompt": None, "messages": None, "tokens": tokens} if isinstance(work, dict) else \
             {"body": work, "tokens": tokens}
-    canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=False, default=str)
+    # ASCII escapes: a lone surrogate a client sent is hashed, not an error.
+    canonical = json.dumps(work, sort_keys=True, separators=(",", ":"), ensure_ascii=True, default=str)
     return hmac.new(key, canonical.encode(), hashlib.sha256).hexdigest()[:LENGTH]

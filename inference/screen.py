@@ -32,8 +32,10 @@ KEY_ENV = "GPU_WATCHDOG_FINGERPRINT_KEY"
 # After a lost context, the process waits this long at most (once the watchdog saw the poisoned
 # state) for the watchdog to read what was in flight, before it exits.
 FAILURE_READ_WAIT_S = 3.0
+SCREEN_MAX_BYTES = 16 * 1024 * 1024  # the agent's glue fingerprints bodies up to this size
 REPORTED = 32  # fingerprints in flight reported (and written to the termination log) at most
 COMPLETED_KEPT = 256  # fingerprints answered successfully, kept for the sidecar's bystander evidence
+UNTIL_MAX = 32503680000.0  # the year 3000: a time, not an overflow
 QUARANTINE_MAX = 256  # entries a server holds; the sidecar's rule quarantines a few per episode
 
 # Whether the request being handled matches an injected fault's `when_prompt_contains`: set by the
@@ -75,7 +77,10 @@ class RequestBook:
     def end(self, ticket: int, ok: bool) -> None:
         with self._lock:
             fp = self._inflight.pop(ticket, None)
-            if ok and fp is not None and fp not in self._completed:
+            # Nothing completes on a lost context: a stream already answered 200 ends in an error.
+            if ok and fp is not None and self._at_failure is None:
+                if fp in self._completed:
+                    self._completed.remove(fp)  # the most recent completions are the ones kept
                 self._completed.append(fp)
 
     def _now(self) -> dict[str, Any]:
@@ -84,10 +89,11 @@ class RequestBook:
                 "at": time.time()}
 
     def failed(self) -> dict[str, Any]:
-        """Freeze what is in flight now: the context was lost (the first call wins)."""
+        """Freeze what is in flight now, and what had completed: the context was lost (the first
+        call wins)."""
         with self._lock:
             if self._at_failure is None:
-                self._at_failure = self._now()
+                self._at_failure = {**self._now(), "completed": list(self._completed)}
             return dict(self._at_failure)
 
     def wait_read(self) -> bool:
@@ -132,7 +138,7 @@ def parse_entry(data: Any, where: str = "") -> Entry:
     if not isinstance(fp, str) or not 1 <= len(fp) <= 64 or not all(c in "0123456789abcdef" for c in fp):
         raise QuarantineError(f"{where}fingerprint", f"{where}fingerprint: must be a lowercase hex string")
     until = data.get("until")
-    if isinstance(until, bool) or not isinstance(until, int | float):
+    if isinstance(until, bool) or not isinstance(until, int | float) or not 0 <= until <= UNTIL_MAX:
         raise QuarantineError(f"{where}until", f"{where}until: must be a time (seconds since the epoch)")
     failures = data.get("failures", 0)
     if isinstance(failures, bool) or not isinstance(failures, int) or failures < 0:
@@ -245,26 +251,30 @@ class Screen:
         if not raw.strip():
             return None
         try:
-            body: Any = json.loads(raw)
-        except ValueError:
-            body = raw.decode("utf-8", "replace")
-        if describe is None:
-            return self.of_body(body)
-        if self.faults is not None:
-            MARKED.set(self.faults.marks(prompt_text(body)))
-        try:
+            try:
+                body: Any = json.loads(raw)
+            except ValueError:
+                body = raw.decode("utf-8", "replace")
+            if describe is None:
+                return self.of_body(body)
+            if self.faults is not None:
+                MARKED.set(self.faults.marks(prompt_text(body)))
             work = describe(raw)
-        except Exception as exc:  # the app's function: its bug costs the fingerprint, not the request
-            log.warning("fingerprint_failed", error=repr(exc)[:200])
+            return None if work is None else fingerprint(self.key, work)
+        except Exception as exc:  # a body nested past the parser, an app's function that raises:
+            log.warning("fingerprint_failed", error=repr(exc)[:200])  # no fingerprint, the request goes on
             return None
-        return None if work is None else fingerprint(self.key, work)
 
     def of_body(self, body: Any) -> str | None:
         """A parsed JSON body's fingerprint (its computation fields), and the faults its prompt
         triggers set for the request (`MARKED`)."""
-        if self.faults is not None:
-            MARKED.set(self.faults.marks(prompt_text(body)))
-        return fingerprint(self.key, body)
+        try:
+            if self.faults is not None:
+                MARKED.set(self.faults.marks(prompt_text(body)))
+            return fingerprint(self.key, body)
+        except Exception as exc:  # whatever a client sent costs its fingerprint, never the request
+            log.warning("fingerprint_failed", error=repr(exc)[:200])
+            return None
 
     def check(self, fp: str | None) -> None:
         """Refuse a quarantined fingerprint: `Quarantined` (422), counted and logged once."""

@@ -325,6 +325,11 @@ class Watchdog:
             # The inference container may have (re)written the token file since we last read it.
             samplers.control.set_token(self._read_token() or self._token)
         served_before = self.history.served_at is not None
+        executor = self.executor
+        if sample.ok and sample.instance_id is not None and sample.instance_id != executor.quarantine_pushed_to:
+            # A new server process gets the workload's quarantine before this pod reads ready again,
+            # not at the next sync.
+            await executor.push_quarantine(sample.instance_id)
         self._fold(sample)
         # A drained server's answer is no cure: the verdict stays until a new process serves.
         if sample.served and self._target_served is not None:
@@ -421,6 +426,12 @@ class Watchdog:
         # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it now,
         # whether or not this restart goes ahead.
         self._spawn(self.executor.report_driver_word(decision))
+        if decision.reason in QUARANTINE_REASONS:
+            # What was in flight, read first (a poisoned server leaves a few seconds after it is seen):
+            # the query of death's evidence, recorded before anything restarts.
+            inflight = await self.executor.record_failure(decision)
+            if inflight is not None:
+                decision = dataclasses.replace(decision, detail={**decision.detail, "inflight": list(inflight)})
         from_events = self.restart_events is not None
         read_at = self.history.workload_read_at
         asked_again = self.executor.fleet.held is not None
@@ -431,11 +442,6 @@ class Watchdog:
             if policy.budget_remaining(self.settings.policy, self.history, self.clock(), from_events) <= 0:
                 self._fold(RestartCancelled(self.clock()))  # the next evaluation reports it blocked
                 return
-        if decision.reason in QUARANTINE_REASONS:
-            # What was in flight, read before anything restarts: the query of death's evidence.
-            inflight = await self.executor.record_failure(decision)
-            if inflight is not None:
-                decision = dataclasses.replace(decision, detail={**decision.detail, "inflight": list(inflight)})
         held = await self.executor.take_slot(decision)
         if held is not None:
             # The fleet's ledger says not now: nothing was done; asked again shortly (policy).

@@ -41,6 +41,8 @@ DRAIN_DEADLINE_MARGIN_S = 120.0
 # wanted: a wanted one is tried again within the longest backoff (15 min), so after twice that
 # without an attempt the restart is no longer wanted and the episode is over.
 NOT_RECORDED_HOLD_S = 1800.0
+# How long a restart waits for its failure's record (the Lease written) before it goes on beside it.
+RECORD_WAIT_S = 5.0
 
 
 class ServerDrain:
@@ -154,8 +156,9 @@ class Executor:
         self.records = quarantine.Records()
         self.records_error: str | None = None
         self.records_read_at: float | None = None
-        self._failures_seen: dict[tuple[str, str | None], tuple[str, ...]] = {}
+        self._failures_seen: dict[tuple[str, str | None], tuple[str, ...] | None] = {}
         self._pushed: list[dict[str, Any]] | None = None
+        self.quarantine_pushed_to: str | None = None  # the server process the list last reached
 
     # -- the bundled server's control API ----------------------------------------------------
 
@@ -189,14 +192,15 @@ class Executor:
 
     async def record_failure(self, decision: Decision) -> tuple[str, ...] | None:
         """Before a restart for a hang or a lost context: what the server had in flight, added to
-        the workload's failures, and the quarantine decided again (pushed to our server at once).
+        the workload's failures, and the quarantine decided again (pushed to our server).
         The fingerprints for the restart's Event; None where none could be read. Nothing here holds
-        the restart: an unreadable server or an unwritable Lease is said and the restart goes on."""
+        the restart: an unreadable server is said at once, and the records' write is waited for
+        RECORD_WAIT_S at most (it goes on beside the restart after that)."""
         s = self.settings.policy.quarantine
         if not s.enabled or self.control is None:
             return None
         key = (decision.reason, decision.instance_id)
-        if decision.instance_id is not None and key in self._failures_seen:
+        if key in self._failures_seen:
             return self._failures_seen[key]  # asked again (held): recorded once
         try:
             failure = quarantine.failure_from(await self.control.requests(), self.settings.kubernetes.pod_name
@@ -204,8 +208,20 @@ class Executor:
         except (ControlError, quarantine.RecordsError) as exc:
             log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
                         action="restarting without them")
+            self._failures_seen[key] = None  # said once: a restart asked again does not ask again
             return None
-        self._failures_seen[(decision.reason, decision.instance_id or failure.process)] = failure.inflight
+        write = asyncio.get_running_loop().create_task(self._record(decision, key, failure))
+        self._reports.add(write)
+        write.add_done_callback(self._reports.discard)
+        try:
+            await asyncio.wait_for(asyncio.shield(write), RECORD_WAIT_S)
+        except TimeoutError:
+            log.warning("failure_record_slow", reason=decision.reason, wait_s=RECORD_WAIT_S,
+                        action="restarting; the record is written beside it")
+        return failure.inflight
+
+    async def _record(self, decision: Decision, key: tuple[str, str | None], failure: quarantine.Failure) -> None:
+        s = self.settings.policy.quarantine
 
         def add(records: quarantine.Records, now: float
                 ) -> tuple[quarantine.Records, tuple[quarantine.Records, list[quarantine.Quarantined]]]:
@@ -224,7 +240,9 @@ class Executor:
             self.records_error = str(exc)[:300]
             log.error("failure_not_recorded", reason=decision.reason, error=self.records_error,
                       action="restarting; this failure does not count toward a quarantine")
-            return failure.inflight
+            return
+        # Recorded once: a restart asked again while held neither reads nor writes again.
+        self._failures_seen[key] = self._failures_seen[(decision.reason, failure.process)] = failure.inflight
         log.warning("failure_recorded", reason=decision.reason, process=failure.process,
                     inflight=list(failure.inflight), newest=failure.newest,
                     workload_failures=len(self.records.failures))
@@ -236,8 +254,8 @@ class Executor:
             self.metrics.quarantines.inc()
             if ledger is not None:
                 self._report(functools.partial(ledger.report_quarantine, q), "quarantine_event_failed")
-        await self.push_quarantine()
-        return failure.inflight
+        if new:
+            await self.push_quarantine()
 
     async def sync_quarantine(self) -> None:
         """The workload's quarantine read from the Lease and pushed to our server; an unreadable Lease
@@ -247,8 +265,8 @@ class Executor:
         ledger = self.ledger
         if ledger is not None:
             try:
-                async with self._ledger_lock:
-                    self.records = await asyncio.to_thread(ledger.read_records)
+                # A read needs no turn of the ledger's lock: a restart's bookkeeping never waits on it.
+                self.records = await asyncio.to_thread(ledger.read_records)
                 if self.records_error is not None:
                     log.info("quarantine_records_read", workload=self.workload)
                 self.records_error = None
@@ -260,8 +278,9 @@ class Executor:
                 self.records_error = str(exc)[:300]
         await self.push_quarantine()
 
-    async def push_quarantine(self) -> None:
-        if self.control is None:
+    async def push_quarantine(self, instance_id: str | None = None) -> None:
+        """The workload's active quarantine to our server (`instance_id`: the process it reached)."""
+        if self.control is None or not self.settings.policy.quarantine.enabled:
             return
         now = self.wall_clock()
         entries = quarantine.server_entries(self.records, now)
@@ -269,16 +288,16 @@ class Executor:
         try:
             listed = await self.control.quarantine()
             have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
-            if have == sorted(e["fingerprint"] for e in entries):
-                self._pushed = entries
-                return
-            await self.control.set_quarantine(entries)
+            if have != sorted(e["fingerprint"] for e in entries):
+                await self.control.set_quarantine(entries)
+                log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries])
         except ControlError as exc:
             if exc.kind != "unreachable":  # a server starting or gone is pushed to at the next sync
                 log.warning("quarantine_not_pushed", error=str(exc)[:300])
             return
-        log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries])
         self._pushed = entries
+        if instance_id is not None:
+            self.quarantine_pushed_to = instance_id
 
     def _report(self, call: Callable[[], None], failed: str) -> None:
         async def report() -> None:

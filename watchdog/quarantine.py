@@ -17,6 +17,7 @@ A fingerprint is quarantined when it was in flight at `failures` (2) failures of
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 from collections.abc import Iterable
@@ -31,6 +32,8 @@ VERSION = 1
 FAILURES_KEPT = 64  # failures within the window, newest kept: the annotation stays small
 INFLIGHT_KEPT = 32  # fingerprints of one failure (the server reports this many at most)
 COMPLETED_KEPT = 32  # of a failing process's completions, those that clear a suspect
+FUTURE_S = 60.0  # a failure dated this far ahead (another sidecar's clock) is still believed
+ANNOTATION_BUDGET = 128 * 1024  # bytes of the annotation: a Lease's annotations hold 256 KiB in all
 
 
 @dataclass(frozen=True)
@@ -75,50 +78,62 @@ def _distinct(failures: Iterable[Failure]) -> int:
 
 
 def suspects(settings: QuarantineSettings, failures: list[Failure], now: float) -> list[tuple[str, list[Failure]]]:
-    """The fingerprints that qualify, best first, with the failures each was in flight at."""
-    recent = [f for f in failures if now - settings.window < f.at <= now]
+    """The fingerprints to quarantine, with the failures each was in flight at.
+
+    The culprit is in every failure it caused; bystanders come and go. So of the fingerprints in
+    flight at enough failures (none of which completed), those at the most failures are taken;
+    among them, the newest arrival before a fault is the culprit and the others were in flight
+    beside it. More alike than MAX_PER_EPISODE: none yet, the next failure tells them apart."""
+    recent = [f for f in failures if now - settings.window < f.at <= now + FUTURE_S]
     cleared = {fp for f in recent for fp in f.completed}
     at: dict[str, list[Failure]] = {}
     for f in recent:
         for fp in set(f.inflight):
             at.setdefault(fp, []).append(f)
-    qualified = [(fp, fs) for fp, fs in at.items()
-                 if fp not in cleared and _distinct(fs) >= max(2, settings.failures)]
+    need = max(2, settings.failures)
+    qualified = [(fp, fs) for fp, fs in at.items() if fp not in cleared and _distinct(fs) >= need]
     if not qualified:
         return []
+    top = max(_distinct(fs) for _, fs in qualified)
+    best = [(fp, fs) for fp, fs in qualified if _distinct(fs) == top]
+    chosen = [(fp, fs) for fp, fs in best if any(f.newest == fp for f in fs)] or best
+    if len(chosen) > MAX_PER_EPISODE:
+        return []
+    return sorted(chosen, key=lambda item: (-max(f.at for f in item[1]), item[0]))
 
-    def rank(item: tuple[str, list[Failure]]) -> tuple[int, int, float, str]:
-        fp, fs = item
-        newest = sum(1 for f in fs if f.newest == fp)
-        return (-_distinct(fs), -newest, -max(f.at for f in fs), fp)
 
-    qualified.sort(key=rank)
-    # Where some were the newest arrival before a fault, the others in flight with them are bystanders.
-    if any(any(f.newest == fp for f in fs) for fp, fs in qualified):
-        qualified = [(fp, fs) for fp, fs in qualified if any(f.newest == fp for f in fs)]
-    return qualified[:MAX_PER_EPISODE]
+def _after_lifts(failures: list[Failure], lifted: dict[str, float]) -> list[Failure]:
+    """A lifted fingerprint's failures before its lift are no longer evidence against it."""
+    out = []
+    for f in failures:
+        gone = {fp for fp, at in lifted.items() if f.at <= at}
+        out.append(dataclasses.replace(f, inflight=tuple(fp for fp in f.inflight if fp not in gone))
+                   if gone & set(f.inflight) else f)
+    return out
 
 
 def decide(settings: QuarantineSettings, failures: list[Failure], current: list[Quarantined],
            now: float) -> list[Quarantined]:
-    """The quarantine list after these failures: the current entries still active or lifted within
-    their TTL (a lifted one is not quarantined again by the same evidence), plus new ones."""
+    """The quarantine list after these failures: the current entries until their TTL (a lifted one
+    stays, lifted, so that only failures after its lift count against it), plus new ones."""
     if not settings.enabled:
         return []
     kept = [q for q in current if now < q.until]
     known = {q.fingerprint: q for q in kept}
+    lifted = {q.fingerprint: q.lifted_at for q in kept if q.lifted_at is not None}
     out = list(kept)
-    for fp, fs in suspects(settings, failures, now):
+    for fp, fs in suspects(settings, _after_lifts(failures, lifted), now):
         old = known.get(fp)
-        if old is not None and (old.lifted_at is None or all(f.at <= old.lifted_at for f in fs)):
-            continue  # already quarantined, or lifted by an operator and no failure since
+        if old is not None and old.lifted_at is None:
+            continue  # already quarantined
         out = [q for q in out if q.fingerprint != fp]
-        out.append(Quarantined(fp, now, now + settings.ttl, tuple(sorted(fs, key=lambda f: f.at))))
+        evidence = tuple(dataclasses.replace(f, inflight=(), completed=()) for f in sorted(fs, key=lambda f: f.at))
+        out.append(Quarantined(fp, now, now + settings.ttl, evidence))
     return out
 
 
 def lift(current: list[Quarantined], fingerprint: str, now: float) -> list[Quarantined]:
-    return [Quarantined(q.fingerprint, q.since, q.until, q.failures, now) if q.fingerprint == fingerprint else q
+    return [dataclasses.replace(q, lifted_at=now) if q.fingerprint == fingerprint and q.lifted_at is None else q
             for q in current]
 
 
@@ -137,12 +152,15 @@ def record(settings: QuarantineSettings, records: Records, failure: Failure, now
     # Of the failing process's completions, only those that clear a fingerprint in a failure matter.
     kept = Failure(failure.at, failure.pod, failure.process, failure.reason, failure.inflight[:INFLIGHT_KEPT],
                    failure.newest, tuple(fp for fp in failure.completed if fp in suspects_now)[:COMPLETED_KEPT])
-    failures = [f for f in records.failures if now - settings.window < f.at <= now] + [kept]
+    failures = [f for f in records.failures if now - settings.window < f.at <= now + FUTURE_S] + [kept]
     failures = failures[-FAILURES_KEPT:]
     before = {q.fingerprint for q in active(records, now)}
     quarantined = decide(settings, failures, list(records.quarantined), now)
     new = [q for q in quarantined if q.active(now) and q.fingerprint not in before]
-    return Records(tuple(failures), tuple(quarantined)), new
+    out = Records(tuple(failures), tuple(quarantined))
+    while len(out.failures) > 1 and len(dump(out)) > ANNOTATION_BUDGET:
+        out = Records(out.failures[1:], out.quarantined)  # the oldest evidence goes first
+    return out, new
 
 
 def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Records, bool]:
@@ -250,8 +268,9 @@ def failure_from(report: Any, pod: str, reason: str, at: float) -> Failure:
     frozen = report.get("at_failure")
     source = frozen if isinstance(frozen, dict) else report
     inflight = _strs(source, "inflight")
+    completed = _strs(source, "completed") if "completed" in source else _strs(report, "completed")
     return Failure(at, pod, _str(report, "instance_id"), reason, inflight[:INFLIGHT_KEPT],
-                   _str(source, "newest", optional=True), _strs(report, "completed"))
+                   _str(source, "newest", optional=True), completed)
 
 
 def server_entries(records: Records, now: float) -> list[dict[str, Any]]:

@@ -188,6 +188,9 @@ def test_every_replica_gets_the_releases_fingerprint_key(values: dict[str, Any])
     for container in model:
         [env] = [e for e in container.get("env", []) if e["name"] == "GPU_WATCHDOG_FINGERPRINT_KEY"]
         assert env["valueFrom"]["secretKeyRef"] == {"name": secret["metadata"]["name"], "key": "key"}
+    own = render({**values, "inference": {**values.get("inference", {}), "fingerprintKeySecret": "my-key"}})
+    assert not [s for s in by_kind(own, "Secret") if s["metadata"]["name"].endswith("-fingerprint")]
+    assert '"name": "my-key"' in str(by_kind(own, "Deployment")).replace("'", '"')
     # The sidecar never needs it: it reads fingerprints, it does not compute them.
     watchdog = [c for c in spec.get("initContainers", []) + spec["containers"] if c["name"] == "watchdog"]
     assert watchdog and all("GPU_WATCHDOG_FINGERPRINT_KEY" not in str(c.get("env")) for c in watchdog)

@@ -68,10 +68,30 @@ def test_failures_outside_the_window_are_not_evidence() -> None:
     assert decide(S, fs, [], 100 + S.window + 2) == []
 
 
-def test_at_most_a_few_are_quarantined_from_one_set_of_failures() -> None:
+def test_at_most_a_few_are_quarantined_and_more_alike_wait_for_the_failure_that_tells_them_apart() -> None:
+    few = tuple(f"fp{i}" for i in range(MAX_PER_EPISODE))
+    assert len(decide(S, [failure(100, "a", few), failure(130, "b", few)], [], 131.0)) == MAX_PER_EPISODE
     many = tuple(f"fp{i}" for i in range(10))
     fs = [failure(100, "a", many), failure(130, "b", many)]
-    assert len(decide(S, fs, [], 131.0)) == MAX_PER_EPISODE
+    assert decide(S, fs, [], 131.0) == []  # ten alike: none is picked by its spelling
+    # Bystanders come and go: the next failure has the culprit alone of them.
+    fs.append(failure(160, "c", ("fp7", "new-bystander")))
+    assert [q.fingerprint for q in decide(S, fs, [], 161.0)] == ["fp7"]
+
+
+def test_a_bystander_quarantined_by_a_tie_does_not_hide_the_culprit_at_the_next_failure() -> None:
+    # A retried bystander was the newest arrival at both failures: it is taken (bounded damage)...
+    fs = [failure(100, "a", ("culprit", "x"), newest="x"), failure(130, "b", ("culprit", "x"), newest="x")]
+    first = decide(S, fs, [], 131.0)
+    assert [q.fingerprint for q in first] == ["x"]
+    # ...and the culprit, in flight at one more failure than anything else, is taken at the next one.
+    fs.append(failure(160, "c", ("culprit", "y"), newest="y"))
+    assert sorted(q.fingerprint for q in decide(S, fs, first, 161.0)) == ["culprit", "x"]
+
+
+def test_a_failure_dated_a_little_ahead_by_another_clock_still_counts() -> None:
+    fs = [failure(100, "a", ("qod",), "qod"), failure(131.5, "b", ("qod",), "qod")]
+    assert [q.fingerprint for q in decide(S, fs, [], 130.0)] == ["qod"]
 
 
 def test_a_lift_holds_until_a_new_failure_and_nothing_happens_when_off() -> None:
@@ -80,8 +100,12 @@ def test_a_lift_holds_until_a_new_failure_and_nothing_happens_when_off() -> None
     lifted = lift(current, "qod", 140.0)
     assert not lifted[0].active(141.0)
     assert decide(S, fs, lifted, 150.0) == lifted  # the same evidence does not quarantine it again
-    again = decide(S, [*fs, failure(200, "c", ("qod",), "qod")], lifted, 201.0)
-    assert [q.fingerprint for q in again if q.active(201.0)] == ["qod"]
+    # Only failures after the lift count: one more is not enough, two are.
+    one = decide(S, [*fs, failure(200, "c", ("qod",), "qod")], lifted, 201.0)
+    assert [q for q in one if q.active(201.0)] == []
+    two = decide(S, [*fs, failure(200, "c", ("qod",), "qod"), failure(210, "d", ("qod",), "qod")], lifted, 211.0)
+    assert [q.fingerprint for q in two if q.active(211.0)] == ["qod"]
+    assert lift(lifted, "qod", 300.0) == lifted  # lifting again keeps the first lift's time
     assert decide(QuarantineSettings(enabled=False), fs, [], 131.0) == []
 
 

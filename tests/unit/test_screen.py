@@ -34,9 +34,13 @@ def test_the_book_reports_in_flight_newest_first_and_freezes_at_the_failure() ->
     assert book.report()["at_failure"] == frozen and frozen["inflight"] == ["fa", "fb"]
     assert "fb" not in book.report()["completed"]  # an error is not a completion
     assert book.failed() == frozen  # the first failure wins
+    book.end(book.begin("after"), ok=True)  # a stream answered 200 that ends on the lost context
+    assert "after" not in book.report()["completed"] and frozen["completed"] == ["fa"]
+    fresh = RequestBook("i2")
     for i in range(COMPLETED_KEPT + 5):
-        book.end(book.begin(f"c{i}"), ok=True)
-    assert len(book.report()["completed"]) == COMPLETED_KEPT
+        fresh.end(fresh.begin(f"c{i}"), ok=True)
+    fresh.end(fresh.begin("c0"), ok=True)  # again: now among the most recent
+    assert len(fresh.report()["completed"]) == COMPLETED_KEPT and fresh.report()["completed"][-1] == "c0"
 
 
 def test_the_list_refuses_until_its_time_and_stays_bounded() -> None:
@@ -60,6 +64,9 @@ def test_an_entry_names_its_bad_field() -> None:
         with pytest.raises(QuarantineError) as err:
             parse_entry(body, "entries[3].")
         assert err.value.param == f"entries[3].{field}"
+    for until in (float("inf"), float("nan"), 1e300, -1):
+        with pytest.raises(QuarantineError):
+            parse_entry({"fingerprint": "ab", "until": until})
 
 
 def test_a_screen_refuses_what_is_listed_counts_it_and_books_the_rest() -> None:
@@ -83,6 +90,13 @@ def test_a_screen_refuses_what_is_listed_counts_it_and_books_the_rest() -> None:
     assert other.of_body(body) == fp and Screen("i3", "model-b").of_body(body) != fp
     assert other.of_raw(b'{"max_tokens": 3, "prompt": "hello"}') == fp and other.of_raw(b"  ") is None
     assert other.of_raw(b"raw bytes", describe=lambda raw: None) is None
+    # Whatever a client sends costs at most its fingerprint: a lone surrogate, nesting past the parser.
+    assert other.of_body({"prompt": "\ud800"}) is not None
+    assert other.of_raw(b"[" * 100_000 + b"]" * 100_000) is None
+    assert other.of_raw(b"{}", describe=lambda raw: 1 / 0) is None
+    # An app's own JSON without the usual fields: its fields are the work, not one shared fingerprint.
+    assert other.of_body({"instances": [1]}) != other.of_body({"instances": [2]})
+    assert other.of_body({"instances": [1], "user": "a"}) == other.of_body({"instances": [1], "user": "b"})
 
 
 def test_a_fault_for_a_prompt_fires_only_for_it_every_time_until_cleared() -> None:

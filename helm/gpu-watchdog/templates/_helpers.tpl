@@ -216,7 +216,7 @@ upgrade reads the key back (lookup) rather than drawing a new one, which would m
 quarantined fingerprints stale.
 */}}
 {{- define "gpu-watchdog.fingerprintSecret" -}}
-{{- printf "%s-fingerprint" (include "gpu-watchdog.fullname" .) | trunc 63 | trimSuffix "-" -}}
+{{- .Values.inference.fingerprintKeySecret | default (printf "%s-fingerprint" (include "gpu-watchdog.fullname" .) | trunc 63 | trimSuffix "-") -}}
 {{- end -}}
 
 {{- define "gpu-watchdog.fingerprintEnv" -}}
