@@ -28,7 +28,6 @@ from watchdog.escalation import CURING_REASONS
 from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
 from watchdog.ladder import Change
 from watchdog.metrics import Snapshot, WatchdogMetrics
-from watchdog.names import QUARANTINE_REASONS
 from watchdog.policy import Decision, max_age_jitter
 from watchdog.samplers.device_health import DeviceHealthSampler
 from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
@@ -426,7 +425,8 @@ class Watchdog:
         # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it now,
         # whether or not this restart goes ahead.
         self._spawn(self.executor.report_driver_word(decision))
-        if decision.reason in QUARANTINE_REASONS:
+        if decision.reason in CURING_REASONS:
+            # A request may have killed or wedged the engine (never so for drift, age or memory).
             # What was in flight, read first (a poisoned server leaves a few seconds after it is seen):
             # the query of death's evidence, recorded before anything restarts.
             inflight = await self.executor.record_failure(decision)

@@ -9,9 +9,6 @@ from __future__ import annotations
 # Why a pod is restarted (`gpu_watchdog_restarts_total{reason}`).
 CONTEXT_LOSS = "context_loss"
 HANG = "hang"
-# The failures whose in-flight requests are the query of death's evidence: the request killed or
-# wedged the engine (a restart for drift, age or memory says nothing of a request).
-QUARANTINE_REASONS = frozenset({CONTEXT_LOSS, HANG})
 FRAGMENTATION_DRIFT = "fragmentation_drift"
 MAX_AGE = "max_age"
 STARTUP_TIMEOUT = "startup_timeout"

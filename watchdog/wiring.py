@@ -107,13 +107,10 @@ def build_ledger(settings: Settings, workload: str) -> FleetLedger | None:
                        k.request_timeout)
 
 
-def fleet_main(config_path: str, action: str) -> int:
-    """`gpu-watchdog fleet status|reset-breaker`: the ledger as this pod's sidecar sees it, with its rights."""
-    import json
-
-    from watchdog import fleet
-    from watchdog.actions.fleet import LedgerUnavailable
-
+def _open_ledger(config_path: str, command: str, without: str) -> tuple[Settings, str, FleetLedger] | int:
+    """The CLI's way to the workload's Lease, with the sidecar's config and rights: (settings,
+    workload, ledger), or the exit code once the reason it cannot is printed (`without`: where the
+    config reaches no Kubernetes API)."""
     logs.configure("watchdog", stream=sys.stderr)  # stdout is the answer
     try:
         settings = load(config_path)
@@ -124,12 +121,26 @@ def fleet_main(config_path: str, action: str) -> int:
             print(f"error: {line}", file=sys.stderr)
         return 2
     except Exception as exc:
-        print(f"gpu-watchdog fleet: {exc}", file=sys.stderr)
+        print(f"gpu-watchdog {command}: {exc}", file=sys.stderr)
         return 2
     if ledger is None:
-        print("gpu-watchdog fleet: this config restarts through no Kubernetes API (restart.strategy"
-              f" {settings.restart.strategy}): there is no fleet ledger", file=sys.stderr)
+        print(f"gpu-watchdog {command}: {without} (restart.strategy {settings.restart.strategy})", file=sys.stderr)
         return 2
+    return settings, workload, ledger
+
+
+def fleet_main(config_path: str, action: str) -> int:
+    """`gpu-watchdog fleet status|reset-breaker`: the ledger as this pod's sidecar sees it, with its rights."""
+    import json
+
+    from watchdog import fleet
+    from watchdog.actions.fleet import LedgerUnavailable
+
+    opened = _open_ledger(config_path, "fleet",
+                          "this config restarts through no Kubernetes API: there is no fleet ledger")
+    if isinstance(opened, int):
+        return opened
+    settings, workload, ledger = opened
     s = settings.policy.fleet
     try:
         if action == "reset-breaker":
@@ -162,22 +173,12 @@ def quarantine_main(config_path: str, action: str, fingerprint: str | None) -> i
 
     from watchdog import quarantine
 
-    logs.configure("watchdog", stream=sys.stderr)  # stdout is the answer
-    try:
-        settings = load(config_path)
-        workload = resolve_workload(settings)
-        ledger = build_ledger(settings, workload)
-    except ConfigError as exc:
-        for line in exc.errors:
-            print(f"error: {line}", file=sys.stderr)
-        return 2
-    except Exception as exc:
-        print(f"gpu-watchdog quarantine: {exc}", file=sys.stderr)
-        return 2
-    if ledger is None:
-        print("gpu-watchdog quarantine: this config reaches no Kubernetes API: the quarantine is this sidecar's"
-              " own (see its /status); lift one with DELETE /control/quarantine on the server", file=sys.stderr)
-        return 2
+    opened = _open_ledger(config_path, "quarantine",
+                          "this config reaches no Kubernetes API: the quarantine is this sidecar's own (see its"
+                          " /status); lift one with DELETE /control/quarantine on the server")
+    if isinstance(opened, int):
+        return opened
+    settings, workload, ledger = opened
     try:
         if action == "lift":
             assert fingerprint is not None
