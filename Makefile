@@ -59,7 +59,7 @@ $(OFFLINE_STAMP):
 	touch $(OFFLINE_STAMP)
 
 $(OFFLINE_WHEELS)/.stamp: benchmarks/gpu_wheels.py $(STAMP)
-	$(PY) -m benchmarks.gpu_wheels $(OFFLINE_WHEELS) \
+	$(PY) -m gpu_watchdog.benchmarks.gpu_wheels $(OFFLINE_WHEELS) \
 	  --python-version $$($(OFFLINE_VENV)/bin/python -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || $(PYTHON) -c 'import sys; print("%d.%d" % sys.version_info[:2])')
 	touch $(OFFLINE_WHEELS)/.stamp
 
@@ -119,4 +119,4 @@ chart-files: chart-schema
 
 # The chart's schema of watchdog.config, generated from the settings in watchdog/config.py.
 chart-schema:
-	$(PY) -m watchdog.config_schema
+	$(PY) -m gpu_watchdog.watchdog.config_schema

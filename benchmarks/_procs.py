@@ -46,7 +46,7 @@ class Running:
 def start(args: list[str], log: Path, env: dict[str, str] | None = None) -> Running:
     log.parent.mkdir(parents=True, exist_ok=True)
     fh = open(log, "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen([sys.executable, "-m", "gpu_watchdog", *args], stdout=fh, stderr=subprocess.STDOUT,
                             env={**os.environ, **(env or {})}, cwd=str(ROOT))
     return Running(proc, log)
 

@@ -1,6 +1,6 @@
 """What the in-process agent costs a request, in microseconds.
 
-    python -m benchmarks.agent_overhead [--n 20000]
+    python -m gpu_watchdog.benchmarks.agent_overhead [--n 20000]
 
 Measures, on this machine: the gate taken and given back in a worker thread (`with agent.admit()`)
 and from a coroutine (`async with`), uncontended; and a whole FastAPI request served in-process
@@ -19,8 +19,8 @@ from typing import Any
 
 from fastapi import FastAPI
 
-from inference.agent import Agent, AgentSettings
-from inference.agent_asgi import install
+from gpu_watchdog.inference.agent import Agent, AgentSettings
+from gpu_watchdog.inference.agent_asgi import install
 
 
 def per_call_us(fn: Callable[[], None], n: int) -> float:

@@ -1,6 +1,6 @@
 """The batching window, measured: a classifier at concurrency 1-32 with windows of 0, 10 and 50 ms.
 
-Usage: python -m benchmarks.batch_window [--windows 0,10,50] [--concurrency 1,2,4,8,16,32]
+Usage: python -m gpu_watchdog.benchmarks.batch_window [--windows 0,10,50] [--concurrency 1,2,4,8,16,32]
        [--requests 96] [--model DIR] [--out DIR]
 
 One server per window, one after the other (never at the same time). Each step runs closed-loop
@@ -25,7 +25,7 @@ from typing import Any
 import aiohttp
 import requests
 
-from benchmarks._procs import ROOT, machine, serve
+from gpu_watchdog.benchmarks._procs import ROOT, machine, serve
 
 TEXTS = ["the gpu server answered fast", "memory queue health", "hello world", "the canary probe was ok",
          "batch token cache", "watchdog classify label good bad"]
@@ -121,7 +121,7 @@ def main() -> None:
         os.environ["OMP_NUM_THREADS"] = str(args.threads)  # the servers inherit it
     model = args.model
     if model is None:
-        from benchmarks.make_encoder import make
+        from gpu_watchdog.benchmarks.make_encoder import make
 
         model = str(make(Path(tempfile.mkdtemp()) / "classifier", "bert", task="classify", hidden=args.hidden,
                          layers=args.layers, heads=4))

@@ -1,6 +1,6 @@
 """The seed's table, measured: unbounded vs semaphore vs full (memory-budget admission + batching).
 
-Usage: python -m benchmarks.concurrency [--concurrency 1,2,4,8,16,32] [--requests N] [--out DIR]
+Usage: python -m gpu_watchdog.benchmarks.concurrency [--concurrency 1,2,4,8,16,32] [--requests N] [--out DIR]
 
 The three modes run on the same model in one invocation, one after the other (never at the same
 time, so they do not compete for the CPU/GPU):
@@ -17,8 +17,15 @@ import sys
 import time
 from pathlib import Path
 
-from benchmarks._procs import ROOT, machine, serve
-from benchmarks.loadgen import BenchSettings, StepResult, markdown_table, ratio_table, run_sweep, write_files
+from gpu_watchdog.benchmarks._procs import ROOT, machine, serve
+from gpu_watchdog.benchmarks.loadgen import (
+    BenchSettings,
+    StepResult,
+    markdown_table,
+    ratio_table,
+    run_sweep,
+    write_files,
+)
 
 
 def modes(slots: int, max_batch: int) -> dict[str, list[str]]:

@@ -1,6 +1,6 @@
 """The control API under a flood of the largest prompts: does the watchdog's view of the server stay in time?
 
-Usage: python -m benchmarks.control_under_flood [--model DIR] [--clients 16] [--seconds 20]
+Usage: python -m gpu_watchdog.benchmarks.control_under_flood [--model DIR] [--clients 16] [--seconds 20]
        [--flood context,body] [--out benchmarks/results/control_under_flood.md]
 
 Starts `gpu-watchdog serve` on CPU (the built-in model, or `--model DIR`; prefix cache off, so that
@@ -34,8 +34,8 @@ from typing import Any
 import aiohttp
 import requests
 
-from benchmarks._procs import ROOT, Endpoints, machine, serve
-from inference.settings import ServeSettings
+from gpu_watchdog.benchmarks._procs import ROOT, Endpoints, machine, serve
+from gpu_watchdog.inference.settings import ServeSettings
 
 # As the sidecar calls them: ControlClient.memory's timeout, the canary's default (canary.timeout).
 MEMORY_TIMEOUT_S = 5.0

@@ -1,6 +1,6 @@
 """Detection latency: from an injected fault to the watchdog's action, at default and short settings.
 
-Usage: python -m benchmarks.detection [--profiles short,default]
+Usage: python -m gpu_watchdog.benchmarks.detection [--profiles short,default]
 
 Each profile runs `gpu-watchdog up --fault-injection` and injects, one after the other,
 `fragmentation` (action: empty_cache), `context_loss` and `hang` (action: restart), timing
@@ -17,7 +17,7 @@ from typing import Any
 import requests
 import yaml
 
-from benchmarks._procs import ROOT, free_port, machine, start, wait_ok
+from gpu_watchdog.benchmarks._procs import ROOT, free_port, machine, start, wait_ok
 
 PROFILES: dict[str, dict[str, Any]] = {
     "default": {},

@@ -4,7 +4,7 @@
 #   bash benchmarks/gpu_check.sh [RESULTS_DIR]
 #
 # On a GPU image that has torch & co. but no network: first, where the package index is reachable,
-# `python -m benchmarks.gpu_wheels` (wheels of what the image lacks into .gpu-wheels/, ~10 MiB);
+# `python -m gpu_watchdog.benchmarks.gpu_wheels` (wheels of what the image lacks into .gpu-wheels/, ~10 MiB);
 # the script installs them into a temp folder and runs from the checkout. From a fresh checkout
 # with only python3 + pip and network: makes its own venv (torch from PyPI, which is a CUDA build
 # on Linux x86_64). Then it checks
@@ -33,7 +33,7 @@ step "environment"
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi not available"
 NEEDED='import torch, transformers, aiohttp, prometheus_client, structlog, kubernetes, yaml, pynvml, requests, tokenizers, grpc, google.protobuf'
 # A machine without network (the GPU machines): the packages its image lacks come along as wheels,
-# made where the index is reachable by `python -m benchmarks.gpu_wheels` (default .gpu-wheels/).
+# made where the index is reachable by `python -m gpu_watchdog.benchmarks.gpu_wheels` (default .gpu-wheels/).
 WHEELS=${GPU_CHECK_WHEELS:-.gpu-wheels}
 if [ -z "${GPU_CHECK_VENV:-}" ] && [ -d "$WHEELS" ] && ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   SITE=$(mktemp -d "${TMPDIR:-/tmp}/gpu-check-site.XXXXXX")
@@ -60,7 +60,7 @@ else
   fi
   PY="$VENV/bin/python"
 fi
-gw() { "$PY" -m watchdog "$@"; }
+gw() { "$PY" -m gpu_watchdog "$@"; }
 CUDA=$("$PY" -c 'import torch; print(int(torch.cuda.is_available()))')
 "$PY" -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda, "available", torch.cuda.is_available()); print(torch.cuda.get_device_name(0) if torch.cuda.is_available() else "no GPU")' | tee "$OUT/torch.txt"
 if [ "$CUDA" != 1 ] && [ "${GPU_CHECK_ALLOW_CPU:-0}" != 1 ]; then
@@ -131,8 +131,8 @@ PYEOF
 
 step "2. allocator figures through the control API ($DEVICE)"
 export GPU_WATCHDOG_TOKEN=gpu-check-token
-read -r PORT CONTROL_PORT WPORT < <("$PY" -c 'from benchmarks._procs import free_port; print(free_port(), free_port(), free_port())')
-"$PY" -m watchdog serve --device "$DEVICE" --host 127.0.0.1 --port "$PORT" --control-port "$CONTROL_PORT" > "$OUT/serve-builtin.log" 2>&1 &
+read -r PORT CONTROL_PORT WPORT < <("$PY" -c 'from gpu_watchdog.benchmarks._procs import free_port; print(free_port(), free_port(), free_port())')
+"$PY" -m gpu_watchdog serve --device "$DEVICE" --host 127.0.0.1 --port "$PORT" --control-port "$CONTROL_PORT" > "$OUT/serve-builtin.log" 2>&1 &
 SERVE=$!
 WD=
 trap 'kill $SERVE $WD 2>/dev/null || true' EXIT
@@ -168,7 +168,7 @@ canary: {interval: 2s, timeout: 10s}
 restart: {strategy: none}
 server: {host: 127.0.0.1, port: $WPORT}
 YAML
-"$PY" -m watchdog run --config "$OUT/watchdog.yaml" > "$OUT/watchdog.log" 2>&1 &
+"$PY" -m gpu_watchdog run --config "$OUT/watchdog.yaml" > "$OUT/watchdog.log" 2>&1 &
 WD=$!
 for _ in $(seq 1 120); do curl -sf "localhost:$WPORT/readyz" >/dev/null && break; sleep 0.5; done
 sleep 3  # a few allocator samples at idle: the baseline for idle memory growth
@@ -205,9 +205,9 @@ trap 'rm -rf "$(dirname "$BIG")"' EXIT
 if [ "$CUDA" = 1 ]; then
   # Wide and shallow (1.5 B parameters, 2.7 GiB in bf16): big enough for real memory figures, few
   # enough layers that Python's per-token overhead keeps the sweep below within the time budget.
-  "$PY" -m benchmarks.make_model "$BIG" --hidden 4096 --layers 6 --heads 32 --vocab 32000 --context 4096
+  "$PY" -m gpu_watchdog.benchmarks.make_model "$BIG" --hidden 4096 --layers 6 --heads 32 --vocab 32000 --context 4096
 else
-  "$PY" -m benchmarks.make_model "$BIG" --hidden 128 --layers 2 --heads 4 --vocab 512 --context 1024
+  "$PY" -m gpu_watchdog.benchmarks.make_model "$BIG" --hidden 128 --layers 2 --heads 4 --vocab 512 --context 1024
 fi
 gw plan --model "$BIG" --max-input 2048 --max-output 1024 | tee "$OUT/plan-big.txt" || echo "(plan needs CUDA: skipped)"
 
@@ -217,11 +217,11 @@ if [ "$CUDA" = 1 ]; then
   # sequences of 2048+128 tokens (~210 MiB of KV cache each) cannot all fit, while 8 can.
   FRACTION=${GPU_CHECK_FRACTION:-$("$PY" -c "import torch, os; share = float(os.environ.get('GPU_CHECK_SHARE_GIB', '9')) * 2**30; print(round(min(0.95, share / torch.cuda.get_device_properties(0).total_memory), 4))")}
   echo "each server capped at $FRACTION of the GPU's memory"
-  "$PY" -m benchmarks.concurrency --device cuda --model "$BIG" --concurrency 16,64 --requests 64 \
+  "$PY" -m gpu_watchdog.benchmarks.concurrency --device cuda --model "$BIG" --concurrency 16,64 --requests 64 \
     --prompt-len 2048 --max-tokens 128 --slots 8 --max-batch 16 --memory-fraction "$FRACTION" \
     --out "$OUT" --stem sweep-gpu
 else
-  "$PY" -m benchmarks.concurrency --device cpu --concurrency 2,8 --requests 8 --max-tokens 8 \
+  "$PY" -m gpu_watchdog.benchmarks.concurrency --device cpu --concurrency 2,8 --requests 8 --max-tokens 8 \
     --out "$OUT" --stem sweep-cpu-dry-run
 fi
 "$PY" - "$OUT" <<'PYEOF'

@@ -4,7 +4,7 @@ The GPU machines' image has Python 3.12 with torch, transformers, aiohttp, prome
 nvidia-ml-py, grpcio, protobuf, pyyaml, requests, ... (IMAGE below) but not `kubernetes` nor
 `structlog`, and no network. Run this where the package index is reachable:
 
-    python -m benchmarks.gpu_wheels [DIR]      # default .gpu-wheels/ (git-ignored)
+    python -m gpu_watchdog.benchmarks.gpu_wheels [DIR]      # default .gpu-wheels/ (git-ignored)
 
 It downloads Python 3.12 / manylinux x86_64 wheels of ROOTS and of every requirement they name
 (read from each wheel's METADATA, markers evaluated for that machine) that the image does not

@@ -1,6 +1,6 @@
 """Write a local Hugging Face encoder directory with random weights: no download, any size.
 
-Usage: python -m benchmarks.make_encoder DIR [--arch bert|roberta|xlm-roberta] [--task embed|classify]
+Usage: python -m gpu_watchdog.benchmarks.make_encoder DIR [--arch bert|roberta|xlm-roberta] [--task embed|classify]
        [--pooling cls|mean|max|last] [--hidden 64 --layers 2 --heads 4]
 
 The tokenizer is built with the `tokenizers` library in the architecture's own style (WordPiece

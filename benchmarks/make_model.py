@@ -1,6 +1,6 @@
 """Write a local Hugging Face causal-LM directory with random weights: no download, any size.
 
-Usage: python -m benchmarks.make_model DIR [--hidden 2048 --layers 24 --heads 16 --vocab 32000]
+Usage: python -m gpu_watchdog.benchmarks.make_model DIR [--hidden 2048 --layers 24 --heads 16 --vocab 32000]
 
 The tokenizer is byte-level (each UTF-8 byte one token), built with the `tokenizers` library,
 so the directory loads with AutoTokenizer/AutoModelForCausalLM and `gpu-watchdog serve --model DIR`.

@@ -1,6 +1,6 @@
 """What the watchdog costs: throughput and p99 with and without the sidecar, and its idle footprint.
 
-Usage: python -m benchmarks.overhead [--requests N] [--idle-seconds S] [--reps R]
+Usage: python -m gpu_watchdog.benchmarks.overhead [--requests N] [--idle-seconds S] [--reps R]
 
 One `full`-mode server; the load runs at concurrency 16 alternately with no sidecar, with the
 sidecar at default rates and at 10x default rates (A/B/C interleaved, repeated), so drift hits all
@@ -24,8 +24,8 @@ from pathlib import Path
 import requests
 import yaml
 
-from benchmarks._procs import ROOT, Running, free_port, machine, serve, start, wait_ok
-from benchmarks.loadgen import BenchSettings, run_sweep
+from gpu_watchdog.benchmarks._procs import ROOT, Running, free_port, machine, serve, start, wait_ok
+from gpu_watchdog.benchmarks.loadgen import BenchSettings, run_sweep
 
 RATES = {
     "default": {"sampling": {"nvml_interval": "1s", "torch_interval": "5s", "server_interval": "5s"},

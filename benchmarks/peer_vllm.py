@@ -7,7 +7,7 @@ Scenarios, each against a real `vllm.entrypoints.openai.api_server` serving a ti
   frozen with SIGSTOP; the time until the watchdog decides `hang`, with short settings and at
   the defaults.
 
-Usage: python -m benchmarks.peer_vllm [--vllm-python PATH] [--defaults]
+Usage: python -m gpu_watchdog.benchmarks.peer_vllm [--vllm-python PATH] [--defaults]
 Writes benchmarks/results/peer_vllm.md. The tests run the same scenarios with short settings.
 """
 
@@ -30,7 +30,7 @@ from typing import Any
 import requests
 import yaml
 
-from benchmarks._procs import ROOT, Running, free_port, machine, start, stop_process
+from gpu_watchdog.benchmarks._procs import ROOT, Running, free_port, machine, start, stop_process
 
 SERVED_NAME = "tiny"
 
@@ -43,7 +43,7 @@ def vllm_python() -> Path | None:
 
 
 def make_tiny_model(directory: Path) -> Path:
-    from benchmarks.make_model import make
+    from gpu_watchdog.benchmarks.make_model import make
 
     if not (directory / "config.json").exists():
         make(directory, hidden=256, layers=4, heads=4, vocab=2048, context=1024, seed=0)

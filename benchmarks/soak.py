@@ -1,6 +1,6 @@
 """Chaos soak: steady client load on `gpu-watchdog up --fault-injection` while faults land at random moments.
 
-Usage: python -m benchmarks.soak [--duration 600] [--clients 6] [--seed 1]
+Usage: python -m gpu_watchdog.benchmarks.soak [--duration 600] [--clients 6] [--seed 1]
 
 What it proves (and prints): every request ends in a correct completion for *its* prompt (none lost,
 none duplicated, none answered with another request's text); every restart carries the reason of
@@ -28,8 +28,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from benchmarks._procs import ROOT, free_port
-from benchmarks.loadgen import backoff_delay
+from gpu_watchdog.benchmarks._procs import ROOT, free_port
+from gpu_watchdog.benchmarks.loadgen import backoff_delay
 
 RESTART_FAULTS = {"context_loss": "context_loss", "hang": "hang"}
 SOFT_FAULTS = ("oom", "fragmentation", "slow")
@@ -258,7 +258,7 @@ def _config(budget: int) -> dict[str, Any]:
 def _start_up(log_path: Path, cfg: Path, port: int, control_port: int, wport: int,
               token: str) -> tuple[subprocess.Popen[bytes], Any]:
     log = open(log_path, "wb")  # closed by run_soak
-    up = subprocess.Popen([sys.executable, "-m", "watchdog", "up", "--fault-injection", "--device", "cpu", "--host",
+    up = subprocess.Popen([sys.executable, "-m", "gpu_watchdog", "up", "--fault-injection", "--device", "cpu", "--host",
                            "127.0.0.1", "--port", str(port), "--control-port", str(control_port), "--watchdog-port",
                            str(wport), "--config", str(cfg), "--queue-timeout", "5"], stdout=log,
                           stderr=subprocess.STDOUT, env={**os.environ, "GPU_WATCHDOG_TOKEN": token}, cwd=str(ROOT))

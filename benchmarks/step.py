@@ -1,6 +1,6 @@
 """The decode loop's step, in process: the lean forward pass beside the model's own, interleaved in one run.
 
-Usage: python -m benchmarks.step [--rows 1,4,16,32] [--prompt 256] [--steps 64] [--model small|large]
+Usage: python -m gpu_watchdog.benchmarks.step [--rows 1,4,16,32] [--prompt 256] [--steps 64] [--model small|large]
        [--threads N] [--rounds 3]
 
 Each cell runs `rows` prompts of `prompt` tokens together through the engine (one prefill, then
@@ -18,11 +18,11 @@ from pathlib import Path
 
 import torch
 
-from benchmarks._procs import machine
-from benchmarks.make_model import make
-from benchmarks.peer_vllm import make_tiny_model
-from inference import model as model_mod
-from inference.engine import Engine, GenRequest
+from gpu_watchdog.benchmarks._procs import machine
+from gpu_watchdog.benchmarks.make_model import make
+from gpu_watchdog.benchmarks.peer_vllm import make_tiny_model
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.engine import Engine, GenRequest
 
 
 def _run(lm: model_mod.LoadedModel, rows: int, prompt: int, steps: int) -> tuple[float, list[list[int]]]:

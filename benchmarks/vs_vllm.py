@@ -1,6 +1,6 @@
 """The bundled server beside vLLM's CPU build, side by side on one generated model, in one run.
 
-Usage: python -m benchmarks.vs_vllm [--vllm-python PATH] [--concurrency 1,2,4,16,32] [--requests N]
+Usage: python -m gpu_watchdog.benchmarks.vs_vllm [--vllm-python PATH] [--concurrency 1,2,4,16,32] [--requests N]
 
 Generates the model (random-weight Llama, hidden 256, 4 layers, vocab 2,048; no download), then
 serves it three times, one after the other so they never compete for the cores:
@@ -24,9 +24,9 @@ from pathlib import Path
 
 import requests
 
-from benchmarks._procs import ROOT, machine, serve
-from benchmarks.loadgen import BenchSettings, StepResult, markdown_table, write_files
-from benchmarks.peer_vllm import make_tiny_model, start_vllm, vllm_python
+from gpu_watchdog.benchmarks._procs import ROOT, machine, serve
+from gpu_watchdog.benchmarks.loadgen import BenchSettings, StepResult, markdown_table, write_files
+from gpu_watchdog.benchmarks.peer_vllm import make_tiny_model, start_vllm, vllm_python
 
 
 def rss_bytes(pids: list[int]) -> int:
@@ -74,7 +74,7 @@ def sweep(url: str, label: str, args: argparse.Namespace) -> list[StepResult]:
 
 
 async def _run(s: BenchSettings) -> list[StepResult]:
-    from benchmarks.loadgen import run_sweep
+    from gpu_watchdog.benchmarks.loadgen import run_sweep
 
     return await run_sweep(s, show_progress=False)
 
@@ -149,7 +149,7 @@ def write_report(args: argparse.Namespace, results: list[StepResult], idle: dict
         f" greedy completions of {args.prompt_len}-character prompts, at least {args.requests} requests per"
         " step (4 per client), after 16 untimed warm-up requests. Servers at their defaults, run one after the"
         " other; ours-unbatched is"
-        " `--max-batch-size 1`. Rerun: `python -m benchmarks.vs_vllm` (`make vllm` first).",
+        " `--max-batch-size 1`. Rerun: `python -m gpu_watchdog.benchmarks.vs_vllm` (`make vllm` first).",
         f"Idle RSS after start: {rss} (vLLM: the API server, engine core and worker together).",
         f"Greedy answers to {len(ANSWER_PROMPTS)} fixed prompts identical to ours: "
         + (", ".join(f"{k} {'yes' if v else 'NO'}" for k, v in agree.items()) or "n/a"),

@@ -1,6 +1,6 @@
 """The bundled server beside vLLM's CPU build, both measured by vLLM's own client (`vllm bench serve`).
 
-Usage: python -m benchmarks.vs_vllm_bench [--vllm-python PATH] [--concurrency 1,4,16,32]
+Usage: python -m gpu_watchdog.benchmarks.vs_vllm_bench [--vllm-python PATH] [--concurrency 1,4,16,32]
        [--shapes 128x32,256x64,256x128] [--models small,85m] [--prompts-per-client 2] [--rounds 3]
 
 For each generated model (random weights, no download: `small` is hidden 256 / 4 layers, `85m`
@@ -28,10 +28,10 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks._procs import ROOT, machine, serve
-from benchmarks.make_model import make
-from benchmarks.peer_vllm import SERVED_NAME, make_tiny_model, start_vllm, vllm_python
-from benchmarks.vllm_bench import bench_serve
+from gpu_watchdog.benchmarks._procs import ROOT, machine, serve
+from gpu_watchdog.benchmarks.make_model import make
+from gpu_watchdog.benchmarks.peer_vllm import SERVED_NAME, make_tiny_model, start_vllm, vllm_python
+from gpu_watchdog.benchmarks.vllm_bench import bench_serve
 
 METRICS = ("output_throughput", "p50_ttft_ms", "p99_ttft_ms", "p50_tpot_ms", "p99_tpot_ms")
 
@@ -131,7 +131,7 @@ def write_report(args: argparse.Namespace, results: dict[str, dict[str, dict[str
     (out / "vs_vllm_bench.json").write_text(json.dumps({"machine": machine(), "args": vars(args),
                                                          "results": results, "runs": runs or {}}, indent=1))
     lines = ["# Ours beside vLLM, measured by `vllm bench serve` (random dataset, ignore_eos)\n",
-             f"Machine: {machine()}. Command: `python -m benchmarks.vs_vllm_bench"
+             f"Machine: {machine()}. Command: `python -m gpu_watchdog.benchmarks.vs_vllm_bench"
              f" --concurrency {args.concurrency} --shapes {args.shapes} --models {args.models}"
              f" --prompts-per-client {args.prompts_per_client} --rounds {args.rounds}`: both servers fresh each"
              f" round, cells alternating which goes first, one seed per round (0, 1, ...) for every cell, so"

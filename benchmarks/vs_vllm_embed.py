@@ -1,6 +1,6 @@
 """Embeddings side by side: the bundled `embeddings` handler beside vLLM's pooling runner, one run.
 
-Usage: python -m benchmarks.vs_vllm_embed [--vllm-python PATH] [--concurrency 1,4,16] [--inputs 1,4]
+Usage: python -m gpu_watchdog.benchmarks.vs_vllm_embed [--vllm-python PATH] [--concurrency 1,4,16] [--inputs 1,4]
        [--requests 64]
 
 Generates one encoder (BERT-shaped, 2 layers, hidden 256, random weights, a sentence-transformers
@@ -31,9 +31,9 @@ import aiohttp
 import numpy as np
 import requests
 
-from benchmarks._procs import ROOT, free_port, machine, serve, stop_process
-from benchmarks.make_encoder import make
-from benchmarks.peer_vllm import vllm_python
+from gpu_watchdog.benchmarks._procs import ROOT, free_port, machine, serve, stop_process
+from gpu_watchdog.benchmarks.make_encoder import make
+from gpu_watchdog.benchmarks.peer_vllm import vllm_python
 
 TEXTS = ["the gpu server answered fast", "memory queue health", "hello world", "the canary probe was ok",
          "batch token cache", "watchdog classify label good bad", "yes no ok", "the embedding vector"]

@@ -12,8 +12,10 @@ ARG PIP_FIND_LINKS=
 ENV PIP_CERT=/etc/ssl/certs/ca-certificates.crt PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /src
 COPY pyproject.toml README.md ./
-COPY inference ./inference
-COPY watchdog ./watchdog
+# Each half into its place under the one import root (in the checkout, links map them there).
+COPY gpu_watchdog/*.py ./gpu_watchdog/
+COPY inference ./gpu_watchdog/inference
+COPY watchdog ./gpu_watchdog/watchdog
 RUN python3 -m venv /opt/venv \
  && /opt/venv/bin/pip install torch==2.13.0 \
  && /opt/venv/bin/pip install '.[inference]' \

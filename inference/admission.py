@@ -17,7 +17,7 @@ import threading
 from collections import deque
 from dataclasses import dataclass
 
-from inference.errors import QueueFull
+from gpu_watchdog.inference.errors import QueueFull
 
 
 @dataclass(frozen=True)

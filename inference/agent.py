@@ -37,11 +37,11 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from inference import allocator
-from inference.admission import AdmissionGate, Grant
-from inference.drain import Drain
-from inference.engine import CanaryResult
-from inference.errors import (
+from gpu_watchdog.contract import AdmissionReport, CanaryResult, MemoryReport, ensure_token
+from gpu_watchdog.inference import allocator
+from gpu_watchdog.inference.admission import AdmissionGate, Grant
+from gpu_watchdog.inference.drain import Drain
+from gpu_watchdog.inference.errors import (
     AdmissionTimeout,
     ContextLost,
     Draining,
@@ -52,12 +52,11 @@ from inference.errors import (
     is_fatal_cuda,
     is_oom,
 )
-from inference.faults import FaultInjector
-from inference.http_control import ControlAPI
-from inference.metrics import InferenceMetrics
-from inference.poison import EXIT_POISONED, write_termination_log
-from inference.screen import FAILURE_READ_WAIT_S, MARKED, Screen
-from watchdog.contract import ensure_token
+from gpu_watchdog.inference.faults import FaultInjector
+from gpu_watchdog.inference.http_control import ControlAPI
+from gpu_watchdog.inference.metrics import InferenceMetrics
+from gpu_watchdog.inference.poison import EXIT_POISONED, write_termination_log
+from gpu_watchdog.inference.screen import FAILURE_READ_WAIT_S, MARKED, Screen
 
 log = structlog.get_logger(__name__)
 
@@ -373,7 +372,8 @@ class Agent:
         figures = allocator.with_fragmentation(allocator.figures(self.device),
                                                None if self.faults is None else self.faults.fragmentation)
         stats = self.gate.stats()
-        figures.update(
+        return MemoryReport(
+            **figures,
             ooms_caught=self.oom_count,
             empty_cache_count=self.empty_cache_count,
             uptime_s=round(time.monotonic() - self._started_at, 3),
@@ -388,12 +388,12 @@ class Agent:
             pid=os.getpid(),
             model=self.settings.model,
             time=time.time(),
-            admission={"mode": "slots", "limit": self.limit, "capacity": stats.capacity, "in_use": stats.in_use,
-                       "holders": stats.holders, "waiting": stats.waiting, "peak_holders": stats.peak_holders,
-                       "canary_busy": stats.canary_busy, "source": "agent"},
+            admission=AdmissionReport(
+                mode="slots", limit=self.limit, capacity=stats.capacity, in_use=stats.in_use,
+                holders=stats.holders, waiting=stats.waiting, peak_holders=stats.peak_holders,
+                canary_busy=stats.canary_busy, source="agent"),
             faults=None if self.faults is None else self.faults.describe(),
-        )
-        return figures
+        ).to_json()
 
     # -- the control API's thread ------------------------------------------------------------
 

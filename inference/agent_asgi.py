@@ -16,10 +16,10 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from inference.agent import METRICS_CONTENT_TYPE, Agent
-from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
-from inference.http_public import error_response
-from inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
+from gpu_watchdog.inference.agent import METRICS_CONTENT_TYPE, Agent
+from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from gpu_watchdog.inference.http_errors import error_response
+from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})

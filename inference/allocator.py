@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from inference.faults import Fragmentation
+from gpu_watchdog.inference.faults import Fragmentation
 
 
 def figures(device: torch.device) -> dict[str, Any]:

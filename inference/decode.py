@@ -11,22 +11,21 @@ cuBLAS workspace, not one per request thread.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import threading
 from collections import deque
-from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from inference import batch, recovery, scoring
-from inference.admission import AdmissionGate, Grant
-from inference.cpu_threads import ThreadSetter, plan
-from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.kv import (
+from gpu_watchdog.inference import batch, recovery, scoring
+from gpu_watchdog.inference.admission import AdmissionGate, Grant
+from gpu_watchdog.inference.cpu_threads import ThreadSetter, plan
+from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
+from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
+from gpu_watchdog.inference.kv import (
     KVBatch,
     NotStitchable,
     cache_holding,
@@ -36,76 +35,19 @@ from inference.kv import (
     prefill_inputs,
     stitchable,
 )
-from inference.loop_thread import LoopHooks, LoopThread
-from inference.model import LoadedModel, StreamDecoder
-from inference.prefix_cache import BLOCK, Hit, PrefixCache
-from inference.sampling import (
-    History,
-    SamplingParams,
+from gpu_watchdog.inference.loop_thread import LoopHooks, LoopThread
+from gpu_watchdog.inference.model import LoadedModel, StreamDecoder
+from gpu_watchdog.inference.prefix_cache import BLOCK, Hit, PrefixCache
+from gpu_watchdog.inference.sampling import (
+    RowTokens,
     StopText,
     TokenLogprob,
     new_generator,
     sample,
     token_logprobs,
 )
-from inference.screen import MARKED
-from inference.settings import DEFAULT_PREFILL_TOKENS
-
-
-@dataclass
-class GenRequest:
-    prompt_ids: list[int]
-    max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    on_text: Callable[[str], object] | None = None
-    cancelled: threading.Event = field(default_factory=threading.Event)
-    # The sampler's other knobs (top-k, min-p, penalties, bias, min_tokens, stop token ids).
-    options: SamplingParams | None = None
-    ignore_eos: bool = False
-    include_stop_str: bool = False
-    skip_special_tokens: bool = True
-    # How many alternatives to report per generated / prompt token; None: no log-probabilities.
-    logprobs: int | None = None
-    prompt_logprobs: int | None = None
-    # Called before the text of the same tokens: (entries, whether they are the prompt's).
-    on_logprobs: Callable[[list[TokenLogprob | None], bool], object] | None = None
-
-    @property
-    def sampling(self) -> SamplingParams:
-        return dataclasses.replace(self.options or SamplingParams(), temperature=self.temperature,
-                                   top_p=self.top_p, seed=self.seed)
-
-
-@dataclass(frozen=True)
-class GenResult:
-    text: str
-    prompt_tokens: int
-    completion_tokens: int
-    finish_reason: str
-    # Generated ids, the token that ended the sequence (EOS, a stop token id) included.
-    token_ids: tuple[int, ...] = ()
-    logprobs: tuple[TokenLogprob, ...] | None = None
-    # One per prompt token, None for the first (nothing predicts it).
-    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
-    # Prompt tokens whose keys and values came from the prefix cache (OpenAI's `cached_tokens`).
-    cached_tokens: int = 0
-
-
-@dataclass(frozen=True)
-class EngineProbe:
-    """What the engine observed itself, independent of the admission gate's own bookkeeping."""
-
-    active_sequences: int
-    peak_active_sequences: int
-    forward_batches: int
-    largest_batch: int
-    # Distinct threads that ran a forward pass: on CUDA each keeps a cuBLAS workspace.
-    threads: int
-    preemptions: int
-
+from gpu_watchdog.inference.screen import MARKED
+from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
 _order = itertools.count()
 
@@ -138,8 +80,8 @@ class Seq:
         # The per-request faults its request triggers (fault injection; created in the request's task).
         self.marks = MARKED.get()
 
-    def history(self, eos_id: int | None) -> History:
-        return History(self.request.prompt_ids, self.generated, eos_id)
+    def history(self, eos_id: int | None) -> RowTokens:
+        return RowTokens(self.request.prompt_ids, self.generated, eos_id)
 
     def result(self, reason: str) -> GenResult:
         req = self.request

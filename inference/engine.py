@@ -15,21 +15,23 @@ from typing import Any
 import structlog
 import torch
 
-from inference import allocator
-from inference.admission import AdmissionGate
-from inference.batch_loop import BatchLoop, Job
-from inference.decode import DecodeLoop, EngineProbe, GenRequest, GenResult, Seq
-from inference.drain import Drain
-from inference.errors import AdmissionTimeout, ContextLost, Draining, QueueFull, classify
-from inference.faults import FaultInjector
-from inference.handler import RequestHandler, item_cost
-from inference.loop_thread import LoopHooks
-from inference.metrics import InferenceMetrics
-from inference.model import LoadedModel
-from inference.prefix_cache import PrefixCache
-from inference.settings import DEFAULT_PREFILL_TOKENS
+from gpu_watchdog.contract import CanaryResult
+from gpu_watchdog.inference import allocator
+from gpu_watchdog.inference.admission import AdmissionGate
+from gpu_watchdog.inference.decode import DecodeLoop, Seq
+from gpu_watchdog.inference.drain import Drain
+from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
+from gpu_watchdog.inference.errors import AdmissionTimeout, ContextLost, Draining, QueueFull, classify
+from gpu_watchdog.inference.faults import FaultInjector
+from gpu_watchdog.inference.handler import RequestHandler, item_cost
+from gpu_watchdog.inference.item_loop import BatchLoop, Job
+from gpu_watchdog.inference.loop_thread import LoopHooks
+from gpu_watchdog.inference.metrics import InferenceMetrics
+from gpu_watchdog.inference.model import LoadedModel
+from gpu_watchdog.inference.prefix_cache import PrefixCache
+from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
-__all__ = ["CanaryResult", "Engine", "EngineProbe", "GenRequest", "GenResult"]
+__all__ = ["Engine", "EngineProbe", "GenRequest", "GenResult"]
 
 log = structlog.get_logger(__name__)
 
@@ -44,14 +46,6 @@ class Batching:
 
     max_tokens: int = 16384  # padded tokens in one forward pass
     window_s: float = 0.0  # how long the oldest queued item waits for company
-
-
-@dataclass(frozen=True)
-class CanaryResult:
-    ok: bool
-    latency_s: float
-    error_class: str | None
-    error: str | None = None
 
 
 class Engine:

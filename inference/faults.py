@@ -12,7 +12,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from inference.errors import FatalCudaError
+from gpu_watchdog.inference.errors import FatalCudaError
 
 FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear")
 # The kinds that act on one request's work: with `when_prompt_contains`, they fire only for requests

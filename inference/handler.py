@@ -67,7 +67,7 @@ def item_cost(handler: RequestHandler) -> Callable[[Any], int]:
 
 def resolve(spec: str) -> Handler:
     """A handler instance from a built-in name or `module:attr` (a class or a factory)."""
-    from inference.handlers import BUILTIN
+    from gpu_watchdog.inference.handlers import BUILTIN
 
     if spec in BUILTIN:
         return BUILTIN[spec]()

@@ -14,12 +14,12 @@ from typing import Any, Protocol
 import structlog
 from aiohttp import web
 
-from inference.drain import Drain
-from inference.faults import FaultError, FaultInjector
-from inference.openapi import control_spec
-from inference.screen import Entry, QuarantineError, Screen, parse_entry
-from inference.validation import BadRequest, parse_json_object
-from watchdog import contract
+from gpu_watchdog import contract
+from gpu_watchdog.inference.drain import Drain
+from gpu_watchdog.inference.faults import FaultError, FaultInjector
+from gpu_watchdog.inference.openapi import control_spec
+from gpu_watchdog.inference.screen import Entry, QuarantineError, Screen, parse_entry
+from gpu_watchdog.inference.validation import BadRequest, parse_json_object
 
 log = structlog.get_logger(__name__)
 
@@ -70,17 +70,6 @@ def _deadline(body: dict[str, Any]) -> float:
     return float(value)
 
 
-class CanaryAnswer(Protocol):
-    @property
-    def ok(self) -> bool: ...
-    @property
-    def latency_s(self) -> float: ...
-    @property
-    def error_class(self) -> str | None: ...
-    @property
-    def error(self) -> str | None: ...
-
-
 class ControlTarget(Protocol):
     """What the control API drives. `memory_report` and `empty_cache` run in a worker thread."""
 
@@ -106,7 +95,7 @@ class ControlTarget(Protocol):
 
     def memory_report(self) -> dict[str, Any]: ...
     def empty_cache(self) -> int: ...
-    async def canary(self, timeout: float) -> CanaryAnswer: ...
+    async def canary(self, timeout: float) -> contract.CanaryResult: ...
     def set_admission_limit(self, limit: int) -> None: ...
 
 
@@ -225,9 +214,7 @@ class ControlAPI:
         if self.service.poisoned:
             self.service.poison_reported.set()
         # The canary runs while drained (the model is still checked); the flag says the server refuses traffic.
-        return web.json_response({"ok": result.ok, "latency_s": result.latency_s, "error_class": result.error_class,
-                                  "error": result.error, "instance_id": self.service.instance_id,
-                                  "draining": self.service.drain.active})
+        return web.json_response(result.to_json(self.service.instance_id, self.service.drain.active))
 
     async def drain(self, request: web.Request) -> web.Response:
         """Stop admitting (readyz turns 503) until `deadline` s from now at most, and wait, bounded

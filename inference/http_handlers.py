@@ -19,11 +19,11 @@ import numpy as np
 import structlog
 from aiohttp import web
 
-from inference import http_tokenize
-from inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
-from inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT, RequestHandler
-from inference.service import InferenceService
-from inference.validation import BadRequest, parse_json_object
+from gpu_watchdog.inference import http_tokenize
+from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
+from gpu_watchdog.inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT, RequestHandler
+from gpu_watchdog.inference.service import InferenceService
+from gpu_watchdog.inference.validation import BadRequest, parse_json_object
 
 log = structlog.get_logger(__name__)
 

@@ -14,13 +14,20 @@ import structlog
 from aiohttp import web
 from prometheus_client.aiohttp import make_aiohttp_handler
 
-from inference import http_tokenize
-from inference.decode import GenRequest, GenResult
-from inference.errors import AdmissionTimeout, ContextLost, Draining, FatalCudaError, InferenceOOM, QueueFull
-from inference.handlers.inputs import MAX_INPUTS
-from inference.http_handlers import HandlerRoutes, capabilities
-from inference.mailbox import Mailbox
-from inference.openai_extras import (
+from gpu_watchdog.inference import http_tokenize
+from gpu_watchdog.inference.engine_api import GenRequest, GenResult
+from gpu_watchdog.inference.errors import (
+    AdmissionTimeout,
+    Draining,
+    FatalCudaError,
+    InferenceOOM,
+    QueueFull,
+)
+from gpu_watchdog.inference.handlers.inputs import MAX_INPUTS
+from gpu_watchdog.inference.http_errors import error_response
+from gpu_watchdog.inference.http_handlers import HandlerRoutes, capabilities
+from gpu_watchdog.inference.mailbox import Mailbox
+from gpu_watchdog.inference.openai_extras import (
     StreamedLogprobs,
     TokenText,
     chat_logprobs,
@@ -28,10 +35,10 @@ from inference.openai_extras import (
     completion_logprobs,
     request_options,
 )
-from inference.openapi import public_spec
-from inference.screen import MARKED
-from inference.service import InferenceService
-from inference.validation import (
+from gpu_watchdog.inference.openapi import public_spec
+from gpu_watchdog.inference.screen import MARKED
+from gpu_watchdog.inference.service import InferenceService
+from gpu_watchdog.inference.validation import (
     BadRequest,
     ChatParams,
     CompletionParams,
@@ -49,30 +56,6 @@ _EXPECTED = (BadRequest, AdmissionTimeout, QueueFull, Draining, InferenceOOM, Fa
 # The code recorded for a request whose client left before its answer ended (nginx's "client closed
 # request"): nobody received a status, and a gone client is not the server's failure (no 5xx).
 CLIENT_CLOSED = 499
-
-
-def error_response(exc: BaseException, retry_after: int) -> web.Response:
-    """Map a failure to its HTTP answer; a client mistake is never a 500."""
-    if isinstance(exc, BadRequest):
-        return web.json_response(exc.body(), status=exc.status)
-    if isinstance(exc, AdmissionTimeout | QueueFull | Draining | InferenceOOM):
-        kind = {
-            ContextLost: "context_lost",
-            AdmissionTimeout: "queue_timeout",
-            QueueFull: "queue_full",
-            Draining: "draining",
-            InferenceOOM: "out_of_memory",
-        }[type(exc)]
-        return web.json_response(
-            {"error": {"message": str(exc) or kind, "type": kind, "param": None, "code": kind}},
-            status=503,
-            headers={"Retry-After": str(retry_after)},
-        )
-    if isinstance(exc, FatalCudaError):
-        return web.json_response({"error": {"message": "GPU context lost; the process is restarting",
-                                            "type": "fatal_cuda", "param": None, "code": None}}, status=500)
-    return web.json_response({"error": {"message": "internal error", "type": "internal", "param": None,
-                                        "code": None}}, status=500)
 
 
 @web.middleware

@@ -14,9 +14,9 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from inference.model import Codec, NoChatTemplate
-from inference.service import InferenceService
-from inference.validation import (
+from gpu_watchdog.inference.model import Codec, NoChatTemplate
+from gpu_watchdog.inference.service import InferenceService
+from gpu_watchdog.inference.validation import (
     BadRequest,
     ChatParams,
     CompletionParams,

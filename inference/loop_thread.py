@@ -10,7 +10,7 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from inference.faults import FaultInjector
+from gpu_watchdog.inference.faults import FaultInjector
 
 
 @dataclass(frozen=True)

@@ -10,13 +10,13 @@ import sys
 import structlog
 from aiohttp import web
 
-from inference.http_control import ControlAPI
-from inference.http_public import PublicAPI
-from inference.poison import EXIT_POISONED
-from inference.screen import FAILURE_READ_WAIT_S
-from inference.service import InferenceService
-from inference.settings import ServeSettings
-from watchdog.contract import TokenError, ensure_token
+from gpu_watchdog.contract import TokenError, ensure_token
+from gpu_watchdog.inference.http_control import ControlAPI
+from gpu_watchdog.inference.http_public import PublicAPI
+from gpu_watchdog.inference.poison import EXIT_POISONED
+from gpu_watchdog.inference.screen import FAILURE_READ_WAIT_S
+from gpu_watchdog.inference.service import InferenceService
+from gpu_watchdog.inference.settings import ServeSettings
 
 log = structlog.get_logger(__name__)
 

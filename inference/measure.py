@@ -14,12 +14,12 @@ from typing import Any
 
 import torch
 
-from inference import handler as handler_mod
-from inference import model as model_mod
-from inference.decode import GenRequest
-from inference.engine import Engine
-from inference.handler import RequestHandler
-from inference.planner import CostModel, Plan, plan
+from gpu_watchdog.inference import handler as handler_mod
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.engine import Engine
+from gpu_watchdog.inference.engine_api import GenRequest
+from gpu_watchdog.inference.handler import RequestHandler
+from gpu_watchdog.inference.planner import CostModel, Plan, plan
 
 SHORT_PROMPT = 16
 

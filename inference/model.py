@@ -10,7 +10,7 @@ from typing import Any, Protocol
 
 import torch
 
-from inference.lean import LeanForward, lean_forward
+from gpu_watchdog.inference.lean import LeanForward, lean_forward
 
 BUILTIN_NAME = "gpu-watchdog-builtin-tiny"
 _BUILTIN_SEED = 1234

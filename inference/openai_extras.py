@@ -10,9 +10,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from inference.model import Codec
-from inference.sampling import SamplingParams, TokenLogprob
-from inference.validation import Sampling
+from gpu_watchdog.inference.model import Codec
+from gpu_watchdog.inference.sampling import SamplingParams, TokenLogprob
+from gpu_watchdog.inference.validation import Sampling
 
 # What OpenAI (and vLLM) write instead of -inf, which JSON cannot carry.
 FLOOR = -9999.0

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT
-from watchdog.contract import DRAIN_DEADLINE_DEFAULT_S, DRAIN_DEADLINE_MAX_S
-from watchdog.contract import VERSION as __version__
+from gpu_watchdog.contract import DRAIN_DEADLINE_DEFAULT_S, DRAIN_DEADLINE_MAX_S, MemoryReport, record_schema
+from gpu_watchdog.contract import VERSION as __version__
+from gpu_watchdog.inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT
 
 ERROR = {
     "type": "object",
@@ -310,7 +310,8 @@ def control_spec() -> dict[str, Any]:
         "security": [{"bearer": []}],
         "paths": {
             "/control/memory": {"get": {"operationId": "memory", "responses": {
-                "200": _json(obj, "allocator figures and process state"), **_errors(401, 503)}}},
+                "200": _json(record_schema(MemoryReport), "allocator figures and process state"),
+                **_errors(401, 503)}}},
             "/control/empty_cache": {"post": {"operationId": "empty_cache", "responses": {
                 "200": _json({"type": "object", "required": ["freed_bytes"],
                               "properties": {"freed_bytes": {"type": "integer", "minimum": 0}}}, "bytes freed"),

@@ -36,7 +36,7 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
-class History:
+class RowTokens:
     """What a row's penalties look at: its prompt and what it generated so far."""
 
     prompt: Sequence[int]
@@ -63,7 +63,7 @@ def new_generator(params: SamplingParams, device: torch.device) -> torch.Generat
     return gen
 
 
-def adjust(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.Tensor:
+def adjust(logits: torch.Tensor, p: SamplingParams, history: RowTokens) -> torch.Tensor:
     """One row's logits after min_tokens, logit_bias and the penalties (the order vLLM applies them)."""
     logits = logits.clone()
     vocab = logits.shape[-1]
@@ -90,7 +90,7 @@ def adjust(logits: torch.Tensor, p: SamplingParams, history: History) -> torch.T
 
 def sample(logits: torch.Tensor, params: Sequence[SamplingParams],
            generators: Sequence[torch.Generator | None],
-           histories: Sequence[History] | None = None) -> list[int]:
+           histories: Sequence[RowTokens] | None = None) -> list[int]:
     """One next token per row of `logits` [rows, vocab]."""
     best = logits.argmax(dim=-1)
     if all(p.greedy and not p.adjusts_logits for p in params):

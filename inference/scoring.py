@@ -24,8 +24,8 @@ from typing import Any
 import structlog
 import torch
 
-from inference.model import LoadedModel
-from inference.sampling import TokenLogprob, token_logprobs
+from gpu_watchdog.inference.model import LoadedModel
+from gpu_watchdog.inference.sampling import TokenLogprob, token_logprobs
 
 log = structlog.get_logger(__name__)
 

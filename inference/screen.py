@@ -22,9 +22,9 @@ from typing import Any
 
 import structlog
 
-from inference.faults import FaultInjector
-from inference.fingerprint import fingerprint
-from inference.validation import BadRequest
+from gpu_watchdog.inference.faults import FaultInjector
+from gpu_watchdog.inference.fingerprint import fingerprint
+from gpu_watchdog.inference.validation import BadRequest
 
 log = structlog.get_logger(__name__)
 

@@ -14,23 +14,24 @@ from typing import Any
 import structlog
 import torch
 
-from inference import allocator, cpu_threads, host_memory, scoring
-from inference import handler as handler_mod
-from inference import model as model_mod
-from inference.admission import AdmissionGate
-from inference.decode import GenRequest
-from inference.drain import Drain
-from inference.engine import Batching, CanaryResult, Engine
-from inference.faults import FaultInjector
-from inference.handler import Handler, RequestHandler
-from inference.handlers.causal_lm import CausalLM
-from inference.measure import SHORT_PROMPT, filler, measure, measure_items
-from inference.metrics import InferenceMetrics
-from inference.model import BUILTIN_NAME
-from inference.planner import CostModel, Plan, plan
-from inference.poison import write_termination_log
-from inference.screen import Screen
-from inference.settings import CPU_PREFIX_CACHE_MIB, ServeSettings
+from gpu_watchdog.contract import AdmissionReport, CanaryResult, MemoryReport
+from gpu_watchdog.inference import allocator, cpu_threads, host_memory, scoring
+from gpu_watchdog.inference import handler as handler_mod
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.admission import AdmissionGate
+from gpu_watchdog.inference.drain import Drain
+from gpu_watchdog.inference.engine import Batching, Engine
+from gpu_watchdog.inference.engine_api import GenRequest
+from gpu_watchdog.inference.faults import FaultInjector
+from gpu_watchdog.inference.handler import Handler, RequestHandler
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
+from gpu_watchdog.inference.measure import SHORT_PROMPT, filler, measure, measure_items
+from gpu_watchdog.inference.metrics import InferenceMetrics
+from gpu_watchdog.inference.model import BUILTIN_NAME
+from gpu_watchdog.inference.planner import CostModel, Plan, plan
+from gpu_watchdog.inference.poison import write_termination_log
+from gpu_watchdog.inference.screen import Screen
+from gpu_watchdog.inference.settings import CPU_PREFIX_CACHE_MIB, ServeSettings
 
 log = structlog.get_logger(__name__)
 
@@ -336,7 +337,8 @@ class InferenceService:
                                                None if self.faults is None else self.faults.fragmentation)
         stats = self.gate.stats()
         probe = self.engine.probe()
-        figures.update(
+        return MemoryReport(
+            **figures,
             ooms_caught=self.engine.oom_count,
             empty_cache_count=self.engine.empty_cache_count,
             uptime_s=round(self.uptime(), 3),
@@ -351,17 +353,10 @@ class InferenceService:
             pid=os.getpid(),
             model=self.model_name,
             time=time.time(),
-            admission={
-                "mode": self.admission.mode,
-                "limit": self.admission.limit,
-                "capacity": stats.capacity,
-                "in_use": stats.in_use,
-                "holders": stats.holders,
-                "waiting": stats.waiting,
-                "peak_holders": stats.peak_holders,
-                "canary_busy": stats.canary_busy,
-                "source": self.admission.source,
-            },
+            admission=AdmissionReport(
+                mode=self.admission.mode, limit=self.admission.limit, capacity=stats.capacity,
+                in_use=stats.in_use, holders=stats.holders, waiting=stats.waiting,
+                peak_holders=stats.peak_holders, canary_busy=stats.canary_busy, source=self.admission.source),
             engine={
                 "active_sequences": probe.active_sequences,
                 "peak_active_sequences": probe.peak_active_sequences,
@@ -373,5 +368,4 @@ class InferenceService:
             },
             prefix_cache=self._prefix_cache_report(),
             faults=None if self.faults is None else self.faults.describe(),
-        )
-        return figures
+        ).to_json()

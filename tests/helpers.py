@@ -12,7 +12,7 @@ from typing import Any
 
 import requests
 
-from benchmarks._procs import Endpoints, free_port, stop_process
+from gpu_watchdog.benchmarks._procs import Endpoints, free_port, stop_process
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -41,7 +41,7 @@ def spawn_python(argv: list[str], log_path: Path, env: dict[str, str] | None = N
 
 def spawn(args: list[str], log_path: Path, env: dict[str, str] | None = None, cwd: Path | None = None) -> Proc:
     """`gpu-watchdog ARGS...`."""
-    return spawn_python(["-m", "watchdog", *args], log_path, env, cwd)
+    return spawn_python(["-m", "gpu_watchdog", *args], log_path, env, cwd)
 
 
 def wait_http(url: str, proc: Proc, timeout: float = 90.0, status: int = 200) -> None:

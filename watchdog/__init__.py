@@ -1,5 +1,1 @@
-"""gpu-watchdog: the sidecar that keeps a GPU inference process healthy."""
-
-from watchdog.contract import VERSION as __version__
-
-__all__ = ["__version__"]
+"""The sidecar: samplers -> policy -> actions, its probes and metrics, and its commands."""

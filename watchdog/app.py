@@ -18,24 +18,25 @@ from typing import Any
 import aiohttp
 from aiohttp import web
 
-from watchdog import ladder, logs, policy, views
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import Restarter
-from watchdog.config import Settings, metrics_url
-from watchdog.contract import read_token
-from watchdog.episodes import Episodes
-from watchdog.escalation import CURING_REASONS
-from watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
-from watchdog.ladder import Change
-from watchdog.metrics import Snapshot, WatchdogMetrics
-from watchdog.policy import Decision, max_age_jitter
-from watchdog.samplers.device_health import DeviceHealthSampler
-from watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
-from watchdog.samplers.pod_resources import pod_gpus_reader
-from watchdog.samplers.wiring import Samplers, build_samplers
-from watchdog.samples import History, XidEvent
-from watchdog.server import build_app
-from watchdog.state import (
+from gpu_watchdog import logs
+from gpu_watchdog.contract import read_token
+from gpu_watchdog.watchdog import ladder, policy, views
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import Restarter
+from gpu_watchdog.watchdog.config import Settings, metrics_url
+from gpu_watchdog.watchdog.episodes import Episodes
+from gpu_watchdog.watchdog.escalation import CURING_REASONS
+from gpu_watchdog.watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.ladder import Change
+from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
+from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
+from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
+from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler
+from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
+from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
+from gpu_watchdog.watchdog.samples import History, XidEvent
+from gpu_watchdog.watchdog.server import build_app
+from gpu_watchdog.watchdog.state import (
     AdmissionRequested,
     CacheFlushRequested,
     Outcome,

@@ -19,8 +19,8 @@ from typing import Any
 
 import yaml
 
-from watchdog import selector
-from watchdog.units import parse_duration, parse_ratio, parse_share
+from gpu_watchdog.units import parse_duration, parse_ratio, parse_share
+from gpu_watchdog.watchdog import selector
 
 STRATEGIES = ("evict", "delete", "container", "local", "none")
 # Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness

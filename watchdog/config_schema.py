@@ -5,8 +5,8 @@ wrong type fails `helm install` with the key path instead of crash-looping the s
 The schema is derived at generation time, never written by hand: a setting added to
 `watchdog.config` reaches the chart with one command,
 
-    python -m watchdog.config_schema          # rewrite the chart's values.schema.json
-    python -m watchdog.config_schema --check  # exit 1 when the chart's copy is stale
+    python -m gpu_watchdog.watchdog.config_schema          # rewrite the chart's values.schema.json
+    python -m gpu_watchdog.watchdog.config_schema --check  # exit 1 when the chart's copy is stale
 
 (`make chart-schema` runs the first). Cross-field rules (`_check` in `watchdog.config`) stay with
 the sidecar: JSON Schema cannot say "retry_max >= retry_initial" in a way Helm reports clearly.
@@ -24,10 +24,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from watchdog import config
+from gpu_watchdog.watchdog import config
 
 CHART_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "gpu-watchdog" / "values.schema.json"
-REGENERATE = "`python -m watchdog.config_schema` (or `make chart-schema`)"
+REGENERATE = "`python -m gpu_watchdog.watchdog.config_schema` (or `make chart-schema`)"
 
 # Keys the chart fills in from its own values (ports, paths, the downward API); a value set for
 # them under watchdog.config would be overwritten, so the chart refuses it instead.
@@ -185,7 +185,8 @@ def write(path: Path = CHART_SCHEMA) -> bool:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m watchdog.config_schema", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m gpu_watchdog.watchdog.config_schema",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--check", action="store_true", help="only compare; exit 1 when the chart's copy is stale")
     p.add_argument("--print", action="store_true", help="print the whole config's schema and exit")
     p.add_argument("--chart-schema", type=Path, default=CHART_SCHEMA, help="the chart's values.schema.json")

@@ -6,7 +6,7 @@ from typing import Any
 
 import aiohttp
 
-from watchdog import contract
+from gpu_watchdog import contract
 
 
 class ControlError(Exception):

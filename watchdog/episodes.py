@@ -8,10 +8,11 @@ sample, and none of them is a reason to restart.
 
 from __future__ import annotations
 
-from watchdog import idle_memory, logs, policy
-from watchdog.config import PolicySettings
-from watchdog.metrics import WatchdogMetrics
-from watchdog.samples import History, TorchSample
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog import idle_memory, policy
+from gpu_watchdog.watchdog.config import PolicySettings
+from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.samples import History, TorchSample
 
 log = logs.get("watchdog")
 

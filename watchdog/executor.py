@@ -14,19 +14,27 @@ import functools
 from collections.abc import Callable
 from typing import Any, Protocol, TypeVar
 
-from watchdog import contract, escalation, fleet, ladder, logs, quarantine
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
-from watchdog.config import Settings
-from watchdog.control_client import ControlClient, ControlError
-from watchdog.escalation import RestartRecord, Suspect, workload_restarts
-from watchdog.fleet import FleetView, Ledger
-from watchdog.ladder import Change
-from watchdog.metrics import WatchdogMetrics
-from watchdog.names import FLEET_BREAKER_OPEN, FLEET_LEDGER_UNKNOWN, RUNG_CONTAINER, RUNG_POD
-from watchdog.policy import Decision
-from watchdog.samples import PastRestart
-from watchdog.state import AdmissionAnswered, Outcome, PodGpus, RestartEnded, RestartWaiting, WorkloadRestarts
+from gpu_watchdog import contract, logs
+from gpu_watchdog.watchdog import escalation, fleet, ladder, quarantine
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
+from gpu_watchdog.watchdog.config import Settings
+from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
+from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
+from gpu_watchdog.watchdog.fleet import FleetView, Ledger
+from gpu_watchdog.watchdog.ladder import Change
+from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.names import FLEET_BREAKER_OPEN, FLEET_LEDGER_UNKNOWN, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.samples import PastRestart
+from gpu_watchdog.watchdog.state import (
+    AdmissionAnswered,
+    Outcome,
+    PodGpus,
+    RestartEnded,
+    RestartWaiting,
+    WorkloadRestarts,
+)
 
 T = TypeVar("T")
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from watchdog.samples import TorchSample
+from gpu_watchdog.watchdog.samples import TorchSample
 
 # Growth of active memory at idle, as a share of the card, above which the watchdog logs a
 # warning. The alert rule (GPUMemoryGrowsAtIdle) uses the same figure.

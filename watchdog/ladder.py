@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from watchdog.config import AdmissionSettings
-from watchdog.records import Ladder
-from watchdog.samples import History
+from gpu_watchdog.watchdog.config import AdmissionSettings
+from gpu_watchdog.watchdog.records import Ladder
+from gpu_watchdog.watchdog.samples import History
 
 SHRINK, GROW = "shrink_admission", "grow_admission"
 

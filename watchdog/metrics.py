@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from watchdog.fleet import FleetView
-from watchdog.idle_memory import IdleMemory
-from watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, FLEET_HOLDS, RESTART_REASONS, RUNGS, STATES
-from watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
+from gpu_watchdog.watchdog.fleet import FleetView
+from gpu_watchdog.watchdog.idle_memory import IdleMemory
+from gpu_watchdog.watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, FLEET_HOLDS, RESTART_REASONS, RUNGS, STATES
+from gpu_watchdog.watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
 
 P = "gpu_watchdog_"
 

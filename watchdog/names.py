@@ -6,6 +6,8 @@ alert rules and the dashboard match them, and the tests import them rather than 
 
 from __future__ import annotations
 
+from gpu_watchdog.contract import CANARY_ERROR_CLASSES
+
 # Why a pod is restarted (`gpu_watchdog_restarts_total{reason}`).
 CONTEXT_LOSS = "context_loss"
 HANG = "hang"
@@ -26,8 +28,9 @@ MEMORY_PRESSURE = "memory_pressure"
 OOM = "oom"
 EMPTY_CACHE_REASONS = (MEMORY_PRESSURE, OOM, FRAGMENTATION_DRIFT)
 
-# How a canary failed (`gpu_watchdog_canary_failures_total{error_class}`).
-ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other", "unreachable")
+# How a canary failed (`gpu_watchdog_canary_failures_total{error_class}`): as the process answered,
+# or no answer at all.
+ERROR_CLASSES = (*CANARY_ERROR_CLASSES, "unreachable")
 # Failures the server answered itself (as opposed to silence or a closed port).
 ANSWERED_ERRORS = ("oom", "other")
 

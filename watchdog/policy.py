@@ -13,9 +13,9 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
-from watchdog import ladder, xid_catalog
-from watchdog.config import CanarySettings, PolicySettings
-from watchdog.names import (
+from gpu_watchdog.watchdog import ladder, xid_catalog
+from gpu_watchdog.watchdog.config import CanarySettings, PolicySettings
+from gpu_watchdog.watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
     CONTEXT_LOSS,
@@ -37,7 +37,7 @@ from watchdog.names import (
     STARTUP_TIMEOUT,
     UNSERVABLE,
 )
-from watchdog.samples import (
+from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
     RESTART_REPORTED,

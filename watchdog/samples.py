@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, field
 
-from watchdog.records import Ladder
+from gpu_watchdog.watchdog.records import Ladder
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from watchdog import ladder
-from watchdog.config import AdmissionSettings
-from watchdog.names import RUNG_POD
-from watchdog.records import Failure, Ladder
-from watchdog.samples import (
+from gpu_watchdog.watchdog import ladder
+from gpu_watchdog.watchdog.config import AdmissionSettings
+from gpu_watchdog.watchdog.names import RUNG_POD
+from gpu_watchdog.watchdog.records import Failure, Ladder
+from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
     RESTART_REPORTED,

@@ -11,11 +11,11 @@ import uuid
 
 import aiohttp
 
-from watchdog import logs
-from watchdog.actions.restart import LocalRestarter
-from watchdog.app import Watchdog
-from watchdog.config import METRICS_AUTO, ConfigError, Settings, from_mapping, read_yaml, replace
-from watchdog.contract import ENV_VAR, TokenError, ensure_token
+from gpu_watchdog import logs
+from gpu_watchdog.contract import ENV_VAR, TokenError, ensure_token
+from gpu_watchdog.watchdog.actions.restart import LocalRestarter
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import METRICS_AUTO, ConfigError, Settings, from_mapping, read_yaml, replace
 
 log = logs.get("watchdog.up")
 

@@ -5,13 +5,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from watchdog import names, policy
-from watchdog.config import Settings
-from watchdog.escalation import Suspect
-from watchdog.fleet import FleetView
-from watchdog.idle_memory import IdleMemory
-from watchdog.metrics import Snapshot
-from watchdog.samples import History
+from gpu_watchdog.watchdog import names, policy
+from gpu_watchdog.watchdog.config import Settings
+from gpu_watchdog.watchdog.escalation import Suspect
+from gpu_watchdog.watchdog.fleet import FleetView
+from gpu_watchdog.watchdog.idle_memory import IdleMemory
+from gpu_watchdog.watchdog.metrics import Snapshot
+from gpu_watchdog.watchdog.samples import History
 
 
 @dataclasses.dataclass(frozen=True)

@@ -9,12 +9,12 @@ import signal
 import sys
 import time
 
-from watchdog import logs
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import ReportOnlyRestarter, Restarter
-from watchdog.app import Watchdog
-from watchdog.config import ConfigError, Settings, load, workload_of
-from watchdog.executor import FleetLedger
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter, Restarter
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import ConfigError, Settings, load, workload_of
+from gpu_watchdog.watchdog.executor import FleetLedger
 
 log = logs.get("watchdog")
 
@@ -37,7 +37,7 @@ def resolve_workload(settings: Settings) -> str:
     k = settings.kubernetes
     if k.workload or not _kube_reachable(settings):
         return workload_of(settings)
-    from watchdog.actions.kube import PodActions, load_api_client
+    from gpu_watchdog.watchdog.actions.kube import PodActions, load_api_client
 
     error = ""
     for attempt in range(WORKLOAD_TRIES):
@@ -57,8 +57,8 @@ def resolve_workload(settings: Settings) -> str:
 
 
 def build_restarter(settings: Settings, workload: str | None = None) -> Restarter:
-    from watchdog.actions.kube import PodActions, load_api_client
-    from watchdog.actions.restart import ContainerRestarter, KubeRestarter
+    from gpu_watchdog.watchdog.actions.kube import PodActions, load_api_client
+    from gpu_watchdog.watchdog.actions.restart import ContainerRestarter, KubeRestarter
 
     strategy = settings.restart.strategy
     if strategy == "none":
@@ -85,7 +85,7 @@ def build_node_reporter(settings: Settings) -> NodeReporter | None:
     """Only where restarts go through Kubernetes: the Events to read back are written there."""
     if not _kube_reachable(settings):
         return None
-    from watchdog.actions.kube import load_api_client
+    from gpu_watchdog.watchdog.actions.kube import load_api_client
 
     k = settings.kubernetes
     e = settings.policy.escalation
@@ -98,8 +98,8 @@ def build_ledger(settings: Settings, workload: str) -> FleetLedger | None:
     and breaker where `policy.fleet.enabled`."""
     if not _kube_reachable(settings):
         return None
-    from watchdog.actions.fleet import LeaseLedger, lease_name
-    from watchdog.actions.kube import load_api_client
+    from gpu_watchdog.watchdog.actions.fleet import LeaseLedger, lease_name
+    from gpu_watchdog.watchdog.actions.kube import load_api_client
 
     k = settings.kubernetes
     return LeaseLedger(load_api_client(k.kubeconfig, k.request_timeout), k.namespace,
@@ -133,8 +133,8 @@ def fleet_main(config_path: str, action: str) -> int:
     """`gpu-watchdog fleet status|reset-breaker`: the ledger as this pod's sidecar sees it, with its rights."""
     import json
 
-    from watchdog import fleet
-    from watchdog.actions.fleet import LedgerUnavailable
+    from gpu_watchdog.watchdog import fleet
+    from gpu_watchdog.watchdog.actions.fleet import LedgerUnavailable
 
     opened = _open_ledger(config_path, "fleet",
                           "this config restarts through no Kubernetes API: there is no fleet ledger")
@@ -171,7 +171,7 @@ def quarantine_main(config_path: str, action: str, fingerprint: str | None) -> i
     sidecar's rights. A lift reaches every replica at its sidecar's next sync (5 s)."""
     import json
 
-    from watchdog import quarantine
+    from gpu_watchdog.watchdog import quarantine
 
     opened = _open_ledger(config_path, "quarantine",
                           "this config reaches no Kubernetes API: the quarantine is this sidecar's own (see its"

@@ -17,8 +17,8 @@ from fastapi import FastAPI
 from pydantic import BaseModel, Field
 from transformers import AutoModelForCausalLM, AutoTokenizer, LlamaConfig, LlamaForCausalLM
 
-from inference.agent import Agent, AgentSettings  # agent
-from inference.agent_asgi import install  # agent
+from gpu_watchdog.inference.agent import Agent, AgentSettings  # agent
+from gpu_watchdog.inference.agent_asgi import install  # agent
 
 
 class ByteTokenizer:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from inference.handler import Handler
-from inference.handlers.causal_lm import CausalLM
-from inference.handlers.classifier import Classifier
-from inference.handlers.embeddings import Embeddings
+from gpu_watchdog.inference.handler import Handler
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
+from gpu_watchdog.inference.handlers.classifier import Classifier
+from gpu_watchdog.inference.handlers.embeddings import Embeddings
 
 BUILTIN: dict[str, Callable[[], Handler]] = {
     "causal-lm": CausalLM,

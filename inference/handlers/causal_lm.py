@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import torch
 
-from inference import model as model_mod
-from inference.decode import GenRequest
-from inference.handler import GENERATE
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.engine_api import GenRequest
+from gpu_watchdog.inference.handler import GENERATE
 
 CANARY_PROMPT = "ping"
 

@@ -7,8 +7,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.handler import CLASSIFY, PREDICT
-from inference.handlers.encoder import Encoder
+from gpu_watchdog.inference.handler import CLASSIFY, PREDICT
+from gpu_watchdog.inference.handlers.encoder import Encoder
 
 
 class Classifier(Encoder):

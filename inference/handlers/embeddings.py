@@ -7,9 +7,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from inference.handler import EMBED, PREDICT
-from inference.handlers import pooling
-from inference.handlers.encoder import Encoder
+from gpu_watchdog.inference.handler import EMBED, PREDICT
+from gpu_watchdog.inference.handlers import pooling
+from gpu_watchdog.inference.handlers.encoder import Encoder
 
 
 class Embeddings(Encoder):

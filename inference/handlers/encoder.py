@@ -7,9 +7,9 @@ from typing import Any
 
 import torch
 
-from inference.handler import HandlerError
-from inference.handlers.inputs import MAX_INPUTS, InputLimits, token_items
-from inference.model import pick_dtype
+from gpu_watchdog.inference.handler import HandlerError
+from gpu_watchdog.inference.handlers.inputs import MAX_INPUTS, InputLimits, token_items
+from gpu_watchdog.inference.model import pick_dtype
 
 SAMPLE_TEXT = "ping"
 

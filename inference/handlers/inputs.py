@@ -10,7 +10,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from inference.validation import BadRequest
+from gpu_watchdog.inference.validation import BadRequest
 
 # OpenAI's own bound on inputs per embeddings request.
 MAX_INPUTS = 2048

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from inference.handler import HandlerError
+from gpu_watchdog.inference.handler import HandlerError
 
 MODES = {
     "pooling_mode_cls_token": "cls",

@@ -12,8 +12,8 @@ import pytest
 import yaml
 from helm_python import _native
 
+from gpu_watchdog.watchdog.config import from_mapping
 from tests.helpers import ROOT
-from watchdog.config import from_mapping
 
 CHART = ROOT / "helm" / "gpu-watchdog"
 K8S_VERSION = "1.30.0"
@@ -194,9 +194,9 @@ def test_every_granted_verb_is_one_the_code_calls() -> None:
     import inspect
     import pkgutil
 
-    from watchdog import actions
+    from gpu_watchdog.watchdog import actions
 
-    source = "".join(inspect.getsource(importlib.import_module(f"watchdog.actions.{m.name}"))
+    source = "".join(inspect.getsource(importlib.import_module(f"gpu_watchdog.watchdog.actions.{m.name}"))
                      for m in pkgutil.iter_modules(actions.__path__))
     calls = {("", "pods", "get"): "read_namespaced_pod", ("", "pods/eviction", "create"):
              "create_namespaced_pod_eviction", ("", "pods", "delete"): "delete_namespaced_pod",

@@ -18,6 +18,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpu_watchdog.units import parse_duration
+from gpu_watchdog.watchdog import config_schema
+from gpu_watchdog.watchdog.config import ConfigError, from_mapping
 from tests.chart import pod_security
 from tests.chart.test_chart import (
     ALL_ON,
@@ -31,9 +34,6 @@ from tests.chart.test_chart import (
     watchdog_config,
     with_images,
 )
-from watchdog import config_schema
-from watchdog.config import ConfigError, from_mapping
-from watchdog.units import parse_duration
 
 HF_VLLM: dict[str, Any] = {"inference": {"engine": "vllm"}, "vllm": {"model": "meta-llama/Llama-3.1-8B-Instruct"}}
 
@@ -289,7 +289,7 @@ def test_the_check_command_says_stale_and_how_to_regenerate(tmp_path: Path,
     path = tmp_path / "values.schema.json"
     path.write_text(json.dumps(stale))
     assert config_schema.main(["--check", "--chart-schema", str(path)]) == 1
-    assert "python -m watchdog.config_schema" in capsys.readouterr().err
+    assert "python -m gpu_watchdog.watchdog.config_schema" in capsys.readouterr().err
     assert config_schema.main(["--chart-schema", str(path)]) == 0
     assert config_schema.main(["--check", "--chart-schema", str(path)]) == 0
 

@@ -10,6 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from gpu_watchdog.watchdog.actions.fleet import lease_name
+from gpu_watchdog.watchdog.actions.kube import workload_from_pod
+from gpu_watchdog.watchdog.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
 from tests.chart.test_chart import (
     ALL_ON,
     CHART,
@@ -22,9 +25,6 @@ from tests.chart.test_chart import (
     watchdog_config,
 )
 from tests.chart.test_day_one import render_error
-from watchdog.actions.fleet import lease_name
-from watchdog.actions.kube import workload_from_pod
-from watchdog.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
 
 
 def lease(docs: list[dict[str, Any]]) -> dict[str, Any] | None:

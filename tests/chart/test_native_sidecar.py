@@ -21,6 +21,7 @@ import helm_python as helm
 import kubernetes_validate
 import pytest
 
+from gpu_watchdog.units import parse_duration
 from tests.chart import pod_security
 from tests.chart.test_chart import (
     CHART,
@@ -34,7 +35,6 @@ from tests.chart.test_chart import (
     with_images,
 )
 from tests.chart.test_day_one import ADMITTED, PRIVILEGED_PR
-from watchdog.units import parse_duration
 
 NATIVE_FROM = [("1.28.0", False), ("1.29.0", True), ("1.33.0", True),
                # Providers' versions carry a suffix semver reads as a pre-release.

@@ -13,11 +13,11 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
+from gpu_watchdog.watchdog import names
+from gpu_watchdog.watchdog.fleet import Breaker, FleetView
+from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
 from tests.helpers import ROOT
 from tests.tooling import require
-from watchdog import names
-from watchdog.fleet import Breaker, FleetView
-from watchdog.metrics import Snapshot, WatchdogMetrics
 
 DASH = ROOT / "dashboards"
 # Labels Prometheus adds to every scraped series (the pod's, through the ServiceMonitor).
@@ -98,7 +98,7 @@ def test_the_fleet_states_asked_for_are_the_sidecars() -> None:
 
 
 def test_the_quarantine_panel_and_alert_ask_for_what_the_sidecar_and_the_server_expose() -> None:
-    from inference.metrics import InferenceMetrics
+    from gpu_watchdog.inference.metrics import InferenceMetrics
 
     watchdog = WatchdogMetrics(lambda: Snapshot())
     watchdog.quarantined.labels(workload="llm").set(1)

@@ -20,8 +20,8 @@ from typing import Any
 import pytest
 import requests
 
+from gpu_watchdog.watchdog.names import RESTART_REASONS
 from tests.helpers import Proc, free_port, json_lines, metric, spawn, wait_http
-from watchdog.names import RESTART_REASONS
 
 CONFIG = """
 sampling: {nvml_interval: 1s, torch_interval: 300ms, server_interval: 1s}

@@ -1,11 +1,11 @@
-"""The chaos soak, capped for CI (python -m benchmarks.soak runs the long one)."""
+"""The chaos soak, capped for CI (python -m gpu_watchdog.benchmarks.soak runs the long one)."""
 
 from __future__ import annotations
 
 import collections
 from pathlib import Path
 
-from benchmarks.soak import RESTART_FAULTS, SoakSettings, run_soak
+from gpu_watchdog.benchmarks.soak import RESTART_FAULTS, SoakSettings, run_soak
 
 SERVE_AGAIN_BOUND_S = 30.0
 

@@ -117,11 +117,19 @@ def test_the_watchdog_image_watches_it_and_turns_ready(served: tuple[str, int, i
 def test_the_sidecar_image_has_no_torch_and_neither_has_pip() -> None:
     ctr = sh("from", "-q", f"localhost/gpu-watchdog-watchdog:{TAG}")
     try:
-        probe = ("import importlib.util as u, os; print(u.find_spec('torch') is None, u.find_spec('pip') is None,"
+        # Only the sidecar, under our own import root: no inference half, no load generator, and no
+        # top-level `watchdog` or `inference` to collide with other distributions.
+        probe = ("import importlib.util as u, os; import gpu_watchdog.watchdog.app;"
+                 " print(*(u.find_spec(m) is None for m in ('torch', 'pip', 'watchdog', 'inference', 'benchmarks')),"
+                 " u.find_spec('gpu_watchdog.inference') is None, u.find_spec('gpu_watchdog.benchmarks') is None,"
                  " os.getuid())")
         out = subprocess.run([*BUILDAH, "run", "--isolation", "chroot", ctr, "--", "python3", "-c", probe],
                              check=True, capture_output=True, text=True).stdout.split()
-        assert out == ["True", "True", "10001"]
+        assert out == ["True"] * 7 + ["10001"]
+        # The inference half's commands are not dropped: they say what this image lacks.
+        serve = subprocess.run([*BUILDAH, "run", "--isolation", "chroot", ctr, "--", "gpu-watchdog", "serve",
+                                "--port", "8000"], capture_output=True, text=True)
+        assert serve.returncode == 2 and "carries only the sidecar" in serve.stderr, serve
     finally:
         subprocess.run([*BUILDAH, "rm", ctr], capture_output=True)
     print({name: sh("images", "--format", "{{.Size}}", f"localhost/{name}:{TAG}")

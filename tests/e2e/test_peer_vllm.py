@@ -18,8 +18,8 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks import peer_vllm
-from benchmarks._procs import free_port
+from gpu_watchdog.benchmarks import peer_vllm
+from gpu_watchdog.benchmarks._procs import free_port
 
 pytestmark = pytest.mark.timeout(600)
 

@@ -11,6 +11,7 @@ import yaml
 
 from tests.helpers import Proc, free_port, json_lines, spawn, start_server
 from tests.integration.test_kubernetes import serve_events
+from tests.integration.test_sidecar_memory import rss_bytes
 
 NS, POD = "serving", "model-7f9c"
 
@@ -92,6 +93,8 @@ async def test_context_loss_evicts_exactly_our_pod_and_records_an_event(kmock: A
                 return await status_of(http, base + "/readyz") == 200
 
             await until(ready, 60, "watchdog ready")
+            await asyncio.sleep(3)  # a few rounds of every loop, the API's client in use
+            print(f"sidecar RSS, Kubernetes API configured: {rss_bytes(watchdog.proc.pid) / 2**20:.1f} MiB")
             async with http.post(server.control + "/control/fault", json={"kind": "context_loss"},
                                  headers=server.auth()) as r:
                 assert r.status == 200

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from benchmarks.make_encoder import make
+from gpu_watchdog.benchmarks.make_encoder import make
 from tests.e2e.test_up_faults import SHORT, Stack
 from tests.helpers import free_port, json_lines, metric, spawn, wait_for, wait_http
 

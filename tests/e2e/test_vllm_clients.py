@@ -17,8 +17,8 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks import peer_vllm
-from benchmarks.vllm_bench import bench_serve
+from gpu_watchdog.benchmarks import peer_vllm
+from gpu_watchdog.benchmarks.vllm_bench import bench_serve
 from tests.helpers import Server, start_server
 
 pytestmark = pytest.mark.timeout(900)

@@ -305,8 +305,8 @@ class Fleet:
 
     def _model_argv(self, pod: FleetPod) -> list[str]:
         if self.model == "serve":
-            return ["-m", "watchdog", "serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(pod.model_port),
-                    "--control-port", str(pod.control_port), "--fault-injection"]
+            return ["-m", "gpu_watchdog", "serve", "--device", "cpu", "--host", "127.0.0.1",
+                    "--port", str(pod.model_port), "--control-port", str(pod.control_port), "--fault-injection"]
         argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
         if pod.hang_after is not None:
             argv += ["--hang-after", str(pod.hang_after)]

@@ -16,19 +16,19 @@ from typing import Any
 from aiohttp import web
 from kubernetes import client
 
+from gpu_watchdog.watchdog import fleet
+from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
+from gpu_watchdog.watchdog.actions.kube import PodActions
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import KubeRestarter
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
+from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_POD
 from tests.fleet import cluster as k8s
 from tests.integration.test_kubernetes import serve_events
 from tests.integration.test_restart_metrics import NoNvml
 from tests.integration.test_watchdog_robustness import serve_everything
-from watchdog import fleet
-from watchdog.actions.fleet import LeaseLedger
-from watchdog.actions.kube import PodActions
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import KubeRestarter
-from watchdog.app import Watchdog
-from watchdog.config import from_mapping
-from watchdog.fleet import LEDGER_ANNOTATION
-from watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_POD
 
 NS, LEASE = "serving", "gpu-watchdog-llm"
 

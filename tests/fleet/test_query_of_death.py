@@ -19,10 +19,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS
 from tests.fleet.harness import Fleet, FleetPod
 from tests.helpers import ROOT, json_lines
 from tests.integration.test_kubernetes import events as all_events
-from watchdog.names import CONTEXT_LOSS
 
 MARK = "QOD-7f3a"
 MARKED = {"prompt": f"compute the {MARK} shape", "max_tokens": 6}
@@ -184,7 +184,7 @@ async def test_a_request_that_kills_two_replicas_is_refused_by_both_and_nothing_
             env = {**os.environ, "POD_NAME": pod.name, "POD_NAMESPACE": fleet.namespace, "NODE_NAME": pod.node,
                    "GPU_WATCHDOG_TOKEN": pod.token}
             proc = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "watchdog", "quarantine", *args, "--config", str(pod.config_path), env=env,
+                sys.executable, "-m", "gpu_watchdog", "quarantine", *args, "--config", str(pod.config_path), env=env,
                 cwd=ROOT, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
             out, err = await proc.communicate()
             assert proc.returncode is not None

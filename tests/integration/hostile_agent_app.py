@@ -36,7 +36,7 @@ def lookup(name: str) -> str:
 def fastapi_app(agent: Any) -> Any:
     from fastapi import FastAPI
 
-    from inference.agent_asgi import install
+    from gpu_watchdog.inference.agent_asgi import install
 
     app = FastAPI()
     install(app, agent)
@@ -71,7 +71,7 @@ def fastapi_app(agent: Any) -> Any:
 def aiohttp_app(agent: Any) -> Any:
     from aiohttp import web
 
-    from inference.agent_aiohttp import install
+    from gpu_watchdog.inference.agent_aiohttp import install
 
     async def name(request: web.Request) -> web.Response:
         async with agent.admit():
@@ -105,7 +105,7 @@ def main() -> None:
     p.add_argument("--control-port", type=int, required=True)
     args = p.parse_args()
 
-    from inference.agent import Agent, AgentSettings
+    from gpu_watchdog.inference.agent import Agent, AgentSettings
 
     agent = Agent(AgentSettings(limit=2, control_port=args.control_port, device="cpu"))
     agent.register_canary(lambda: None)

@@ -13,8 +13,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from inference.agent import Agent, AgentSettings
-from inference.agent_aiohttp import install
+from gpu_watchdog.inference.agent import Agent, AgentSettings
+from gpu_watchdog.inference.agent_aiohttp import install
 
 TOKEN = "flood-token"
 

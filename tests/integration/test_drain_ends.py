@@ -17,10 +17,10 @@ import aiohttp
 import pytest
 import requests
 
+from gpu_watchdog import contract
+from gpu_watchdog.watchdog.control_client import ControlClient
+from gpu_watchdog.watchdog.samplers.canary import CanarySampler
 from tests.helpers import ROOT, Server, json_lines, start_app, start_server, wait_for
-from watchdog import contract
-from watchdog.control_client import ControlClient
-from watchdog.samplers.canary import CanarySampler
 
 DEADLINE = 1.5
 MARGIN = 1.5  # scheduling on a shared 2-core machine

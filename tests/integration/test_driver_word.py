@@ -11,15 +11,15 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.policy import Decision
 from tests.integration.test_escalation import NODE, OURS, objects
 from tests.integration.test_kubernetes import NS, POD
 from tests.integration.test_restart_metrics import NoNvml
 from tests.unit.test_nvml_sampler import FakeNvml
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import DrainHandle, RestartOutcome
-from watchdog.app import Watchdog
-from watchdog.config import from_mapping
-from watchdog.policy import Decision
 
 
 class RecordingRestarter:

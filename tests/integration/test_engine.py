@@ -9,12 +9,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from inference import model as model_mod
-from inference.admission import AdmissionGate
-from inference.decode import GenRequest, GenResult
-from inference.engine import Engine
-from inference.errors import InferenceOOM
-from inference.faults import FaultInjector
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.admission import AdmissionGate
+from gpu_watchdog.inference.engine import Engine
+from gpu_watchdog.inference.engine_api import GenRequest, GenResult
+from gpu_watchdog.inference.errors import InferenceOOM
+from gpu_watchdog.inference.faults import FaultInjector
 
 PROMPTS = [("the first prompt", 24), ("a second, rather longer prompt about memory", 9), ("x", 31),
            ("four", 17), ("prompt number five is here", 5), ("six", 40), ("seven sevens", 12)]

@@ -8,14 +8,14 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from gpu_watchdog.watchdog.actions.kube import PodActions
+from gpu_watchdog.watchdog.actions.node import NodeReporter
+from gpu_watchdog.watchdog.actions.restart import annotations_for, event_reason, note_for
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.policy import Decision
 from tests.integration.test_kubernetes import NS, POD
 from tests.integration.test_restart_metrics import NoNvml, Restarter
-from watchdog.actions.kube import PodActions
-from watchdog.actions.node import NodeReporter
-from watchdog.actions.restart import annotations_for, event_reason, note_for
-from watchdog.app import Watchdog
-from watchdog.config import from_mapping
-from watchdog.policy import Decision
 
 OURS, OTHER, NODE = "GPU-11111111-aaaa", "GPU-22222222-bbbb", "gpu-node-7"
 

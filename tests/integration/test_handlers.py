@@ -19,7 +19,7 @@ import pytest
 import requests
 import torch
 
-from benchmarks.make_encoder import LABELS, make
+from gpu_watchdog.benchmarks.make_encoder import LABELS, make
 from tests.helpers import Server, metric, start_server
 
 TEXTS = ["hello world", "the gpu watchdog probe", "ok", "memory cache queue health canary batch token"]
@@ -296,9 +296,9 @@ def test_a_sticky_cuda_error_poisons_the_process_which_exits_3(bert: Server) -> 
 
 
 def test_items_are_sized_for_measuring_and_measuring_needs_cuda(models: Path) -> None:
-    from inference.engine import Engine
-    from inference.handlers.embeddings import Embeddings
-    from inference.measure import MeasureError, measure_items
+    from gpu_watchdog.inference.engine import Engine
+    from gpu_watchdog.inference.handlers.embeddings import Embeddings
+    from gpu_watchdog.inference.measure import MeasureError, measure_items
 
     handler = Embeddings()
     handler.load(str(models / "bert"), torch.device("cpu"))

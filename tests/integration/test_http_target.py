@@ -17,13 +17,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from watchdog import policy
-from watchdog.actions.restart import DrainHandle, RestartOutcome
-from watchdog.app import Watchdog
-from watchdog.config import from_mapping
-from watchdog.policy import Decision
-from watchdog.samplers.canary import EMBEDDINGS, OpenAICanary
-from watchdog.samplers.http_canary import HttpCanary
+from gpu_watchdog.watchdog import policy
+from gpu_watchdog.watchdog.actions.restart import DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.samplers.canary import EMBEDDINGS, OpenAICanary
+from gpu_watchdog.watchdog.samplers.http_canary import HttpCanary
 
 
 class RecordingRestarter:

@@ -367,3 +367,12 @@ def test_a_plain_stream_cut_by_context_loss_fails_loudly(tmp_path: Path) -> None
                     pass
     finally:
         srv.proc.stop()
+
+
+def test_the_memory_report_is_the_shared_record(server: Server) -> None:
+    # The same record as the agent's (tests/unit/test_memory_report.py), with serve's engine figures.
+    from tests.unit.test_memory_report import check_against_the_record
+
+    parsed = check_against_the_record(server.memory())
+    assert parsed.engine is not None and parsed.engine["max_batch_size"] >= 1
+    assert parsed.admission.limit == 4 and parsed.device == "cpu" and parsed.pid == server.proc.proc.pid

@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 import requests
 
-from benchmarks.control_under_flood import CANARY_TIMEOUT_S, MEMORY_TIMEOUT_S, flood, largest_body, probe
-from benchmarks.make_model import make
+from gpu_watchdog.benchmarks.control_under_flood import CANARY_TIMEOUT_S, MEMORY_TIMEOUT_S, flood, largest_body, probe
+from gpu_watchdog.benchmarks.make_model import make
 from tests.helpers import Server, metric, start_server
 
 PREFILL_BUDGET = 64  # tokens one step prefills: a longer prompt goes a chunk per step

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import requests
 
-from benchmarks.make_model import make
+from gpu_watchdog.benchmarks.make_model import make
 from tests.helpers import start_server
 
 
@@ -40,7 +40,7 @@ def test_a_missing_model_directory_is_a_clear_error(tmp_path: Path) -> None:
     import subprocess
     import sys
 
-    out = subprocess.run([sys.executable, "-m", "watchdog", "serve", "--model", str(tmp_path / "nope"),
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "serve", "--model", str(tmp_path / "nope"),
                           "--port", "18999", "--control-port", "18998"], capture_output=True, text=True, timeout=120,
                          env={"GPU_WATCHDOG_TOKEN": "t", "PATH": "/usr/bin:/bin"})
     assert out.returncode != 0

@@ -57,9 +57,9 @@ def test_both_processes_run_with_read_only_working_directory_and_code(tmp_path: 
     script = (
         f"mount --bind {ro} {ro} && mount -o remount,bind,ro {ro} && "
         f"mount --bind {ROOT} {ROOT} && mount -o remount,bind,ro {ROOT} && cd {ro} && "
-        f"({sys.executable} -m watchdog serve --device cpu --host 127.0.0.1 --port {port} --control-port {control}"
+        f"({sys.executable} -m gpu_watchdog serve --device cpu --host 127.0.0.1 --port {port} --control-port {control}"
         f" > {tmp_path}/serve.log 2>&1 &) && "
-        f"exec {sys.executable} -m watchdog run --config {config} > {tmp_path}/run.log 2>&1"
+        f"exec {sys.executable} -m gpu_watchdog run --config {config} > {tmp_path}/run.log 2>&1"
     )
     env = {"PATH": "/usr/bin:/bin:/usr/sbin:/sbin", "HOME": str(ro), "TMPDIR": str(writable_tmp),
            "GPU_WATCHDOG_TOKEN": token, "PYTHONDONTWRITEBYTECODE": "1", "HF_HUB_OFFLINE": "1"}

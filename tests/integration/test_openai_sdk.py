@@ -142,7 +142,7 @@ def test_streams_are_batched_with_each_other(server: Server, client: openai.Open
 
 
 def test_a_local_model_directory_chats_through_its_own_template(tmp_path: Path) -> None:
-    from benchmarks.make_model import make
+    from gpu_watchdog.benchmarks.make_model import make
 
     model = make(tmp_path / "m", hidden=64, layers=2, heads=2, vocab=512, context=256, seed=0)
     srv = start_server(tmp_path, "--model", str(model))

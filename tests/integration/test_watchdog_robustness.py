@@ -13,13 +13,13 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
+from gpu_watchdog.watchdog.actions.kube import PodActions
+from gpu_watchdog.watchdog.actions.restart import DrainHandle, KubeRestarter, RestartOutcome
+from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.config import RestartSettings, from_mapping
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.samplers.nvml import GpuReading
 from tests.integration.test_kubernetes import RecordingDrain
-from watchdog.actions.kube import PodActions
-from watchdog.actions.restart import DrainHandle, KubeRestarter, RestartOutcome
-from watchdog.app import Watchdog
-from watchdog.config import RestartSettings, from_mapping
-from watchdog.policy import Decision
-from watchdog.samplers.nvml import GpuReading
 
 GARBAGE: list[tuple[int, str, str]] = [
     (200, "text/html", "<html>oops</html>"),

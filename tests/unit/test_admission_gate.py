@@ -5,7 +5,7 @@ import time
 
 import pytest
 
-from inference.admission import AdmissionGate
+from gpu_watchdog.inference.admission import AdmissionGate
 
 
 def _hammer(gate: AdmissionGate, weights: list[float], hold_s: float) -> tuple[float, int]:

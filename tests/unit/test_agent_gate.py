@@ -8,9 +8,9 @@ import threading
 import pytest
 import torch
 
-from inference.admission import AdmissionGate
-from inference.agent import Agent, AgentSettings
-from inference.errors import AdmissionTimeout, InferenceOOM, QueueFull
+from gpu_watchdog.inference.admission import AdmissionGate
+from gpu_watchdog.inference.agent import Agent, AgentSettings
+from gpu_watchdog.inference.errors import AdmissionTimeout, InferenceOOM, QueueFull
 
 
 async def test_async_waiter_does_not_block_the_loop_and_gets_in_on_release() -> None:

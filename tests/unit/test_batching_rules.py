@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from inference.batch import Candidate, Room, take
-from inference.recovery import Row, plan
-from inference.sampling import SamplingParams, StopText, new_generator, sample
+from gpu_watchdog.inference.batch import Candidate, Room, take
+from gpu_watchdog.inference.recovery import Row, plan
+from gpu_watchdog.inference.sampling import SamplingParams, StopText, new_generator, sample
 
 
 def room(rows: int = 0, max_rows: int = 8, in_use: float = 0.0, capacity: float = 4.0, join: bool = True) -> Room:
@@ -123,7 +123,7 @@ def test_a_prompt_over_the_budget_still_joins_alone_and_the_canary_joins_beside_
 
 
 def test_joiners_are_prefilled_in_passes_of_like_lengths_the_shortest_first() -> None:
-    from inference.batch import passes
+    from gpu_watchdog.inference.batch import passes
 
     # Five prompts found cached but for 16 tokens beside two that compute all 258: two passes,
     # the cheap one first, instead of one pass 258 wide for everyone.

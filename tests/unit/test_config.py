@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from watchdog.config import ConfigError, Settings, from_mapping, load
-from watchdog.units import parse_duration, parse_size
+from gpu_watchdog.units import parse_duration, parse_size
+from gpu_watchdog.watchdog.config import ConfigError, Settings, from_mapping, load
 
 DESIGN_EXAMPLE = """
 target:
@@ -56,7 +56,7 @@ restart: {strategy: none}
 
 
 def test_peer_example_and_the_metrics_url_it_implies() -> None:
-    from watchdog.config import metrics_url
+    from gpu_watchdog.watchdog.config import metrics_url
 
     s = from_mapping(yaml.safe_load(PEER_EXAMPLE))
     assert (s.sampling.server_interval, s.policy.stall.window) == (2.0, 90.0)
@@ -140,7 +140,7 @@ def test_check_config_cli(tmp_path: Path) -> None:
     bad.write_text("canary: {interval: 5x}\nrestart: {strategy: reboot}\npolicy: {hang: {consecutive_timeouts: -2}}\n")
     broken = tmp_path / "broken.yaml"
     broken.write_text("canary: [\n")
-    run = [sys.executable, "-m", "watchdog", "check-config"]
+    run = [sys.executable, "-m", "gpu_watchdog", "check-config"]
     ok = subprocess.run([*run, str(good)], capture_output=True, text=True, timeout=60)
     assert ok.returncode == 0 and "ok" in ok.stdout
     out = subprocess.run([*run, str(bad)], capture_output=True, text=True, timeout=60)
@@ -156,7 +156,7 @@ def test_check_config_cli(tmp_path: Path) -> None:
 def test_run_refuses_a_bad_config_without_traceback(tmp_path: Path) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("restart: {strategy: reboot}\n")
-    out = subprocess.run([sys.executable, "-m", "watchdog", "run", "--config", str(bad)], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "run", "--config", str(bad)], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2
     assert "restart.strategy:" in out.stderr and "Traceback" not in out.stderr

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from watchdog.config import ConfigError, Settings, from_mapping
+from gpu_watchdog.watchdog.config import ConfigError, Settings, from_mapping
 
 KNOWN: dict[str, Any] = {
     "target": ["control_url", "token_file", "openai_url", "openai_model", "api_key_file", "metrics_url"],
@@ -70,7 +70,7 @@ def test_any_config_is_valid_or_a_clean_key_path_error(config: Any) -> None:
 def test_check_config_cli_never_prints_a_traceback(tmp_path: Path, config: Any) -> None:
     f = tmp_path / "c.yaml"
     f.write_text(yaml.safe_dump(config, allow_unicode=True))
-    out = subprocess.run([sys.executable, "-m", "watchdog", "check-config", str(f)], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "check-config", str(f)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode in (0, 1), out.stderr
     assert "Traceback" not in out.stdout + out.stderr

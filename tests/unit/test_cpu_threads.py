@@ -2,7 +2,7 @@
 
 import torch
 
-from inference.cpu_threads import PARALLEL_PREFILL_TOKENS, plan
+from gpu_watchdog.inference.cpu_threads import PARALLEL_PREFILL_TOKENS, plan
 
 
 def test_prefills_take_every_core_and_decode_steps_leave_one_to_the_event_loop() -> None:

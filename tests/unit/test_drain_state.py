@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inference.drain import Drain
+from gpu_watchdog.inference.drain import Drain
 
 
 class Clock:

@@ -9,13 +9,13 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from watchdog import policy, xid_catalog
-from watchdog.config import PolicySettings, Settings
-from watchdog.escalation import driver_says
-from watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD
-from watchdog.policy import Decision, decide
-from watchdog.samplers.device_health import device_health
-from watchdog.samples import (
+from gpu_watchdog.watchdog import policy, xid_catalog
+from gpu_watchdog.watchdog.config import PolicySettings, Settings
+from gpu_watchdog.watchdog.escalation import driver_says
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.policy import Decision, decide
+from gpu_watchdog.watchdog.samplers.device_health import device_health
+from gpu_watchdog.watchdog.samples import (
     CanarySample,
     DeviceHealth,
     DeviceHealthSample,
@@ -24,7 +24,7 @@ from watchdog.samples import (
     TorchSample,
     XidEvent,
 )
-from watchdog.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.state import RestartEnded, reduce
 
 UUID, OTHER = "GPU-aaaa", "GPU-bbbb"
 

@@ -6,8 +6,8 @@ import dataclasses
 
 import torch
 
-from inference.engine import Engine, GenRequest
-from inference.model import cache_keyword, greedy_without_cache, last_logits_only, load_builtin
+from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.model import cache_keyword, greedy_without_cache, last_logits_only, load_builtin
 
 
 def _texts(engine: Engine, prompts: list[str]) -> list[str]:

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from inference.agent import Agent, AgentSettings
-from inference.errors import (
+from gpu_watchdog.inference.agent import Agent, AgentSettings
+from gpu_watchdog.inference.errors import (
     AdmissionTimeout,
     FatalCudaError,
     InferenceOOM,
@@ -19,7 +19,7 @@ from inference.errors import (
     is_oom,
     sticky_candidate,
 )
-from inference.faults import FaultInjector
+from gpu_watchdog.inference.faults import FaultInjector
 
 ILLEGAL = "CUDA error: an illegal memory access was encountered"
 OOM_TEXT = "CUDA out of memory. Tried to allocate 2.00 GiB"

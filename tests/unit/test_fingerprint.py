@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from inference.fingerprint import fingerprint
+from gpu_watchdog.inference.fingerprint import fingerprint
 
 KEY = b"workload-key"
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import reduce
 
-from watchdog.idle_memory import WARN_RATIO, IdleMemory, observe
-from watchdog.samples import TorchSample
+from gpu_watchdog.watchdog.idle_memory import WARN_RATIO, IdleMemory, observe
+from gpu_watchdog.watchdog.samples import TorchSample
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

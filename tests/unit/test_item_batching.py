@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference.handlers.inputs import InputLimits, token_items
-from inference.itembatch import Item, Limits, after_oom, forwards, take
-from inference.validation import BadRequest
+from gpu_watchdog.inference.handlers.inputs import InputLimits, token_items
+from gpu_watchdog.inference.item_rules import Item, Limits, after_oom, forwards, take
+from gpu_watchdog.inference.validation import BadRequest
 
 
 def limits(window_s: float = 0.0, max_items: int = 8, max_tokens: int = 1000, capacity: float = 64.0,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from transformers.cache_utils import DynamicCache, DynamicLayer
 
-from inference.kv import GrowingLayer, growing, layers_of
+from gpu_watchdog.inference.kv import GrowingLayer, growing, layers_of
 
 ROWS, HEADS, DIM = 3, 2, 4
 
@@ -57,7 +57,7 @@ def test_only_plain_dynamic_layers_grow() -> None:
 
 
 def test_compact_right_aligns_each_rows_tokens_and_keeps_their_order() -> None:
-    from inference.kv import KVBatch
+    from gpu_watchdog.inference.kv import KVBatch
 
     # Rows as a prefill from cached prefixes leaves them: [pad, prefix, pad, rest], here 20 columns wide
     # for at most 4 real tokens a row.
@@ -89,7 +89,7 @@ def test_compact_right_aligns_each_rows_tokens_and_keeps_their_order() -> None:
 
 
 def test_rows_that_leave_and_groups_that_join_keep_room_to_grow_without_another_copy() -> None:
-    from inference.kv import KVBatch
+    from gpu_watchdog.inference.kv import KVBatch
 
     def batch(rows: int, width: int, seed: int) -> tuple[KVBatch, torch.Tensor, torch.Tensor]:
         k, v = cols(width, seed, rows), cols(width, seed + 1, rows)

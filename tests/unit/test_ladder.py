@@ -13,12 +13,12 @@ from dataclasses import replace
 
 import pytest
 
-from watchdog import ladder
-from watchdog.config import AdmissionSettings, Settings
-from watchdog.policy import decide
-from watchdog.records import Failure, Ladder
-from watchdog.samples import ActionRecord, History, TorchSample
-from watchdog.state import AdmissionAnswered, AdmissionRequested, CacheFlushRequested, reduce
+from gpu_watchdog.watchdog import ladder
+from gpu_watchdog.watchdog.config import AdmissionSettings, Settings
+from gpu_watchdog.watchdog.policy import decide
+from gpu_watchdog.watchdog.records import Failure, Ladder
+from gpu_watchdog.watchdog.samples import ActionRecord, History, TorchSample
+from gpu_watchdog.watchdog.state import AdmissionAnswered, AdmissionRequested, CacheFlushRequested, reduce
 
 S = AdmissionSettings(window=45.0, recover_after=200.0, max_wait=1600.0)
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from inference import model as model_mod
-from inference.engine import Engine, GenRequest
-from inference.kv import growing, prefill_inputs
-from inference.lean import lean_forward
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.kv import growing, prefill_inputs
+from gpu_watchdog.inference.lean import lean_forward
 
 
 def _llama(**overrides: Any) -> Any:

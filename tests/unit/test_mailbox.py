@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import threading
 
-from inference.mailbox import Mailbox
+from gpu_watchdog.inference.mailbox import Mailbox
 
 
 def test_every_call_arrives_in_order_and_before_anything_the_thread_schedules_after_it() -> None:

@@ -5,7 +5,7 @@ import sys
 
 import pytest
 
-from inference.planner import CostModel, PlanError, plan
+from gpu_watchdog.inference.planner import CostModel, PlanError, plan
 
 GiB = 2**30
 
@@ -53,7 +53,7 @@ def test_cost_model_fit_is_linear_in_length() -> None:
 
 
 def test_plan_cli_prints_result_and_helm_snippet() -> None:
-    out = subprocess.run([sys.executable, "-m", "watchdog", "plan", "--total", "24GiB", "--base", "15GiB",
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "plan", "--total", "24GiB", "--base", "15GiB",
                           "--peak", "2GiB", "--reserve", "12%"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "N_max = floor(budget / peak) = 3" in out.stdout
@@ -61,13 +61,13 @@ def test_plan_cli_prints_result_and_helm_snippet() -> None:
 
 
 def test_plan_cli_usage_errors() -> None:
-    out = subprocess.run([sys.executable, "-m", "watchdog", "plan", "--total", "24GiB"], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "plan", "--total", "24GiB"], capture_output=True,
                          text=True, timeout=60)
     assert out.returncode == 2 and "go together" in out.stderr
-    out = subprocess.run([sys.executable, "-m", "watchdog", "plan", "--total", "lots", "--base", "1GiB",
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "plan", "--total", "lots", "--base", "1GiB",
                           "--peak", "1GiB"], capture_output=True, text=True, timeout=60)
     assert out.returncode == 2 and "--total" in out.stderr and "Traceback" not in out.stderr
-    out = subprocess.run([sys.executable, "-m", "watchdog", "plan"], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "plan"], capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "no CUDA device" in out.stderr
 
 
@@ -78,6 +78,6 @@ def test_plan_cli_usage_errors() -> None:
     ("json:JSONDecoder", "--handler json:JSONDecoder: the handler lacks"),
 ])
 def test_plan_measures_a_handlers_item_or_says_why_not(handler: str, said: str) -> None:
-    out = subprocess.run([sys.executable, "-m", "watchdog", "plan", "--handler", handler], capture_output=True,
+    out = subprocess.run([sys.executable, "-m", "gpu_watchdog", "plan", "--handler", handler], capture_output=True,
                          text=True, timeout=120)
     assert out.returncode == 2 and said in out.stderr, out.stderr

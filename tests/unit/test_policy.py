@@ -6,9 +6,17 @@ from dataclasses import replace
 
 import pytest
 
-from watchdog.config import HangSettings, PolicySettings, Settings
-from watchdog.names import HANG, PROGRESS_UNKNOWN, RESTART_REASONS, SATURATED, STARTING, STARTUP_TIMEOUT, UNSERVABLE
-from watchdog.policy import (
+from gpu_watchdog.watchdog.config import HangSettings, PolicySettings, Settings
+from gpu_watchdog.watchdog.names import (
+    HANG,
+    PROGRESS_UNKNOWN,
+    RESTART_REASONS,
+    SATURATED,
+    STARTING,
+    STARTUP_TIMEOUT,
+    UNSERVABLE,
+)
+from gpu_watchdog.watchdog.policy import (
     Decision,
     budget_remaining,
     canary_delay,
@@ -20,8 +28,16 @@ from watchdog.policy import (
     serviceable,
     target_state,
 )
-from watchdog.samples import ActionRecord, CanarySample, GpuSample, History, ServerSample, TorchSample, XidEvent
-from watchdog.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
+from gpu_watchdog.watchdog.samples import (
+    ActionRecord,
+    CanarySample,
+    GpuSample,
+    History,
+    ServerSample,
+    TorchSample,
+    XidEvent,
+)
+from gpu_watchdog.watchdog.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
 
 GiB = 2**30
 UUID = "GPU-aaaa"
@@ -637,7 +653,7 @@ def test_every_restart_reason_is_a_known_name() -> None:
 
 
 def test_one_answer_to_whether_an_xid_is_ours() -> None:
-    from watchdog.policy import gpus_unknown, xid_is_ours
+    from gpu_watchdog.watchdog.policy import gpus_unknown, xid_is_ours
 
     unknown = history(gpus_visible=4)
     assert gpus_unknown(unknown) and xid_is_ours(unknown, OTHER) is None and xid_is_ours(unknown, None) is None
@@ -653,7 +669,7 @@ def test_one_answer_to_whether_an_xid_is_ours() -> None:
 
 @pytest.mark.parametrize("window", [20.0, 90.0])
 def test_the_stall_window_is_the_setting(window: float) -> None:
-    from watchdog.config import StallSettings
+    from gpu_watchdog.watchdog.config import StallSettings
 
     s = settings(stall=StallSettings(window=window))
     h = history()
@@ -668,7 +684,7 @@ def test_the_stall_window_is_the_setting(window: float) -> None:
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_the_hang_threshold_is_the_setting(n: int) -> None:
-    from watchdog.config import HangSettings
+    from gpu_watchdog.watchdog.config import HangSettings
 
     s = settings(hang=HangSettings(consecutive_timeouts=n))
     h = history()
@@ -681,7 +697,7 @@ def test_the_hang_threshold_is_the_setting(n: int) -> None:
 
 
 def test_memory_pressure_ratio_and_cooldown_are_the_settings() -> None:
-    from watchdog.config import MemoryPressureSettings
+    from gpu_watchdog.watchdog.config import MemoryPressureSettings
 
     s = settings(memory_pressure=MemoryPressureSettings(reserved_ratio=0.5, cooldown=10.0))
     h = history()
@@ -696,7 +712,7 @@ def test_memory_pressure_ratio_and_cooldown_are_the_settings() -> None:
 
 
 def test_fragmentation_ratio_and_attempts_are_the_settings() -> None:
-    from watchdog.config import FragmentationSettings
+    from gpu_watchdog.watchdog.config import FragmentationSettings
 
     h = history()
     h.torch.append(torch(1, reserved=10 * GiB, allocated=6 * GiB))  # 40 % fragmented
@@ -718,7 +734,7 @@ def test_fragmentation_ratio_and_attempts_are_the_settings() -> None:
 
 
 def test_fragmentation_attempts_count_within_the_window_setting() -> None:
-    from watchdog.config import FragmentationSettings
+    from gpu_watchdog.watchdog.config import FragmentationSettings
 
     def restarted(s: PolicySettings) -> bool:
         h = history()
@@ -747,7 +763,7 @@ def test_the_startup_timeout_is_the_setting() -> None:
 
 
 def test_the_unservable_window_is_the_setting() -> None:
-    from watchdog.config import UnservableSettings
+    from gpu_watchdog.watchdog.config import UnservableSettings
 
     s = settings(unservable=UnservableSettings(window=120.0))
     h = history()
@@ -762,7 +778,7 @@ def test_the_unservable_window_is_the_setting() -> None:
 
 
 def test_the_restart_budget_is_the_setting() -> None:
-    from watchdog.config import RestartBudgetSettings
+    from gpu_watchdog.watchdog.config import RestartBudgetSettings
 
     s = settings(restart_budget=RestartBudgetSettings(max_restarts=1, window=600.0))
     h = history()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from inference.prefix_cache import BLOCK, PrefixCache
+from gpu_watchdog.inference.prefix_cache import BLOCK, PrefixCache
 
 LAYERS, HEADS, DIM = 2, 2, 4
 

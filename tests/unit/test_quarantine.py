@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from watchdog.config import QuarantineSettings
-from watchdog.quarantine import (
+from gpu_watchdog.watchdog.config import QuarantineSettings
+from gpu_watchdog.watchdog.quarantine import (
     FAILURES_KEPT,
     MAX_PER_EPISODE,
     Failure,

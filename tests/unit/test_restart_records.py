@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from watchdog.actions.restart import NOT_RECORDED, DrainHandle, RestartOutcome
-from watchdog.config import from_mapping
-from watchdog.executor import NOT_RECORDED_HOLD_S, Executor
-from watchdog.metrics import WatchdogMetrics
-from watchdog.names import HANG
-from watchdog.policy import Decision
+from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.executor import NOT_RECORDED_HOLD_S, Executor
+from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.names import HANG
+from gpu_watchdog.watchdog.policy import Decision
 
 
 class Scripted:

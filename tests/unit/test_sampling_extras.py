@@ -6,29 +6,29 @@ import math
 
 import torch
 
-from inference.sampling import History, SamplingParams, StopText, adjust, sample, token_logprobs
+from gpu_watchdog.inference.sampling import RowTokens, SamplingParams, StopText, adjust, sample, token_logprobs
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 4.0, -3.0])
 
 
 def test_repetition_penalty_divides_positive_and_multiplies_negative_scores_of_seen_tokens() -> None:
-    out = adjust(LOGITS, SamplingParams(repetition_penalty=2.0), History(prompt=[0], generated=[1]))
+    out = adjust(LOGITS, SamplingParams(repetition_penalty=2.0), RowTokens(prompt=[0], generated=[1]))
     assert out.tolist() == [1.0, -2.0, 0.5, 4.0, -3.0]
 
 
 def test_presence_and_frequency_penalties_count_generated_tokens_only() -> None:
     p = SamplingParams(presence_penalty=0.5, frequency_penalty=1.0)
-    out = adjust(LOGITS, p, History(prompt=[2, 2], generated=[3, 3, 1]))
+    out = adjust(LOGITS, p, RowTokens(prompt=[2, 2], generated=[3, 3, 1]))
     assert out.tolist() == [2.0, -2.5, 0.5, 1.5, -3.0]
 
 
 def test_bias_and_min_tokens_hold_back_the_end_tokens() -> None:
     p = SamplingParams(logit_bias=((4, 10.0),), min_tokens=2, stop_token_ids=(0,))
-    early = adjust(LOGITS, p, History(prompt=[], generated=[1], eos_id=3))
+    early = adjust(LOGITS, p, RowTokens(prompt=[], generated=[1], eos_id=3))
     assert early[0] == -math.inf and early[3] == -math.inf and early[4] == 7.0
-    late = adjust(LOGITS, p, History(prompt=[], generated=[1, 1], eos_id=3))
+    late = adjust(LOGITS, p, RowTokens(prompt=[], generated=[1, 1], eos_id=3))
     assert late[3] == 4.0
-    assert sample(LOGITS[None], [p], [None], [History([], [1], 3)]) == [4]
+    assert sample(LOGITS[None], [p], [None], [RowTokens([], [1], 3)]) == [4]
 
 
 def test_top_k_and_min_p_sample_only_among_the_kept_tokens() -> None:

@@ -10,13 +10,13 @@ from typing import Any
 import pytest
 import torch
 
-from inference import scoring
-from inference.engine import Engine, GenRequest
-from inference.lean import lean_forward
-from inference.model import LoadedModel, load_builtin
-from inference.planner import CostModel
-from inference.sampling import TokenLogprob, token_logprobs
-from inference.service import Admission
+from gpu_watchdog.inference import scoring
+from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.lean import lean_forward
+from gpu_watchdog.inference.model import LoadedModel, load_builtin
+from gpu_watchdog.inference.planner import CostModel
+from gpu_watchdog.inference.sampling import TokenLogprob, token_logprobs
+from gpu_watchdog.inference.service import Admission
 
 PROMPT = "a prompt to score, long enough to cross several chunks of both kinds: " * 2
 K = 3

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from inference.errors import FatalCudaError
-from inference.faults import FaultError, FaultInjector
-from inference.screen import (
+from gpu_watchdog.inference.errors import FatalCudaError
+from gpu_watchdog.inference.faults import FaultError, FaultInjector
+from gpu_watchdog.inference.screen import (
     COMPLETED_KEPT,
     QUARANTINE_MAX,
     Entry,

@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from inference.settings import ServeSettings, SettingsError, add_flags, from_args, to_argv
+from gpu_watchdog.inference.settings import ServeSettings, SettingsError, add_flags, from_args, to_argv
 
 
 def parse(argv: list[str], for_up: bool = False) -> argparse.Namespace:

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from watchdog.names import SERVER_KINDS
-from watchdog.samplers.server_metrics import DIALECTS, parse
+from gpu_watchdog.watchdog.names import SERVER_KINDS
+from gpu_watchdog.watchdog.samplers.server_metrics import DIALECTS, parse
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 
@@ -86,7 +86,7 @@ def test_sglang() -> None:
 
 
 def test_the_bundled_server_from_its_own_registry() -> None:
-    from inference.metrics import InferenceMetrics
+    from gpu_watchdog.inference.metrics import InferenceMetrics
 
     m = InferenceMetrics()
     m.inflight.set(3)
@@ -118,7 +118,7 @@ def test_every_dialect_is_a_known_server_kind() -> None:
 
 
 def _bundled_page(generated: int, prompt: int) -> str:
-    from inference.metrics import InferenceMetrics
+    from gpu_watchdog.inference.metrics import InferenceMetrics
 
     m = InferenceMetrics()
     m.inflight.set(1)

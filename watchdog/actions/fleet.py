@@ -14,11 +14,11 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from kubernetes import client
-
-from watchdog import fleet, logs, quarantine
-from watchdog.actions.kube import CONTROLLER, event_name
-from watchdog.fleet import LEDGER_ANNOTATION, Ledger
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog import fleet, quarantine
+from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_name
+from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION, Ledger
 
 log = logs.get("watchdog.fleet")
 

@@ -12,9 +12,8 @@ import secrets
 import time
 from typing import Any
 
-from kubernetes import client, config
-
-from watchdog import logs
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.actions.k8s import client, config
 
 log = logs.get("watchdog.kube")
 

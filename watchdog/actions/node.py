@@ -9,11 +9,10 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from kubernetes import client
-
-from watchdog import logs
-from watchdog.actions.kube import CONTROLLER, event_name
-from watchdog.escalation import (
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_name
+from gpu_watchdog.watchdog.escalation import (
     GPUS_ANNOTATION,
     NODE_ANNOTATION,
     REASON_ANNOTATION,

@@ -11,10 +11,10 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from watchdog import logs
-from watchdog.actions.kube import PodActions, RefusedError, event_reason
-from watchdog.config import RestartSettings
-from watchdog.escalation import (
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.actions.kube import PodActions, RefusedError, event_reason
+from gpu_watchdog.watchdog.config import RestartSettings
+from gpu_watchdog.watchdog.escalation import (
     GPUS_ANNOTATION,
     INFLIGHT_ANNOTATION,
     NODE_ANNOTATION,
@@ -22,8 +22,8 @@ from watchdog.escalation import (
     WORKLOAD_ANNOTATION,
     XID_ANNOTATION,
 )
-from watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS
-from watchdog.policy import Decision
+from gpu_watchdog.watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS
+from gpu_watchdog.watchdog.policy import Decision
 
 log = logs.get("watchdog.restart")
 

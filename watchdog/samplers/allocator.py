@@ -3,48 +3,23 @@
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any
 
-from watchdog.control_client import ControlClient, ControlError
-from watchdog.samples import TorchSample
-
-
-def _num(data: dict[str, Any], key: str, kind: type = int) -> Any:
-    value = data.get(key, 0)
-    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
-        raise ValueError(f"{key}: expected a non-negative number, got {value!r}")
-    return kind(value)
+from gpu_watchdog.contract import MemoryReport
+from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
+from gpu_watchdog.watchdog.samples import TorchSample
 
 
-def parse_memory(data: dict[str, Any], at: float) -> TorchSample:
-    """Validate the control API's answer field by field; garbage raises ValueError, never crashes later."""
-    missing = [k for k in ("device", "total_bytes", "allocated_bytes", "reserved_bytes") if k not in data]
-    if missing:
-        raise ValueError(f"missing {', '.join(missing)}")
-    admission = data.get("admission") or {}
-    if not isinstance(admission, dict):
-        raise ValueError("admission: expected an object")
-    frag = data.get("fragmentation_ratio", 0.0)
-    if isinstance(frag, bool) or not isinstance(frag, int | float) or not 0.0 <= frag <= 1.0:
-        raise ValueError(f"fragmentation_ratio: expected 0..1, got {frag!r}")
-    poisoned = data.get("poisoned", False)
-    if not isinstance(poisoned, bool):
-        raise ValueError("poisoned: expected a boolean")
-    uuid = data.get("uuid")
-    instance = data.get("instance_id")
+def parse_memory(data: object, at: float) -> TorchSample:
+    """The control API's answer as a sample; garbage raises ValueError naming the field, never crashes later."""
+    r = MemoryReport.parse(data)
     return TorchSample(
-        at=at, reachable=True, device=str(data.get("device", "unknown")),
-        uuid=uuid if isinstance(uuid, str) else None,
-        total_bytes=_num(data, "total_bytes"), allocated_bytes=_num(data, "allocated_bytes"),
-        reserved_bytes=_num(data, "reserved_bytes"), active_bytes=_num(data, "active_bytes"),
-        inactive_split_bytes=_num(data, "inactive_split_bytes"), alloc_retries=_num(data, "alloc_retries"),
-        ooms=max(_num(data, "num_ooms"), _num(data, "ooms_caught")), fragmentation_ratio=float(frag),
-        injected=bool(data.get("injected", False)), uptime_s=_num(data, "uptime_s", float), poisoned=poisoned,
-        poison_reason=str(data["poison_reason"]) if data.get("poison_reason") else None,
-        instance_id=instance if isinstance(instance, str) else None,
-        inflight=_num(data, "inflight"), queued=_num(data, "queued"),
-        admission_limit=_num(admission, "limit") if "limit" in admission else 0,
-        admission_mode=str(admission.get("mode", "")),
+        at=at, reachable=True, device=r.device, uuid=r.uuid,
+        total_bytes=r.total_bytes, allocated_bytes=r.allocated_bytes, reserved_bytes=r.reserved_bytes,
+        active_bytes=r.active_bytes, inactive_split_bytes=r.inactive_split_bytes, alloc_retries=r.alloc_retries,
+        ooms=max(r.num_ooms, r.ooms_caught), fragmentation_ratio=r.fragmentation_ratio, injected=r.injected,
+        uptime_s=r.uptime_s, poisoned=r.poisoned, poison_reason=r.poison_reason,
+        instance_id=r.instance_id or None, inflight=r.inflight, queued=r.queued,
+        admission_limit=r.admission.limit, admission_mode=r.admission.mode,
     )
 
 

@@ -14,11 +14,10 @@ from typing import Any, Protocol
 
 import aiohttp
 
-from watchdog import contract, logs
-from watchdog.control_client import ControlClient, ControlError
-from watchdog.names import ERROR_CLASSES
-from watchdog.samplers.http_body import read_capped
-from watchdog.samples import CanarySample
+from gpu_watchdog import contract, logs
+from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
+from gpu_watchdog.watchdog.samplers.http_body import read_capped
+from gpu_watchdog.watchdog.samples import CanarySample
 
 log = logs.get("watchdog.canary")
 
@@ -74,19 +73,15 @@ class CanarySampler:
             cls = "timeout" if exc.kind == "timeout" else "unreachable" if exc.kind == "unreachable" else "other"
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class=cls,
                                 error=str(exc)[:300], route=self.route)
-        answered_ok: Any = data.get("ok")
-        error_class = data.get("error_class")
-        latency = data.get("latency_s")
-        if not isinstance(answered_ok, bool) or (error_class is not None and error_class not in ERROR_CLASSES) \
-                or isinstance(latency, bool) or not isinstance(latency, int | float):
+        try:
+            result, instance, draining = contract.CanaryResult.parse(data)
+        except ValueError as exc:
             return CanarySample(at=self.clock(), ok=False, latency_s=self.clock() - start, error_class="other",
-                                error=f"bad canary answer: {str(data)[:200]}", route=self.route)
-        instance = data.get("instance_id")
-        return CanarySample(at=self.clock(), ok=answered_ok, latency_s=float(latency),
-                            error_class=None if answered_ok else error_class,
-                            error=None if answered_ok else str(data.get("error"))[:300],
-                            instance_id=instance if isinstance(instance, str) else None, route=self.route,
-                            draining=data.get("draining") is True)
+                                error=str(exc), route=self.route)
+        return CanarySample(at=self.clock(), ok=result.ok, latency_s=result.latency_s,
+                            error_class=None if result.ok else result.error_class,
+                            error=None if result.ok else str(result.error)[:300],
+                            instance_id=instance, route=self.route, draining=draining)
 
 
 def api_base(url: str) -> str:

@@ -16,13 +16,12 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from kubernetes import client
-
-from watchdog import logs
-from watchdog.actions.kube import load_api_client
-from watchdog.config import Settings
-from watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
-from watchdog.samples import DeviceHealth, DeviceHealthSample
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.actions.kube import load_api_client
+from gpu_watchdog.watchdog.config import Settings
+from gpu_watchdog.watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
+from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
 
 log = logs.get("watchdog.device_health")
 

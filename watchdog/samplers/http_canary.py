@@ -16,11 +16,11 @@ from typing import Any
 import aiohttp
 from yarl import URL
 
-from watchdog import logs
-from watchdog.config import HttpTargetSettings
-from watchdog.samplers.canary import ANSWER_BYTES, classify, read_api_key
-from watchdog.samplers.http_body import read_capped
-from watchdog.samples import CanarySample
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.config import HttpTargetSettings
+from gpu_watchdog.watchdog.samplers.canary import ANSWER_BYTES, classify, read_api_key
+from gpu_watchdog.watchdog.samplers.http_body import read_capped
+from gpu_watchdog.watchdog.samples import CanarySample
 
 log = logs.get("watchdog.canary")
 

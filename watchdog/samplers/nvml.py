@@ -8,9 +8,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from watchdog import logs
-from watchdog.samples import GpuSample, XidEvent
-from watchdog.state import GpuReadout
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.samples import GpuSample, XidEvent
+from gpu_watchdog.watchdog.state import GpuReadout
 
 log = logs.get("watchdog.nvml")
 

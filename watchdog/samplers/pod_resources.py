@@ -12,18 +12,18 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
-
-from watchdog.config import Settings
+from gpu_watchdog.watchdog.config import Settings
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_METHOD = "/v1.PodResourcesLister/List"
 GPU_RESOURCE_PREFIX = "nvidia.com/"  # nvidia.com/gpu, and MIG slices as nvidia.com/mig-*
 
-_T = descriptor_pb2.FieldDescriptorProto
+@functools.cache
+def messages() -> dict[str, Any]:
+    # protobuf at the first question to the kubelet: a sidecar that never asks does not carry it.
+    from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-
-def _messages() -> dict[str, Any]:
+    _T = descriptor_pb2.FieldDescriptorProto
     f = descriptor_pb2.FileDescriptorProto(name="gpu_watchdog/podresources_v1.proto", package="v1",
                                            syntax="proto3")
 
@@ -50,8 +50,6 @@ def _messages() -> dict[str, Any]:
                          "ContainerResources", "ContainerDevices")}
 
 
-MESSAGES = _messages()
-
 
 class PodResourcesError(Exception):
     """The kubelet could not be asked, or did not answer."""
@@ -74,8 +72,8 @@ def list_pod_gpus(socket_path: str, pod: str, namespace: str, timeout: float) ->
     try:
         with grpc.insecure_channel(f"unix://{socket_path}") as channel:
             call = channel.unary_unary(LIST_METHOD, request_serializer=lambda m: m.SerializeToString(),
-                                       response_deserializer=MESSAGES["ListPodResourcesResponse"].FromString)
-            response = call(MESSAGES["ListPodResourcesRequest"](), timeout=timeout)
+                                       response_deserializer=messages()["ListPodResourcesResponse"].FromString)
+            response = call(messages()["ListPodResourcesRequest"](), timeout=timeout)
     except grpc.RpcError as exc:
         code = exc.code() if hasattr(exc, "code") else None
         details = exc.details() if hasattr(exc, "details") else str(exc)

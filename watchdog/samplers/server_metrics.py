@@ -16,9 +16,9 @@ from dataclasses import dataclass
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from watchdog.samplers.http_body import read_capped
-from watchdog.samples import ServerSample
-from watchdog.selector import Selector
+from gpu_watchdog.watchdog.samplers.http_body import read_capped
+from gpu_watchdog.watchdog.samples import ServerSample
+from gpu_watchdog.watchdog.selector import Selector
 
 MAX_PAGE_BYTES = 8 * 2**20  # a metrics page is kilobytes; more is not a metrics page
 

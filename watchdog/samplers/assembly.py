@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 import aiohttp
 
-from watchdog import logs
-from watchdog.config import Settings
-from watchdog.control_client import ControlClient
-from watchdog.samplers.allocator import AllocatorSampler
-from watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
-from watchdog.samplers.device_health import DeviceHealthSampler, pod_reader
-from watchdog.samplers.http_canary import HttpCanary
-from watchdog.samplers.nvml import NvmlBackend, NvmlSampler
-from watchdog.samplers.server_metrics import ServerMetricsSampler
-from watchdog.selector import parse as parse_selector
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog.config import Settings
+from gpu_watchdog.watchdog.control_client import ControlClient
+from gpu_watchdog.watchdog.samplers.allocator import AllocatorSampler
+from gpu_watchdog.watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
+from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler, pod_reader
+from gpu_watchdog.watchdog.samplers.http_canary import HttpCanary
+from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, NvmlSampler
+from gpu_watchdog.watchdog.samplers.server_metrics import ServerMetricsSampler
+from gpu_watchdog.watchdog.selector import parse as parse_selector
 
 log = logs.get("watchdog")
 

@@ -1,6 +1,6 @@
 """The request-level batch loop: one thread per device runs a request-level handler's forward passes.
 
-Items from every request queue here; the loop takes a batch (`itembatch.take`: the window, the
+Items from every request queue here; the loop takes a batch (`item_rules.take`: the window, the
 item and token budgets, the admission gate), sorts it by length into forward passes of at most
 `--max-batch-tokens` padded tokens, and answers each item as its pass ends. It answers to the
 engine front with the same names as the decode loop (`waiting`, `running`, `poison`, `probe`),
@@ -20,13 +20,13 @@ from typing import Any
 
 import torch
 
-from inference import itembatch
-from inference.admission import AdmissionGate, Grant
-from inference.decode import EngineProbe
-from inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
-from inference.handler import RequestHandler
-from inference.loop_thread import LoopHooks, LoopThread
-from inference.screen import MARKED
+from gpu_watchdog.inference import item_rules
+from gpu_watchdog.inference.admission import AdmissionGate, Grant
+from gpu_watchdog.inference.engine_api import EngineProbe
+from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
+from gpu_watchdog.inference.handler import RequestHandler
+from gpu_watchdog.inference.loop_thread import LoopHooks, LoopThread
+from gpu_watchdog.inference.screen import MARKED
 
 _order = itertools.count()
 
@@ -150,9 +150,9 @@ class BatchLoop(LoopThread):
     def _take(self) -> tuple[list[Job], float]:
         """Called with the lock held."""
         stats = self.gate.stats()
-        limits = itembatch.Limits(self.max_rows, self.max_tokens, self.window_s, stats.capacity, stats.in_use)
+        limits = item_rules.Limits(self.max_rows, self.max_tokens, self.window_s, stats.capacity, stats.in_use)
         queue = list(self._waiting)
-        plan = itembatch.take([itembatch.Item(j.tokens, j.weight, j.arrived, j.canary) for j in queue], limits,
+        plan = item_rules.take([item_rules.Item(j.tokens, j.weight, j.arrived, j.canary) for j in queue], limits,
                               self.clock())
         batch: list[Job] = []
         for i in plan.chosen:
@@ -167,7 +167,7 @@ class BatchLoop(LoopThread):
         return batch, plan.wait_s
 
     def _run_batch(self, batch: list[Job]) -> None:
-        for indices in itembatch.forwards([j.tokens for j in batch], self.max_tokens):
+        for indices in item_rules.forwards([j.tokens for j in batch], self.max_tokens):
             if self.poisoned is not None:
                 for i in indices:
                     _settle(batch[i], FatalCudaError(self.poisoned))
@@ -202,7 +202,7 @@ class BatchLoop(LoopThread):
         if is_oom(exc):
             if self.on_oom is not None:
                 self.on_oom(exc)
-            halves = itembatch.after_oom(len(jobs), retried)
+            halves = item_rules.after_oom(len(jobs), retried)
             if halves is None:
                 for job in jobs:
                     _settle(job, InferenceOOM(str(exc)))

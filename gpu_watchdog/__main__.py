@@ -1,0 +1,5 @@
+import sys
+
+from gpu_watchdog.cli import main
+
+sys.exit(main())

@@ -1,0 +1,281 @@
+"""What the inference process and the sidecar agree on: the control API's routes, its bearer token
+and the memory report's shape.
+
+A leaf: it imports nothing else of this project, so both halves depend on it and on nothing of
+each other's. The token: `GPU_WATCHDOG_TOKEN` wins, else a token file; generated when absent. The
+memory report (`GET /control/memory`) is one typed record: `serve` and the agent build it, the
+sidecar parses it, the control API's schema is derived from it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import secrets
+import tempfile
+import types
+import typing
+from pathlib import Path
+from typing import Any
+
+VERSION = "0.1.0"
+
+ENV_VAR = "GPU_WATCHDOG_TOKEN"
+
+# The control API (pod-local, 127.0.0.1:8001, bearer token).
+MEMORY = "/control/memory"
+EMPTY_CACHE = "/control/empty_cache"
+CANARY = "/control/canary"
+DRAIN = "/control/drain"  # POST drains (until its `deadline`), DELETE lifts the drain
+ADMISSION = "/control/admission"
+FAULT = "/control/fault"
+# The query of death: the fingerprints in flight (and at the failure), and the quarantine list
+# (GET lists, POST adds one, PUT replaces all, DELETE lifts one).
+REQUESTS = "/control/requests"
+QUARANTINE = "/control/quarantine"
+CONTROL_OPENAPI = "/control/openapi.json"
+
+# A drain the server lifts by itself once its deadline passes, so a sidecar that dies mid-restart
+# cannot leave the pod drained for good (seconds; `POST /control/drain {"deadline": S}`).
+DRAIN_DEADLINE_DEFAULT_S = 300.0
+DRAIN_DEADLINE_MAX_S = 3600.0
+
+
+class TokenError(RuntimeError):
+    pass
+
+
+def default_token_path() -> Path:
+    return Path(tempfile.gettempdir()) / f"gpu-watchdog-{os.getuid()}" / "token"
+
+
+def read_token(token_file: str | None) -> str | None:
+    env = os.environ.get(ENV_VAR, "").strip()
+    if env:
+        return env
+    if token_file is None:
+        return None
+    path = Path(token_file)
+    if not path.exists():
+        return None
+    try:
+        token = path.read_text(encoding="utf-8").strip()
+    except OSError as exc:
+        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from None
+    if not token:
+        raise TokenError(f"token file {path} is empty")
+    return token
+
+
+def ensure_token(token_file: str | None) -> tuple[str, str | None]:
+    """The token to require, and the file it lives in (None when it came from the environment).
+
+    Generates a fresh token into `token_file` (or a private default path) when none exists, with
+    mode 0600 so only this user can read it.
+    """
+    existing = read_token(token_file)
+    if existing is not None:
+        return existing, None if os.environ.get(ENV_VAR, "").strip() else token_file
+    path = Path(token_file) if token_file else default_token_path()
+    token = secrets.token_urlsafe(32)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(token + "\n")
+        os.chmod(path, 0o600)
+    except OSError as exc:
+        raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
+    return token, str(path)
+
+
+# What a canary's failure was, as the process that ran it classifies it (by type, never by text).
+CANARY_ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other")
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryResult:
+    """One canary: a real one-token inference on the reserved slot. `POST /control/canary` answers
+    it (`to_json`, with the process's instance and whether it is draining); the sidecar `parse`s it."""
+
+    ok: bool
+    latency_s: float
+    error_class: str | None
+    error: str | None = None
+
+    def to_json(self, instance_id: str, draining: bool) -> dict[str, Any]:
+        return {"ok": self.ok, "latency_s": self.latency_s, "error_class": self.error_class, "error": self.error,
+                "instance_id": instance_id, "draining": draining}
+
+    @classmethod
+    def parse(cls, data: object) -> tuple[CanaryResult, str | None, bool]:
+        """(result, instance_id, draining); ValueError when the answer is not a canary's."""
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        ok, error_class, latency = data.get("ok"), data.get("error_class"), data.get("latency_s")
+        if not isinstance(ok, bool) or (error_class is not None and error_class not in CANARY_ERROR_CLASSES) \
+                or isinstance(latency, bool) or not isinstance(latency, int | float):
+            raise ValueError(f"bad canary answer: {str(data)[:200]}")
+        instance = data.get("instance_id")
+        error = data.get("error")
+        return (cls(ok, float(latency), error_class, None if error is None else str(error)),
+                instance if isinstance(instance, str) else None, data.get("draining") is True)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdmissionReport:
+    """The gate, as `GET /control/memory` reports it under `admission`."""
+
+    mode: str
+    limit: int
+    capacity: float = 0  # slots, or weights in slots: not whole numbers with weighted admission
+    in_use: float = 0
+    holders: int = 0
+    waiting: int = 0
+    peak_holders: int = 0
+    canary_busy: bool = False
+    source: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryReport:
+    """`GET /control/memory`: the torch allocator's figures (honest zeros on CPU) and the process's state.
+
+    `injected`: the fragmentation figures come from an injected fault, not from the allocator.
+    `engine` and `prefix_cache` are `serve`'s alone (the agent has neither: an app's model call has
+    no batches); `faults` is there only with fault injection on.
+    """
+
+    device: str
+    device_name: str
+    uuid: str | None
+    total_bytes: int
+    allocated_bytes: int
+    reserved_bytes: int
+    active_bytes: int
+    inactive_split_bytes: int
+    alloc_retries: int
+    num_ooms: int
+    fragmentation_ratio: float
+    injected: bool
+    ooms_caught: int
+    empty_cache_count: int
+    uptime_s: float
+    poisoned: bool
+    poison_reason: str | None
+    inflight: int
+    queued: int
+    draining: bool
+    drain_deadline_left_s: float | None
+    ready: bool
+    instance_id: str
+    pid: int
+    model: str
+    time: float
+    admission: AdmissionReport
+    faults: dict[str, Any] | None = None
+    engine: dict[str, Any] | None = None
+    prefix_cache: dict[str, Any] | None = None
+
+    # Sections a server without them leaves out of its answer instead of sending null.
+    OPTIONAL_SECTIONS: typing.ClassVar[tuple[str, ...]] = ("engine",)
+
+    def to_json(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        for key in self.OPTIONAL_SECTIONS:
+            if out[key] is None:
+                del out[key]
+        return out
+
+    @classmethod
+    def parse(cls, data: object) -> MemoryReport:
+        """The answer, checked field by field: ValueError names the first field that is wrong.
+
+        Lenient where a server of another release may differ: only the allocator's four essentials
+        are required; a number or flag that is absent reads as zero or false.
+        """
+        if not isinstance(data, dict):
+            raise ValueError("expected a JSON object")
+        missing = [k for k in ("device", "total_bytes", "allocated_bytes", "reserved_bytes") if k not in data]
+        if missing:
+            raise ValueError(f"missing {', '.join(missing)}")
+        admission = data.get("admission") or {}
+        if not isinstance(admission, dict):
+            raise ValueError("admission: expected an object")
+        frag = data.get("fragmentation_ratio", 0.0)
+        if isinstance(frag, bool) or not isinstance(frag, int | float) or not 0.0 <= frag <= 1.0:
+            raise ValueError(f"fragmentation_ratio: expected 0..1, got {frag!r}")
+        poisoned = data.get("poisoned", False)
+        if not isinstance(poisoned, bool):
+            raise ValueError("poisoned: expected a boolean")
+
+        def text(key: str, default: str = "") -> str:
+            value = data.get(key)
+            return value if isinstance(value, str) else default
+
+        def section(key: str) -> dict[str, Any] | None:
+            value = data.get(key)
+            return value if isinstance(value, dict) else None
+
+        drain_left = data.get("drain_deadline_left_s")
+        return cls(
+            device=str(data.get("device", "unknown")), device_name=text("device_name"),
+            uuid=data["uuid"] if isinstance(data.get("uuid"), str) else None,
+            total_bytes=_count(data, "total_bytes"), allocated_bytes=_count(data, "allocated_bytes"),
+            reserved_bytes=_count(data, "reserved_bytes"), active_bytes=_count(data, "active_bytes"),
+            inactive_split_bytes=_count(data, "inactive_split_bytes"), alloc_retries=_count(data, "alloc_retries"),
+            num_ooms=_count(data, "num_ooms"), fragmentation_ratio=float(frag),
+            injected=bool(data.get("injected", False)), ooms_caught=_count(data, "ooms_caught"),
+            empty_cache_count=_count(data, "empty_cache_count"), uptime_s=_count(data, "uptime_s", float),
+            poisoned=poisoned, poison_reason=str(data["poison_reason"]) if data.get("poison_reason") else None,
+            inflight=_count(data, "inflight"), queued=_count(data, "queued"),
+            draining=data.get("draining") is True,
+            drain_deadline_left_s=float(drain_left) if isinstance(drain_left, int | float)
+            and not isinstance(drain_left, bool) else None,
+            ready=data.get("ready") is True, instance_id=text("instance_id"),
+            pid=_count(data, "pid"), model=text("model"), time=_count(data, "time", float),
+            admission=AdmissionReport(
+                mode=str(admission.get("mode", "")),
+                limit=_count(admission, "limit") if "limit" in admission else 0,
+                capacity=_count(admission, "capacity", float), in_use=_count(admission, "in_use", float),
+                holders=_count(admission, "holders"), waiting=_count(admission, "waiting"),
+                peak_holders=_count(admission, "peak_holders"), canary_busy=admission.get("canary_busy") is True,
+                source=str(admission.get("source", ""))),
+            faults=section("faults"), engine=section("engine"), prefix_cache=section("prefix_cache"),
+        )
+
+
+def _count(data: dict[str, Any], key: str, kind: type = int) -> Any:
+    value = data.get(key, 0)
+    if isinstance(value, bool) or not isinstance(value, int | float) or value < 0:
+        raise ValueError(f"{key}: expected a non-negative number, got {value!r}")
+    return kind(value)
+
+
+_JSON_TYPES = {int: "integer", float: "number", bool: "boolean", str: "string"}
+
+
+def _schema_of(hint: Any) -> dict[str, Any]:
+    nullable = False
+    if isinstance(hint, types.UnionType) or typing.get_origin(hint) is typing.Union:
+        args = [a for a in typing.get_args(hint) if a is not type(None)]
+        nullable, hint = True, args[0]
+    if dataclasses.is_dataclass(hint):
+        out = record_schema(typing.cast(type, hint))
+    elif typing.get_origin(hint) is dict:
+        out = {"type": "object"}
+    else:
+        out = {"type": _JSON_TYPES[hint]}
+    if nullable:
+        out["nullable"] = True
+    return out
+
+
+def record_schema(record: type) -> dict[str, Any]:
+    """The OpenAPI 3.0 schema of one of the records above: every field typed, those without a default required."""
+    hints = typing.get_type_hints(record)
+    fields = dataclasses.fields(record)
+    optional = set(getattr(record, "OPTIONAL_SECTIONS", ()))
+    required = [f.name for f in fields if f.name not in optional and f.default is dataclasses.MISSING]
+    return {"type": "object", "required": required,
+            "properties": {f.name: _schema_of(hints[f.name]) for f in fields}}

@@ -1,0 +1,43 @@
+"""The HTTP answer to each failure, one table for `serve`'s routes and the agent's glue alike.
+
+A client's mistake is a 4xx naming the field; a full gate, a drain, an OOM or a lost context a
+503 with Retry-After; a poisoned context a 500 that says so; anything else a 500 that leaks nothing.
+"""
+
+from __future__ import annotations
+
+from aiohttp import web
+
+from gpu_watchdog.inference.errors import (
+    AdmissionTimeout,
+    ContextLost,
+    Draining,
+    FatalCudaError,
+    InferenceOOM,
+    QueueFull,
+)
+from gpu_watchdog.inference.validation import BadRequest
+
+
+def error_response(exc: BaseException, retry_after: int) -> web.Response:
+    """Map a failure to its HTTP answer; a client mistake is never a 500."""
+    if isinstance(exc, BadRequest):
+        return web.json_response(exc.body(), status=exc.status)
+    if isinstance(exc, AdmissionTimeout | QueueFull | Draining | InferenceOOM):
+        kind = {
+            ContextLost: "context_lost",
+            AdmissionTimeout: "queue_timeout",
+            QueueFull: "queue_full",
+            Draining: "draining",
+            InferenceOOM: "out_of_memory",
+        }[type(exc)]
+        return web.json_response(
+            {"error": {"message": str(exc) or kind, "type": kind, "param": None, "code": kind}},
+            status=503,
+            headers={"Retry-After": str(retry_after)},
+        )
+    if isinstance(exc, FatalCudaError):
+        return web.json_response({"error": {"message": "GPU context lost; the process is restarting",
+                                            "type": "fatal_cuda", "param": None, "code": None}}, status=500)
+    return web.json_response({"error": {"message": "internal error", "type": "internal", "param": None,
+                                        "code": None}}, status=500)

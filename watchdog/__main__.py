@@ -1,5 +1,0 @@
-import sys
-
-from watchdog.cli import main
-
-sys.exit(main())
