@@ -89,8 +89,9 @@ def ensure_token(token_file: str | None) -> tuple[str, str | None]:
     return token, str(path)
 
 
-# What a canary's failure was, as the process that ran it classifies it (by type, never by text).
-CANARY_ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other")
+# What a canary's failure was: as the process that ran it classifies it (by type, never by text),
+# or "unreachable", the sidecar's own word for no answer at all.
+CANARY_ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other", "unreachable")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -168,7 +169,7 @@ class MemoryReport:
     draining: bool
     drain_deadline_left_s: float | None
     ready: bool
-    instance_id: str
+    instance_id: str | None  # None only when read from a server that sends none
     pid: int
     model: str
     time: float
@@ -178,7 +179,7 @@ class MemoryReport:
     prefix_cache: dict[str, Any] | None = None
 
     # Sections a server without them leaves out of its answer instead of sending null.
-    OPTIONAL_SECTIONS: typing.ClassVar[tuple[str, ...]] = ("engine",)
+    OPTIONAL_SECTIONS: typing.ClassVar[tuple[str, ...]] = ("engine", "prefix_cache")
 
     def to_json(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -226,23 +227,32 @@ class MemoryReport:
             inactive_split_bytes=_count(data, "inactive_split_bytes"), alloc_retries=_count(data, "alloc_retries"),
             num_ooms=_count(data, "num_ooms"), fragmentation_ratio=float(frag),
             injected=bool(data.get("injected", False)), ooms_caught=_count(data, "ooms_caught"),
-            empty_cache_count=_count(data, "empty_cache_count"), uptime_s=_count(data, "uptime_s", float),
+            empty_cache_count=_lenient(data, "empty_cache_count"), uptime_s=_count(data, "uptime_s", float),
             poisoned=poisoned, poison_reason=str(data["poison_reason"]) if data.get("poison_reason") else None,
             inflight=_count(data, "inflight"), queued=_count(data, "queued"),
             draining=data.get("draining") is True,
             drain_deadline_left_s=float(drain_left) if isinstance(drain_left, int | float)
             and not isinstance(drain_left, bool) else None,
-            ready=data.get("ready") is True, instance_id=text("instance_id"),
-            pid=_count(data, "pid"), model=text("model"), time=_count(data, "time", float),
+            ready=data.get("ready") is True,
+            instance_id=data["instance_id"] if isinstance(data.get("instance_id"), str) else None,
+            pid=_lenient(data, "pid"), model=text("model"), time=_lenient(data, "time", float),
             admission=AdmissionReport(
                 mode=str(admission.get("mode", "")),
                 limit=_count(admission, "limit") if "limit" in admission else 0,
-                capacity=_count(admission, "capacity", float), in_use=_count(admission, "in_use", float),
-                holders=_count(admission, "holders"), waiting=_count(admission, "waiting"),
-                peak_holders=_count(admission, "peak_holders"), canary_busy=admission.get("canary_busy") is True,
+                capacity=_lenient(admission, "capacity", float), in_use=_lenient(admission, "in_use", float),
+                holders=_lenient(admission, "holders"), waiting=_lenient(admission, "waiting"),
+                peak_holders=_lenient(admission, "peak_holders"), canary_busy=admission.get("canary_busy") is True,
                 source=str(admission.get("source", ""))),
             faults=section("faults"), engine=section("engine"), prefix_cache=section("prefix_cache"),
         )
+
+
+def _lenient(data: dict[str, Any], key: str, kind: type = int) -> Any:
+    # A figure the sidecar only shows: one it cannot read costs that figure, not the whole sample.
+    try:
+        return _count(data, key, kind)
+    except ValueError:
+        return kind(0)
 
 
 def _count(data: dict[str, Any], key: str, kind: type = int) -> Any:

@@ -88,7 +88,7 @@ def positive_int(value: str) -> int:
     try:
         n = int(value)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {value!r}") from None
+        raise argparse.ArgumentTypeError("must be a positive integer") from None
     if n < 1:
         raise argparse.ArgumentTypeError("must be a positive integer")
     return n

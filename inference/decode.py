@@ -6,118 +6,44 @@ one token. A prompt longer than the budget is prefilled a chunk per step, the ru
 decoding between its chunks, so that no prompt stalls them for longer than one budget's worth of
 prefill. A sequence leaves the moment it finishes, its rows and admission share freed for the
 next step. Streams are rows like any other. Only this thread touches the model, so there is one
-cuBLAS workspace, not one per request thread.
+cuBLAS workspace, not one per request thread. How joiners are prefilled (passes, chunks, the
+prefix cache's reuse) is `prefill.py`; who joins is the pure `batch.py`; a sequence's own state is
+`sequence.py`.
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections import deque
-from concurrent.futures import Future
-from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gpu_watchdog.inference import batch, recovery, scoring
-from gpu_watchdog.inference.admission import AdmissionGate, Grant
+from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.cpu_threads import ThreadSetter, plan
 from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
 from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from gpu_watchdog.inference.kv import (
     KVBatch,
     NotStitchable,
-    cache_holding,
     growing,
-    layers_of,
-    prefill_after,
-    prefill_inputs,
     stitchable,
 )
 from gpu_watchdog.inference.loop_thread import LoopHooks, LoopThread
-from gpu_watchdog.inference.model import LoadedModel, StreamDecoder
-from gpu_watchdog.inference.prefix_cache import BLOCK, Hit, PrefixCache
+from gpu_watchdog.inference.model import LoadedModel
+from gpu_watchdog.inference.prefill import PrefillSteps
+from gpu_watchdog.inference.prefix_cache import PrefixCache
 from gpu_watchdog.inference.sampling import (
-    RowTokens,
-    StopText,
     TokenLogprob,
-    new_generator,
     sample,
     token_logprobs,
 )
-from gpu_watchdog.inference.screen import MARKED
+from gpu_watchdog.inference.sequence import Outcome, Partial, Seq
 from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
-_order = itertools.count()
 
-
-class Seq:
-    """One request's life in the engine: waiting, then rows in the batch, then a result."""
-
-    def __init__(self, request: GenRequest, weight: float, canary: bool, device: torch.device,
-                 decoder: StreamDecoder) -> None:
-        self.request = request
-        self.weight = weight
-        self.canary = canary
-        self.order = next(_order)
-        self.future: Future[GenResult] = Future()
-        self.grant: Grant | None = None
-        self.generated: list[int] = []
-        self.next_id: int | None = None  # sampled, not yet fed to the model
-        self.retried = False
-        # Set once it first joins the batch: the queue timeout bounds the wait for admission only,
-        # so one stepped out by an OOM and waiting again is never timed out half-answered.
-        self.admitted = False
-        self.decoder = decoder
-        self.text = StopText(request.stop, request.include_stop_str)
-        self.sampling = request.sampling
-        self.generator = new_generator(self.sampling, device)
-        self.logprobs: list[TokenLogprob] = []
-        self.prompt_logprobs: list[TokenLogprob | None] | None = None
-        self.end_token: int | None = None
-        self.cached_tokens = 0
-        # The per-request faults its request triggers (fault injection; created in the request's task).
-        self.marks = MARKED.get()
-
-    def history(self, eos_id: int | None) -> RowTokens:
-        return RowTokens(self.request.prompt_ids, self.generated, eos_id)
-
-    def result(self, reason: str) -> GenResult:
-        req = self.request
-        ids = (*self.generated, *(() if self.end_token is None else (self.end_token,)))
-        return GenResult(self.text.text, len(req.prompt_ids), len(self.generated), reason, ids,
-                         None if req.logprobs is None else tuple(self.logprobs),
-                         None if self.prompt_logprobs is None else tuple(self.prompt_logprobs),
-                         min(self.cached_tokens, len(req.prompt_ids)))
-
-    @property
-    def scoring(self) -> bool:
-        """Its prompt's log-probabilities are still to compute: every position's logits, none cached."""
-        return self.request.prompt_logprobs is not None and self.prompt_logprobs is None
-
-    @property
-    def prefill_ids(self) -> list[int]:
-        # After an OOM a sequence re-enters with what it had generated: it resumes, not restarts.
-        return self.request.prompt_ids + self.generated
-
-
-Outcome = GenResult | BaseException
-
-
-@dataclass
-class _Partial:
-    """A prompt longer than the step's budget, part-way through its prefill (admitted, not yet a row)."""
-
-    seq: Seq
-    kv: KVBatch | None = None  # its cache so far: one row, no padding
-    done: int = 0  # prompt tokens already in it
-    looked_up: bool = False  # in the prefix cache, before its first chunk
-    # A scored prompt's log-probabilities, chunk by chunk (the first token has no prediction).
-    scored: list[TokenLogprob | None] = field(default_factory=lambda: [None])
-
-
-class DecodeLoop(LoopThread):
+class DecodeLoop(PrefillSteps, LoopThread):
     def __init__(
         self,
         lm: LoadedModel,
@@ -137,7 +63,7 @@ class DecodeLoop(LoopThread):
         self._rows: list[Seq] = []
         # Admitted and being prefilled: neither waiting nor rows yet, but in flight all the same.
         self._joining: list[Seq] = []
-        self._partial: _Partial | None = None
+        self._partial: Partial | None = None
         self._kv: KVBatch | None = None
         self._stitchable = True
         self._stitch_known = False  # the first prefill's cache tells
@@ -288,26 +214,10 @@ class DecodeLoop(LoopThread):
         long = [s for s in joiners if self._chunked(s)]
         if long:
             # batch.take lets a prompt over the budget in only as the step's one joiner.
-            self._partial = _Partial(long[0])
+            self._partial = Partial(long[0])
             joiners.remove(long[0])
         self._joining = joiners
         return joiners
-
-    def _chunked(self, seq: Seq) -> bool:
-        """Whether this joiner is prefilled over several steps: a plain per-layer cache (sliding
-        windows keep only their window) and a prompt over the budget, scored or not."""
-        return not seq.canary and self._stitchable and self._to_compute(seq) > self.prefill_tokens
-
-    def _cacheable(self, seq: Seq) -> bool:
-        return self.prefix_cache is not None and self._stitchable and not seq.canary
-
-    def _to_compute(self, seq: Seq) -> int:
-        """The prompt tokens its prefill computes: those the prefix cache does not hold."""
-        ids = seq.prefill_ids
-        if not self._cacheable(seq) or seq.scoring:
-            return len(ids)
-        assert self.prefix_cache is not None
-        return len(ids) - self.prefix_cache.peek(ids)
 
     def _step(self, joiners: list[Seq]) -> None:
         width = None
@@ -372,110 +282,6 @@ class DecodeLoop(LoopThread):
         if allowed is not None:
             logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))
         return logits
-
-    def _prefill(self, joiners: list[Seq]) -> None:
-        """Prefill the step's joiners in passes of like lengths (`batch.passes`), the shortest first:
-        each pass's joiners stream their first token before the next pass is computed."""
-        if not self._stitch_known or not self._stitchable:
-            # Passes are stitched together: a cache that cannot be (or may not be) takes them in one.
-            self._prefill_pass(joiners)
-            return
-        computed = [self._to_compute(s) for s in joiners]
-        for indices in batch.passes(computed):
-            self._prefill_pass([joiners[i] for i in indices])
-
-    def _prefill_pass(self, joiners: list[Seq]) -> None:
-        lm = self.lm
-        scored = [s for s in joiners if s.scoring]
-        hits = [self._lookup(s) for s in joiners]
-        past: Any = None
-        if any(h is not None for h in hits):
-            ids, mask, positions, past = prefill_after([s.prefill_ids for s in joiners],
-                                                       [None if h is None else h.kv for h in hits],
-                                                       lm.codec.pad_id, lm.model.config)
-        else:
-            ids, mask, positions = prefill_inputs([s.prefill_ids for s in joiners], lm.codec.pad_id, lm.device)
-        if scored:
-            out, rows, head = self._scoring_forward(ids, mask, positions, past)
-            self._score_prompts(rows, head, joiners, scored)
-            del rows
-        else:
-            out = self._forward(ids, mask, positions, past)
-        if self.on_prefill is not None:
-            self.on_prefill(sum(len(s.prefill_ids) - (0 if h is None else h.tokens)
-                                for s, h in zip(joiners, hits, strict=True)))
-        cache = _cache_of(out)
-        group = KVBatch(cache, mask)
-        self._remember(joiners, group)
-        if past is not None:
-            group.compact()
-        self._join(joiners, out, group)
-
-    def _lookup(self, seq: Seq) -> Hit | None:
-        if not self._cacheable(seq) or seq.scoring:
-            return None
-        assert self.prefix_cache is not None
-        hit = self.prefix_cache.lookup(seq.prefill_ids)
-        seq.cached_tokens = 0 if hit is None else hit.tokens
-        if self.on_prefix_lookup is not None:
-            self.on_prefix_lookup(len(seq.prefill_ids), seq.cached_tokens)
-        return hit
-
-    def _remember(self, seqs: list[Seq], kv: KVBatch) -> None:
-        """Keep the blocks of their prompts the prefix cache does not hold yet (each row's last columns)."""
-        wanted = [(row, s) for row, s in enumerate(seqs) if self._cacheable(s)
-                  and len(s.prefill_ids) // BLOCK * BLOCK > s.cached_tokens]
-        if not wanted or not stitchable(kv.cache):
-            return
-        assert self.prefix_cache is not None
-        layers = layers_of(kv.cache)
-        width = kv.width
-        for row, seq in wanted:
-            ids = seq.prefill_ids
-            cols = slice(width - (len(ids) - seq.cached_tokens), width)
-            self.prefix_cache.insert(ids, [layer.keys[row, :, cols] for layer in layers],
-                                     [layer.values[row, :, cols] for layer in layers], start=seq.cached_tokens)
-
-    def _prefill_chunk(self, partial: _Partial) -> None:
-        """The next chunk of a long prompt, on top of its own cache; the last one makes it a row."""
-        lm = self.lm
-        ids = partial.seq.prefill_ids
-        if not partial.looked_up:
-            partial.looked_up = True
-            hit = self._lookup(partial.seq)
-            if hit is not None:
-                mask = torch.ones((1, hit.tokens), dtype=torch.long, device=lm.device)
-                partial.kv, partial.done = KVBatch(cache_holding(hit.kv[:, :, None], lm.model.config), mask), hit.tokens
-        chunk = ids[partial.done: partial.done + self.prefill_tokens]
-        n = len(chunk)
-        new = torch.ones((1, n), dtype=torch.long, device=lm.device)
-        mask = new if partial.kv is None else torch.cat([partial.kv.mask, new], dim=1)
-        positions = torch.arange(partial.done, partial.done + n, device=lm.device)[None, :]
-        chunk_ids = torch.tensor([chunk], dtype=torch.long, device=lm.device)
-        past = None if partial.kv is None else partial.kv.cache
-        seq = partial.seq
-        if seq.scoring:
-            out, rows, head = self._scoring_forward(chunk_ids, mask, positions, past)
-            # This chunk's positions predict the prompt's next tokens (the last one, the answer's first).
-            targets = seq.request.prompt_ids[partial.done + 1: partial.done + n + 1]
-            partial.scored += scoring.score(rows[0, : len(targets)], head, targets,
-                                            int(seq.request.prompt_logprobs or 0), lm.allowed_tokens,
-                                            self.score_chunk)
-            del rows
-        else:
-            out = self._forward(chunk_ids, mask, positions, past)
-        if self.on_prefill is not None:
-            self.on_prefill(n)
-        cache = _cache_of(out)
-        growing(cache)
-        partial.kv, partial.done = KVBatch(cache, mask), partial.done + n
-        if partial.done < len(ids):
-            return
-        self._partial = None
-        if seq.scoring:
-            self._scored(seq, partial.scored)
-        self._remember([partial.seq], partial.kv)
-        self._join([partial.seq], out, partial.kv)
 
     def _join(self, joiners: list[Seq], out: Any, group: KVBatch) -> None:
         """Prefilled: sample each joiner's first token and stitch its rows into the batch."""
@@ -679,11 +485,6 @@ class DecodeLoop(LoopThread):
 
 def _marks(seqs: list[Seq]) -> frozenset[str]:
     return frozenset().union(*(s.marks for s in seqs)) if seqs else frozenset()
-
-
-def _cache_of(out: Any) -> Any:
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
 def _cancelled(seq: Seq) -> GenResult:

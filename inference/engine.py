@@ -18,7 +18,7 @@ import torch
 from gpu_watchdog.contract import CanaryResult
 from gpu_watchdog.inference import allocator
 from gpu_watchdog.inference.admission import AdmissionGate
-from gpu_watchdog.inference.decode import DecodeLoop, Seq
+from gpu_watchdog.inference.decode import DecodeLoop
 from gpu_watchdog.inference.drain import Drain
 from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
 from gpu_watchdog.inference.errors import AdmissionTimeout, ContextLost, Draining, QueueFull, classify
@@ -29,6 +29,7 @@ from gpu_watchdog.inference.loop_thread import LoopHooks
 from gpu_watchdog.inference.metrics import InferenceMetrics
 from gpu_watchdog.inference.model import LoadedModel
 from gpu_watchdog.inference.prefix_cache import PrefixCache
+from gpu_watchdog.inference.sequence import Seq
 from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
 __all__ = ["Engine", "EngineProbe", "GenRequest", "GenResult"]

@@ -1,6 +1,6 @@
 """The engine's API types: a generation request as the HTTP layer hands it over, its result, and
 what the engine observed of itself. One module, imported by the HTTP layer, the handlers and the
-loop alike (the loop's own state, `decode.Seq`, stays inside it)."""
+loop alike (the loop's own state, `sequence.Seq`, stays inside it)."""
 
 from __future__ import annotations
 

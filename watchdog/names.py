@@ -28,9 +28,8 @@ MEMORY_PRESSURE = "memory_pressure"
 OOM = "oom"
 EMPTY_CACHE_REASONS = (MEMORY_PRESSURE, OOM, FRAGMENTATION_DRIFT)
 
-# How a canary failed (`gpu_watchdog_canary_failures_total{error_class}`): as the process answered,
-# or no answer at all.
-ERROR_CLASSES = (*CANARY_ERROR_CLASSES, "unreachable")
+# How a canary failed (`gpu_watchdog_canary_failures_total{error_class}`).
+ERROR_CLASSES = CANARY_ERROR_CLASSES
 # Failures the server answered itself (as opposed to silence or a closed port).
 ANSWERED_ERRORS = ("oom", "other")
 

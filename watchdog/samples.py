@@ -28,6 +28,14 @@ class GpuSample:
 
 
 @dataclass(frozen=True)
+class GpuReadout:
+    """One NVML round: the pod's GPUs, or one entry saying why they could not be read."""
+
+    gpus: tuple[GpuSample, ...]
+    visible: int
+
+
+@dataclass(frozen=True)
 class XidEvent:
     at: float
     xid: int

@@ -19,21 +19,13 @@ from gpu_watchdog.watchdog.samples import (
     ActionRecord,
     CanarySample,
     DeviceHealthSample,
-    GpuSample,
+    GpuReadout,
     History,
     PastRestart,
     ServerSample,
     TorchSample,
     XidEvent,
 )
-
-
-@dataclass(frozen=True)
-class GpuReadout:
-    """One NVML round: the pod's GPUs, or one entry saying why they could not be read."""
-
-    gpus: tuple[GpuSample, ...]
-    visible: int
 
 
 @dataclass(frozen=True)

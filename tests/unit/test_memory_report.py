@@ -62,8 +62,14 @@ def test_not_an_object_and_another_release_lenient() -> None:
     # A server of another release that sends only the allocator's essentials still reads.
     minimal = {"device": "cuda", "total_bytes": 80, "allocated_bytes": 10, "reserved_bytes": 20}
     r = MemoryReport.parse(minimal)
-    assert (r.total_bytes, r.inflight, r.admission.limit, r.poisoned, r.instance_id) == (80, 0, 0, False, "")
+    assert (r.total_bytes, r.inflight, r.admission.limit, r.poisoned, r.instance_id) == (80, 0, 0, False, None)
     assert parse_memory(minimal, 0.0).instance_id is None
+    # A figure the sidecar only shows costs itself when unreadable, not the sample.
+    odd = {**good(), "pid": None, "time": "now", "empty_cache_count": -1}
+    odd["admission"] = {**odd["admission"], "holders": "many"}
+    r = MemoryReport.parse(odd)
+    assert (r.pid, r.time, r.empty_cache_count, r.admission.holders) == (0, 0.0, 0, 0)
+    assert parse_memory(odd, 0.0).reachable
 
 
 def test_the_schema_is_derived_from_the_record() -> None:

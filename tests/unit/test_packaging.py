@@ -45,7 +45,9 @@ def test_the_source_imports_only_through_the_root() -> None:
     bare = re.compile(r"^\s*(from|import)\s+(watchdog|inference|benchmarks)\b", re.M)
     files = [*(ROOT / "gpu_watchdog").glob("*.py"),
              *(p for folder in ("watchdog", "inference", "benchmarks", "tests", "examples")
-               for p in (ROOT / folder).rglob("*.py"))]
+               for p in (ROOT / folder).rglob("*.py")),
+             # Python inside the shell scripts and the images' recipes too.
+             *(ROOT / "benchmarks").glob("*.sh"), *(ROOT / "docker").glob("*"), ROOT / "Makefile"]
     # test_install_beside.py: PyPI's `watchdog`, used on purpose (in a script it runs elsewhere).
     offenders = [str(p.relative_to(ROOT)) for p in files
                  if bare.search(p.read_text()) and p.name != "test_install_beside.py"]

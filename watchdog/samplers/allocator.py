@@ -18,7 +18,7 @@ def parse_memory(data: object, at: float) -> TorchSample:
         active_bytes=r.active_bytes, inactive_split_bytes=r.inactive_split_bytes, alloc_retries=r.alloc_retries,
         ooms=max(r.num_ooms, r.ooms_caught), fragmentation_ratio=r.fragmentation_ratio, injected=r.injected,
         uptime_s=r.uptime_s, poisoned=r.poisoned, poison_reason=r.poison_reason,
-        instance_id=r.instance_id or None, inflight=r.inflight, queued=r.queued,
+        instance_id=r.instance_id, inflight=r.inflight, queued=r.queued,
         admission_limit=r.admission.limit, admission_mode=r.admission.mode,
     )
 

@@ -9,8 +9,7 @@ from dataclasses import dataclass
 from typing import Any, Protocol
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.samples import GpuSample, XidEvent
-from gpu_watchdog.watchdog.state import GpuReadout
+from gpu_watchdog.watchdog.samples import GpuReadout, GpuSample, XidEvent
 
 log = logs.get("watchdog.nvml")
 
