@@ -22,7 +22,7 @@ import torch
 from gpu_watchdog.inference import batch, recovery, scoring
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.cpu_threads import ThreadSetter, plan
-from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
+from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult, TokenLogprob
 from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
 from gpu_watchdog.inference.kv import (
     KVBatch,
@@ -34,11 +34,7 @@ from gpu_watchdog.inference.loop_thread import LoopHooks, LoopThread
 from gpu_watchdog.inference.model import LoadedModel
 from gpu_watchdog.inference.prefill import PrefillSteps
 from gpu_watchdog.inference.prefix_cache import PrefixCache
-from gpu_watchdog.inference.sampling import (
-    TokenLogprob,
-    sample,
-    token_logprobs,
-)
+from gpu_watchdog.inference.sampling import sample, token_logprobs
 from gpu_watchdog.inference.sequence import Outcome, Partial, Seq
 from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 

@@ -1,31 +1,62 @@
-"""The engine's API types: a generation request as the HTTP layer hands it over, its result, and
-what the engine observed of itself. One module, imported by the HTTP layer, the handlers and the
-loop alike (the loop's own state, `sequence.Seq`, stays inside it)."""
+"""The engine's API types: a generation request as the HTTP layer hands it over (its sampler's
+parameters in one `SamplingParams`, vLLM's shape), its result and log-probabilities, and what the
+engine observed of itself. One module, imported by the HTTP layer, the handlers and the loops
+alike (the loop's own state, `sequence.Seq`, stays inside it). No torch here: the HTTP layer's
+parsing builds these."""
 
 from __future__ import annotations
 
-import dataclasses
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from gpu_watchdog.inference.sampling import SamplingParams, TokenLogprob
+__all__ = ["EngineProbe", "GenRequest", "GenResult", "SamplingParams", "TokenLogprob"]
 
-__all__ = ["EngineProbe", "GenRequest", "GenResult"]
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0
+    top_p: float = 1.0
+    seed: int | None = None
+    top_k: int = 0  # 0: every token
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    # Tokens that end the sequence besides EOS (and that min_tokens holds back like EOS).
+    stop_token_ids: tuple[int, ...] = ()
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """Whether the logits change before the choice (anything beyond temperature and top-p)."""
+        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
+                or bool(self.logit_bias) or self.min_tokens > 0)
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A chosen token's log-probability and the alternatives: the chosen one first, then the most
+    likely by rank (without repeating the chosen one), as vLLM orders them."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...]
 
 
 @dataclass
 class GenRequest:
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
+    sampling: SamplingParams = field(default_factory=SamplingParams)  # greedy unless asked
     stop: tuple[str, ...] = ()
     on_text: Callable[[str], object] | None = None
     cancelled: threading.Event = field(default_factory=threading.Event)
-    # The sampler's other knobs (top-k, min-p, penalties, bias, min_tokens, stop token ids).
-    options: SamplingParams | None = None
     ignore_eos: bool = False
     include_stop_str: bool = False
     skip_special_tokens: bool = True
@@ -35,10 +66,6 @@ class GenRequest:
     # Called before the text of the same tokens: (entries, whether they are the prompt's).
     on_logprobs: Callable[[list[TokenLogprob | None], bool], object] | None = None
 
-    @property
-    def sampling(self) -> SamplingParams:
-        return dataclasses.replace(self.options or SamplingParams(), temperature=self.temperature,
-                                   top_p=self.top_p, seed=self.seed)
 
 
 @dataclass(frozen=True)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import json
 import time
 import uuid
@@ -247,8 +248,8 @@ class PublicAPI:
 
     def _request(self, job: _Job, sampling: Sampling, on_text: Callable[[str], object] | None = None,
                  on_logprobs: Callable[[list[Any], bool], object] | None = None) -> GenRequest:
-        return GenRequest(job.ids, job.max_tokens, sampling.temperature, sampling.top_p,
-                          choice_seed(sampling.seed, job.choice), sampling.stop, on_text=on_text,
+        params = dataclasses.replace(sampling.params, seed=choice_seed(sampling.params.seed, job.choice))
+        return GenRequest(job.ids, job.max_tokens, params, sampling.stop, on_text=on_text,
                           on_logprobs=on_logprobs, **request_options(sampling, prompt_logprobs=sampling.echo))
 
     async def _run(self, request: web.Request, jobs: list[_Job], sampling: Sampling) -> list[GenResult]:

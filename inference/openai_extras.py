@@ -10,8 +10,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_watchdog.inference.engine_api import TokenLogprob
 from gpu_watchdog.inference.model import Codec
-from gpu_watchdog.inference.sampling import SamplingParams, TokenLogprob
 from gpu_watchdog.inference.validation import Sampling
 
 # What OpenAI (and vLLM) write instead of -inf, which JSON cannot carry.
@@ -19,13 +19,9 @@ FLOOR = -9999.0
 
 
 def request_options(s: Sampling, *, prompt_logprobs: bool) -> dict[str, Any]:
-    """GenRequest keywords for a request's extras, log-probabilities and echo."""
-    x = s.extras
-    options = SamplingParams(top_k=x.top_k, min_p=x.min_p, repetition_penalty=x.repetition_penalty,
-                             presence_penalty=x.presence_penalty, frequency_penalty=x.frequency_penalty,
-                             logit_bias=x.logit_bias, min_tokens=x.min_tokens, stop_token_ids=x.stop_token_ids)
+    """GenRequest keywords for how a request's text is made, its log-probabilities and echo."""
+    x = s.output
     return {
-        "options": options,
         "ignore_eos": x.ignore_eos,
         "include_stop_str": x.include_stop_str_in_output,
         "skip_special_tokens": x.skip_special_tokens,

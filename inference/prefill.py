@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gpu_watchdog.inference import batch, scoring
+from gpu_watchdog.inference.engine_api import TokenLogprob
 from gpu_watchdog.inference.kv import (
     KVBatch,
     cache_holding,
@@ -25,7 +26,6 @@ from gpu_watchdog.inference.kv import (
 )
 from gpu_watchdog.inference.model import LoadedModel
 from gpu_watchdog.inference.prefix_cache import BLOCK, Hit, PrefixCache
-from gpu_watchdog.inference.sampling import TokenLogprob
 from gpu_watchdog.inference.sequence import Partial, Seq
 
 

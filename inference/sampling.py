@@ -8,31 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
-
-@dataclass(frozen=True)
-class SamplingParams:
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int | None = None
-    top_k: int = 0  # 0: every token
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
-    # Tokens that end the sequence besides EOS (and that min_tokens holds back like EOS).
-    stop_token_ids: tuple[int, ...] = ()
-
-    @property
-    def greedy(self) -> bool:
-        return self.temperature <= 0.0
-
-    @property
-    def adjusts_logits(self) -> bool:
-        """Whether the logits change before the choice (anything beyond temperature and top-p)."""
-        return (self.repetition_penalty != 1.0 or self.presence_penalty != 0.0 or self.frequency_penalty != 0.0
-                or bool(self.logit_bias) or self.min_tokens > 0)
+from gpu_watchdog.inference.engine_api import SamplingParams, TokenLogprob
 
 
 @dataclass(frozen=True)
@@ -42,16 +18,6 @@ class RowTokens:
     prompt: Sequence[int]
     generated: Sequence[int]
     eos_id: int | None = None
-
-
-@dataclass(frozen=True)
-class TokenLogprob:
-    """A chosen token's log-probability and the alternatives: the chosen one first, then the most
-    likely by rank (without repeating the chosen one), as vLLM orders them."""
-
-    token_id: int
-    logprob: float
-    top: tuple[tuple[int, float], ...]
 
 
 def new_generator(params: SamplingParams, device: torch.device) -> torch.Generator | None:

@@ -24,8 +24,9 @@ from typing import Any
 import structlog
 import torch
 
+from gpu_watchdog.inference.engine_api import TokenLogprob
 from gpu_watchdog.inference.model import LoadedModel
-from gpu_watchdog.inference.sampling import TokenLogprob, token_logprobs
+from gpu_watchdog.inference.sampling import token_logprobs
 
 log = structlog.get_logger(__name__)
 

@@ -10,10 +10,10 @@ from dataclasses import dataclass, field
 import torch
 
 from gpu_watchdog.inference.admission import Grant
-from gpu_watchdog.inference.engine_api import GenRequest, GenResult
+from gpu_watchdog.inference.engine_api import GenRequest, GenResult, TokenLogprob
 from gpu_watchdog.inference.kv import KVBatch
 from gpu_watchdog.inference.model import StreamDecoder
-from gpu_watchdog.inference.sampling import RowTokens, StopText, TokenLogprob, new_generator
+from gpu_watchdog.inference.sampling import RowTokens, StopText, new_generator
 from gpu_watchdog.inference.screen import MARKED
 
 _order = itertools.count()

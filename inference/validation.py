@@ -6,6 +6,8 @@ import json
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpu_watchdog.inference.engine_api import SamplingParams
+
 # Fields of OpenAI's request schemas that change nothing at these values: clients and
 # frameworks send them routinely, so they are accepted; any other value is refused by name.
 _NEUTRAL: dict[str, tuple[Any, ...]] = {
@@ -60,18 +62,10 @@ class Limits:
 
 
 @dataclass(frozen=True)
-class Extras:
-    """vLLM's extra sampling parameters and OpenAI's penalties and bias, checked; defaults change nothing."""
+class Output:
+    """How the answer's text is made from its tokens (vLLM's names); the defaults change nothing."""
 
-    top_k: int = 0
-    min_p: float = 0.0
-    repetition_penalty: float = 1.0
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
-    logit_bias: tuple[tuple[int, float], ...] = ()
-    min_tokens: int = 0
     ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
     skip_special_tokens: bool = True
     include_stop_str_in_output: bool = False
 
@@ -85,16 +79,17 @@ class Sampling:
     """
 
     max_tokens: int | None
-    temperature: float
-    top_p: float
-    seed: int | None
+    # The sampler's parameters, the one shape they have from here to the decode loop: temperature,
+    # top-p and the seed, vLLM's extras (top-k, min-p, min_tokens, stop token ids), OpenAI's
+    # penalties and bias.
+    params: SamplingParams
     stop: tuple[str, ...]
     stream: bool
     include_usage: bool
     user: str | None
     model: str
     n: int = 1
-    extras: Extras = Extras()
+    output: Output = Output()
     logprobs: int | None = None
     echo: bool = False
 
@@ -238,9 +233,9 @@ def sampling(data: dict[str, Any], limits: Limits, *, default_max_tokens: int | 
     n = data.get("n")
     if n is not None and (not _is_int(n) or not 1 <= n <= MAX_N):
         raise BadRequest(400, "n", f"n must be an integer between 1 and {MAX_N}")
-    extras = _extras(data, vocab_size, max_tokens)
-    return Sampling(max_tokens, float(temperature), float(top_p), seed_value, stops, stream, include_usage, user,
-                    model or limits.model_name, 1 if n is None else int(n), extras)
+    params, output = _extras(data, vocab_size, max_tokens, float(temperature), float(top_p), seed_value)
+    return Sampling(max_tokens, params, stops, stream, include_usage, user, model or limits.model_name,
+                    1 if n is None else int(n), output)
 
 
 def _number(data: dict[str, Any], name: str, default: float, low: float, high: float, *,
@@ -271,7 +266,8 @@ def _token_id(value: object, where: str, vocab_size: int | None) -> int:
     return value
 
 
-def _extras(data: dict[str, Any], vocab_size: int | None, max_tokens: int | None) -> Extras:
+def _extras(data: dict[str, Any], vocab_size: int | None, max_tokens: int | None, temperature: float, top_p: float,
+            seed: int | None) -> tuple[SamplingParams, Output]:
     top_k = data.get("top_k")
     if top_k is None:
         top_k = 0
@@ -312,9 +308,12 @@ def _extras(data: dict[str, Any], vocab_size: int | None, max_tokens: int | None
         if not _is_number(value) or not -100.0 <= value <= 100.0:
             raise BadRequest(400, where, f"{where} must be a number in [-100, 100]")
         biases.append((token, float(value)))
-    return Extras(int(top_k) if top_k > 0 else 0, min_p, repetition, presence, frequency, tuple(biases),
-                  int(min_tokens), _flag(data, "ignore_eos", False), stop_ids,
-                  _flag(data, "skip_special_tokens", True), _flag(data, "include_stop_str_in_output", False))
+    params = SamplingParams(temperature=temperature, top_p=top_p, seed=seed, top_k=int(top_k) if top_k > 0 else 0,
+                            min_p=min_p, repetition_penalty=repetition, presence_penalty=presence,
+                            frequency_penalty=frequency, logit_bias=tuple(biases), min_tokens=int(min_tokens),
+                            stop_token_ids=stop_ids)
+    return params, Output(_flag(data, "ignore_eos", False), _flag(data, "skip_special_tokens", True),
+                          _flag(data, "include_stop_str_in_output", False))
 
 
 def _logprobs_k(value: object, name: str) -> int:

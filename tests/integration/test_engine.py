@@ -12,7 +12,7 @@ import torch
 from gpu_watchdog.inference import model as model_mod
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.engine import Engine
-from gpu_watchdog.inference.engine_api import GenRequest, GenResult
+from gpu_watchdog.inference.engine_api import GenRequest, GenResult, SamplingParams
 from gpu_watchdog.inference.errors import InferenceOOM
 from gpu_watchdog.inference.faults import FaultInjector
 
@@ -154,12 +154,14 @@ def test_the_canary_is_answered_at_the_next_step_under_full_load(lm: model_mod.L
 
 def test_a_seeded_sample_is_the_same_alone_and_in_a_batch(engine: Engine) -> None:
     codec = engine.lm.codec
-    seeded = GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=42)
+    seeded = GenRequest(codec.encode("roll the dice"), 20, SamplingParams(temperature=1.0, seed=42))
     [alone] = engine.generate([seeded])
-    batch = engine.generate([GenRequest(codec.encode(p), n, temperature=1.0) for p, n in PROMPTS[:4]]
-                            + [GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=42)])
+    sampled = SamplingParams(temperature=1.0)
+    batch = engine.generate([GenRequest(codec.encode(p), n, sampled) for p, n in PROMPTS[:4]]
+                            + [GenRequest(codec.encode("roll the dice"), 20, SamplingParams(temperature=1.0, seed=42))])
     assert batch[-1].text == alone.text
-    [other] = engine.generate([GenRequest(codec.encode("roll the dice"), 20, temperature=1.0, seed=43)])
+    [other] = engine.generate([GenRequest(codec.encode("roll the dice"), 20,
+                                          SamplingParams(temperature=1.0, seed=43))])
     assert other.text != alone.text
 
 

@@ -5,8 +5,9 @@ from __future__ import annotations
 import torch
 
 from gpu_watchdog.inference.batch import Candidate, Room, take
+from gpu_watchdog.inference.engine_api import SamplingParams
 from gpu_watchdog.inference.recovery import Row, plan
-from gpu_watchdog.inference.sampling import SamplingParams, StopText, new_generator, sample
+from gpu_watchdog.inference.sampling import StopText, new_generator, sample
 
 
 def room(rows: int = 0, max_rows: int = 8, in_use: float = 0.0, capacity: float = 4.0, join: bool = True) -> Room:

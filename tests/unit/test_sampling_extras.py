@@ -6,7 +6,8 @@ import math
 
 import torch
 
-from gpu_watchdog.inference.sampling import RowTokens, SamplingParams, StopText, adjust, sample, token_logprobs
+from gpu_watchdog.inference.engine_api import SamplingParams
+from gpu_watchdog.inference.sampling import RowTokens, StopText, adjust, sample, token_logprobs
 
 LOGITS = torch.tensor([2.0, -1.0, 0.5, 4.0, -3.0])
 

@@ -12,10 +12,11 @@ import torch
 
 from gpu_watchdog.inference import scoring
 from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.engine_api import TokenLogprob
 from gpu_watchdog.inference.lean import lean_forward
 from gpu_watchdog.inference.model import LoadedModel, load_builtin
 from gpu_watchdog.inference.planner import CostModel
-from gpu_watchdog.inference.sampling import TokenLogprob, token_logprobs
+from gpu_watchdog.inference.sampling import token_logprobs
 from gpu_watchdog.inference.service import Admission
 
 PROMPT = "a prompt to score, long enough to cross several chunks of both kinds: " * 2
