@@ -30,8 +30,6 @@ def _int_list(value: str) -> tuple[int, ...]:
     return items
 
 
-
-
 def _without_inference(sub: Any, name: str, help: str) -> None:
     # Registered all the same, taking any flags, so that no command or flag is ever dropped silently:
     # it answers with what this install lacks instead of "invalid choice" or "unrecognized arguments".
@@ -118,7 +116,3 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(unknown)}")
     result: int = args.run_command(args, parser)
     return result
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -238,7 +238,7 @@ class MemoryReport:
             pid=_lenient(data, "pid"), model=text("model"), time=_lenient(data, "time", float),
             admission=AdmissionReport(
                 mode=str(admission.get("mode", "")),
-                limit=_count(admission, "limit") if "limit" in admission else 0,
+                limit=_count(admission, "limit"),
                 capacity=_lenient(admission, "capacity", float), in_use=_lenient(admission, "in_use", float),
                 holders=_lenient(admission, "holders"), waiting=_lenient(admission, "waiting"),
                 peak_holders=_lenient(admission, "peak_holders"), canary_busy=admission.get("canary_busy") is True,

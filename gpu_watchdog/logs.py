@@ -59,15 +59,10 @@ def get(name: str) -> Any:
     return structlog.get_logger(logger_name=name)
 
 
-def placement(env: dict[str, str] | None = None) -> dict[str, str]:
+def placement() -> dict[str, str]:
     """The worker and the GPU this process runs as, where it was started as one of several."""
-    env = dict(os.environ) if env is None else env
-    out = {}
-    if env.get("GPU_WATCHDOG_WORKER"):
-        out["worker"] = env["GPU_WATCHDOG_WORKER"]
-    if env.get("CUDA_VISIBLE_DEVICES"):
-        out["gpu"] = env["CUDA_VISIBLE_DEVICES"]
-    return out
+    named = {"worker": os.environ.get("GPU_WATCHDOG_WORKER"), "gpu": os.environ.get("CUDA_VISIBLE_DEVICES")}
+    return {key: value for key, value in named.items() if value}
 
 
 class WholeLines:
@@ -90,11 +85,7 @@ class WholeLines:
                 return
             self._stream.flush()  # anything printed through the buffer goes first, in order
             view = memoryview(data)
-            while view:
-                try:
-                    written = os.write(fd, view)
-                except InterruptedError:
-                    continue
-                view = view[written:]
+            while view:  # a blocking write may still be partial (a signal); the rest follows at once
+                view = view[os.write(fd, view):]
 
     log = debug = info = warning = warn = error = critical = exception = failure = fatal = msg

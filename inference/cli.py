@@ -27,8 +27,6 @@ def _ratio_or_size(value: str) -> tuple[str, float]:
     return ("bytes", float(_size(value)))
 
 
-
-
 def add_commands(sub: Any) -> None:
     """`sub`: the console script's subparsers; each command's function is its `run_command` default."""
     serve = sub.add_parser("serve", help="run the inference server")
@@ -110,4 +108,3 @@ def _cmd_plan(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     print("\n# Helm values")
     print(result.helm_values(), end="")
     return 0 if result.max_concurrency >= 1 else 1
-
