@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import platform
+import random
 import socket
 import subprocess
 import sys
@@ -16,10 +17,45 @@ import requests
 ROOT = Path(__file__).resolve().parent.parent
 
 
+def _ephemeral_low() -> int:
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+_GIVEN: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    """A loopback port nothing listens on, chosen below the kernel's ephemeral range: a port the
+    kernel hands out (bind to 0) is the next one it gives an outgoing connection too, so a server
+    told to listen there a moment later can find it taken by some client's socket."""
+    return free_ports(1)
+
+
+def free_ports(n: int) -> int:
+    """The first of `n` consecutive free loopback ports (a server's workers' control ports)."""
+    low = _ephemeral_low()
+    for _ in range(500):
+        base = random.randrange(10000, max(low - n, 10001))
+        ports = range(base, base + n)
+        if _GIVEN.intersection(ports):
+            continue
+        held: list[socket.socket] = []
+        try:
+            for port in ports:
+                s = socket.socket()
+                held.append(s)
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        finally:
+            for s in held:
+                s.close()
+        _GIVEN.update(ports)
+        return base
+    raise RuntimeError(f"no {n} consecutive free loopback ports below {low}")
 
 
 def stop_process(proc: subprocess.Popen[bytes], timeout: float) -> int | None:

@@ -15,7 +15,9 @@
 #      few GB (random init, no download),
 #   4. the concurrency sweep in all three modes at high concurrency with long prompts, on a GPU
 #      share small enough (--memory-fraction; GPU_CHECK_SHARE_GIB, default 9) that `unbounded`
-#      meets real OOMs, and whether `full` stays at zero errors.
+#      meets real OOMs, and whether `full` stays at zero errors,
+#   5. with two GPUs or more: one worker per GPU (the agent's example under uvicorn --workers N,
+#      each worker's control API on its own port reporting its own card); skipped on one GPU.
 # Everything lands in RESULTS_DIR (default gpu-check-<timestamp>): logs, JSON, Markdown, PNG.
 # GPU_CHECK_ALLOW_CPU=1 runs the same steps on a machine without a GPU (CUDA-only steps report
 # themselves as skipped) to check the script itself.
@@ -101,11 +103,12 @@ step "1b. decoding with the KV cache equals recomputing every step, alone and ba
 "$PY" - "$DEVICE" <<'PYEOF' || FAILED="$FAILED 1b"
 import dataclasses, sys, torch, transformers
 from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.model import greedy_without_cache, load_builtin
 lm = load_builtin(torch.device(sys.argv[1]))
 lm = dataclasses.replace(lm, model=lm.model.float(), dtype=torch.float32)  # no half-precision rounding in the way
 print("torch", torch.__version__, "transformers", transformers.__version__, "cache keyword:", lm.cache_kwarg)
-engine = Engine(lm)
+engine = Engine(CausalLM(lm))
 prompts = [("hello there", 12), ("the quick brown fox", 20), ("x", 7), ("a longer prompt that pads the others", 16)]
 references = [lm.codec.decoder().feed(greedy_without_cache(lm, p, n)) for p, n in prompts]
 for (prompt, n), reference in zip(prompts, references):
@@ -117,7 +120,7 @@ assert [r.text for r in batched] == references, "batched decoding diverged from 
 print("cached decoding, alone and batched: OK; largest batch", engine.probe().largest_batch)
 engine.stop()
 # Prompts over the prefill budget in chunks, and beginnings reused from the prefix cache, on this device.
-chunked = Engine(lm, prefill_tokens=8)
+chunked = Engine(CausalLM(lm), prefill_tokens=8)
 chunked.enable_prefix_cache(64 << 20)
 shared = "a shared beginning, long enough for two whole blocks of the cache: "
 more = [(shared + "one", 10), (shared + "two", 10), ("the quick brown fox", 20)]
@@ -236,6 +239,105 @@ for f in sorted(out.glob("sweep-*.json")):
         retries = sum(r["retries"] for r in rows if r["mode"] == mode)
         print(f"{f.name} {mode}: OOMs inside the server {ooms}, retries {retries}, errors after retries {errors}")
 PYEOF
+step "5. one worker per GPU: the agent's example under uvicorn --workers N, worker k on card k"
+NGPU=$("$PY" -c 'import torch; print(torch.cuda.device_count())')
+if [ "$NGPU" -lt 2 ]; then
+  echo "skipped: $NGPU GPU(s) visible; one worker per GPU needs two or more"
+elif ! "$PY" -c 'import fastapi, uvicorn' 2>/dev/null; then
+  echo "skipped: fastapi and uvicorn are not installed here (pip install fastapi uvicorn)"
+else
+  APORT=$("$PY" -c 'from gpu_watchdog.benchmarks._procs import free_port; print(free_port())')
+  # The workers take consecutive control ports: the first of a run free for all of them.
+  ABASE=$("$PY" -c "from gpu_watchdog.benchmarks._procs import free_ports; print(free_ports($NGPU))")
+  PREDICT_ARGS="--control-port $ABASE" "$PY" -m uvicorn --app-dir examples/fastapi_service app:create_app --factory \
+    --workers "$NGPU" --host 127.0.0.1 --port "$APORT" > "$OUT/agent-workers.log" 2>&1 &
+  AGENTS=$!
+  trap 'kill $AGENTS 2>/dev/null || true; rm -rf "$(dirname "$BIG")"' EXIT
+  for k in $(seq 0 $((NGPU - 1))); do  # every worker up: its control API answers on its port
+    for _ in $(seq 1 240); do
+      curl -sf -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" "localhost:$((ABASE + k))/control/memory" >/dev/null && break
+      sleep 0.5
+    done
+  done
+  for i in $(seq 1 $((4 * NGPU))); do
+    curl -s "localhost:$APORT/predict" -H 'Content-Type: application/json' -d "{\"inputs\": \"hello $i\"}" >/dev/null || true
+  done
+  for k in $(seq 0 $((NGPU - 1))); do
+    curl -s -H "Authorization: Bearer $GPU_WATCHDOG_TOKEN" "localhost:$((ABASE + k))/control/memory" > "$OUT/agent-worker-$k.json" || true
+  done
+  "$PY" - "$OUT" "$NGPU" <<'PYEOF' || FAILED="$FAILED 5"
+import json, pathlib, sys
+out, n = pathlib.Path(sys.argv[1]), int(sys.argv[2])
+def report(k):
+    try:
+        return json.loads((out / f"agent-worker-{k}.json").read_text())
+    except (OSError, ValueError):
+        return None
+reports = [report(k) for k in range(n)]
+for k, m in enumerate(reports):
+    print(f"worker {k}:", None if m is None else {key: m.get(key) for key in ("pid", "device", "uuid", "reserved_bytes")})
+assert all(m is not None for m in reports), "a worker's control API did not answer on its port"
+assert len({m["pid"] for m in reports}) == n, "two ports answered by one process"
+assert len({m["uuid"] for m in reports}) == n, "two workers report the same GPU: not one worker per card"
+assert all(m["device"] == "cuda" and m["reserved_bytes"] > 0 for m in reports), "a worker is not on its GPU"
+print(f"{n} workers, each on its own GPU: OK")
+PYEOF
+  kill $AGENTS 2>/dev/null || true; wait $AGENTS 2>/dev/null || true
+  trap 'rm -rf "$(dirname "$BIG")"' EXIT
+fi
+
+step "6. one worker per GPU: serve --workers N behind one port, worker k on card k"
+if [ "$NGPU" -lt 2 ]; then
+  echo "skipped: $NGPU GPU(s) visible; serve --workers needs two or more"
+else
+  SPORT=$("$PY" -c 'from gpu_watchdog.benchmarks._procs import free_port; print(free_port())')
+  SBASE=$("$PY" -c "from gpu_watchdog.benchmarks._procs import free_ports; print(free_ports($NGPU))")
+  "$PY" -m gpu_watchdog serve --device cuda --host 127.0.0.1 --port "$SPORT" --control-port "$SBASE" \
+    --workers "$NGPU" > "$OUT/serve-workers.log" 2>&1 &
+  SERVE_W=$!
+  trap 'kill $SERVE_W 2>/dev/null || true; rm -rf "$(dirname "$BIG")"' EXIT
+  for _ in $(seq 1 480); do
+    curl -sf "localhost:$SPORT/readyz" | "$PY" -c "import json,sys; d=json.load(sys.stdin); sys.exit(len(d['workers_ready']) != $NGPU)" \
+      2>/dev/null && break
+    sleep 0.5
+  done
+  "$PY" - "$OUT" "$NGPU" "$SPORT" "$SBASE" <<'PYEOF' || FAILED="$FAILED 6"
+import json, os, pathlib, sys, urllib.error, urllib.request
+from concurrent.futures import ThreadPoolExecutor
+out, n, port, base = pathlib.Path(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4])
+auth = {"Authorization": f"Bearer {os.environ['GPU_WATCHDOG_TOKEN']}"}
+body = json.dumps({"prompt": "one worker per GPU", "max_tokens": 8}).encode()
+def complete(_):
+    req = urllib.request.Request(f"http://127.0.0.1:{port}/v1/completions", data=body,
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=120) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+    except OSError:
+        return -1
+with ThreadPoolExecutor(8 * n) as pool:
+    codes = list(pool.map(complete, range(32 * n)))
+def memory(k):
+    req = urllib.request.Request(f"http://127.0.0.1:{base + k}/control/memory", headers=auth)
+    with urllib.request.urlopen(req, timeout=10) as r:
+        return json.loads(r.read())
+reports = [memory(k) for k in range(n)]
+(out / "serve-workers.json").write_text(json.dumps({"codes": codes, "workers": reports}, indent=1))
+for k, m in enumerate(reports):
+    print(f"worker {k}:", {key: m.get(key) for key in ("pid", "device", "uuid", "reserved_bytes")},
+          "limit", m["admission"]["limit"], "peak", m["admission"]["peak_holders"])
+assert codes == [200] * len(codes), f"not every request answered 200: {sorted(set(codes))}"
+assert len({m["uuid"] for m in reports}) == n, "two workers report the same GPU: not one worker per card"
+assert all(m["device"] == "cuda" and m["reserved_bytes"] > 0 for m in reports), "a worker is not on its GPU"
+assert all(m["admission"]["peak_holders"] <= m["admission"]["limit"] for m in reports), "a worker past its limit"
+print(f"serve --workers {n}: {len(codes)} requests, each worker on its own GPU within its own measured limit: OK")
+PYEOF
+  kill $SERVE_W 2>/dev/null || true; wait $SERVE_W 2>/dev/null || true
+  trap 'rm -rf "$(dirname "$BIG")"' EXIT
+fi
+
 step "done in $SECONDS s; results in $OUT"
 ls -la "$OUT"
 if [ -n "$FAILED" ]; then echo "CHECKS FAILED in step(s):$FAILED"; exit 1; fi

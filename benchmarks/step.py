@@ -23,10 +23,11 @@ from gpu_watchdog.benchmarks.make_model import make
 from gpu_watchdog.benchmarks.peer_vllm import make_tiny_model
 from gpu_watchdog.inference import model as model_mod
 from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 
 
 def _run(lm: model_mod.LoadedModel, rows: int, prompt: int, steps: int) -> tuple[float, list[list[int]]]:
-    engine = Engine(lm, max_rows=rows)
+    engine = Engine(CausalLM(lm), max_rows=rows)
     try:
         prompts = [[(7 * r + i) % 200 + 3 for i in range(prompt)] for r in range(rows)]
         t0 = time.perf_counter()

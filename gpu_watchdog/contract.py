@@ -9,6 +9,7 @@ sidecar parses it, the control API's schema is derived from it.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import os
 import secrets
@@ -29,6 +30,7 @@ CANARY = "/control/canary"
 DRAIN = "/control/drain"  # POST drains (until its `deadline`), DELETE lifts the drain
 ADMISSION = "/control/admission"
 FAULT = "/control/fault"
+EXIT = "/control/exit"  # POST: the process exits (code 75) for its server to start again; a worker's rung
 # The query of death: the fingerprints in flight (and at the failure), and the quarantine list
 # (GET lists, POST adds one, PUT replaces all, DELETE lifts one).
 REQUESTS = "/control/requests"
@@ -80,13 +82,42 @@ def ensure_token(token_file: str | None) -> tuple[str, str | None]:
     token = secrets.token_urlsafe(32)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(token + "\n")
-        os.chmod(path, 0o600)
+        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600, a name of its own
     except OSError as exc:
         raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
+    tmp = Path(tmp_name)
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            fh.write(token + "\n")
+        try:
+            # Whole, and once: the workers of one service starting together must all require the
+            # token the file holds, not each its own with the last writer's in the file.
+            os.link(tmp, path)
+        except FileExistsError:
+            won = _sibling_token(path)
+            if won is not None:
+                return won, str(path)
+            os.replace(tmp, path)  # empty, unreadable or not private to us: replaced, as ever
+        except OSError:  # a file system without hard links: whole, the last writer's
+            os.replace(tmp, path)
+    except OSError as exc:
+        raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
+    finally:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
     return token, str(path)
+
+
+def _sibling_token(path: Path) -> str | None:
+    """The token another process of this service just wrote at `path`: only a non-empty file of
+    ours that no one else may read counts (never one planted in a shared temp folder)."""
+    try:
+        st = path.stat()
+        if st.st_uid != os.getuid() or st.st_mode & 0o077:
+            return None
+        return path.read_text(encoding="utf-8").strip() or None
+    except OSError:
+        return None
 
 
 # What a canary's failure was: as the process that ran it classifies it (by type, never by text),

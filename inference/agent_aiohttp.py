@@ -7,7 +7,6 @@ admission, OOM and poison errors, and starts and stops the agent with the app.
 from __future__ import annotations
 
 import time
-from typing import Any
 
 from aiohttp import web
 
@@ -15,7 +14,7 @@ from gpu_watchdog.inference.agent import METRICS_CONTENT_TYPE, Agent
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from gpu_watchdog.inference.http_control import Handler
 from gpu_watchdog.inference.http_errors import error_response
-from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
+from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined, RequestAccount
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -31,7 +30,7 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
             return await handler(request)
         start = time.perf_counter()
         status = 500
-        screen: dict[str, Any] = {}
+        account = RequestAccount()
         # One connection's requests run in one task: no request's fault marks carry over to the next.
         marked = MARKED.set(frozenset())
         try:
@@ -40,7 +39,7 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
                     and length <= SCREEN_MAX_BYTES and not request.content_type.startswith("multipart/")):
                 # Read once here; aiohttp keeps it for the handler's own read (a multipart or
                 # streamed body is the handler's to read as it comes: not screened).
-                agent.screen_body(screen, await request.read())
+                agent.screen_body(account, await request.read())
             response = await handler(request)
             status = response.status
             return response
@@ -56,7 +55,7 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
             raise
         finally:
             MARKED.reset(marked)
-            agent.request_done(screen, status)
+            agent.request_done(account, status)
             resource = request.match_info.route.resource
             # The template, not the path: a scan of random paths must not grow the label set.
             route = resource.canonical if resource is not None else "other"

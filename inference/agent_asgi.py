@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gpu_watchdog.inference.agent import METRICS_CONTENT_TYPE, Agent
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from gpu_watchdog.inference.http_errors import error_response
-from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined
+from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined, RequestAccount
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -47,7 +47,7 @@ class _Observe:
             return
         start = time.perf_counter()
         status = 500
-        screen: dict[str, Any] = {}
+        account = RequestAccount()
 
         async def sending(message: Message) -> None:
             nonlocal status
@@ -59,20 +59,20 @@ class _Observe:
         marked = MARKED.set(frozenset())
         try:
             if scope["method"] in BODY_METHODS:
-                receive = await self._screened(receive, screen)
+                receive = await self._screened(receive, account)
             await self.app(scope, receive, sending)
         except Quarantined as exc:
             status = exc.status
             await _send_json(send, status, exc.body())
         finally:
             MARKED.reset(marked)
-            self.agent.request_done(screen, status)
+            self.agent.request_done(account, status)
             route = scope.get("route")
             # The template, not the path: a scan of random paths must not grow the label set.
             name = getattr(route, "path", None) or "other"
             self.agent.observe(name, status, time.perf_counter() - start)
 
-    async def _screened(self, receive: Receive, screen: dict[str, Any]) -> Receive:
+    async def _screened(self, receive: Receive, account: RequestAccount) -> Receive:
         """The body read whole (the app reads it again from the returned `receive`), fingerprinted,
         refused if quarantined (`Quarantined`), else booked in flight."""
         chunks: list[bytes] = []
@@ -90,7 +90,7 @@ class _Observe:
                 break
         raw = b"".join(chunks)
         if whole:
-            self.agent.screen_body(screen, raw)
+            self.agent.screen_body(account, raw)
         # A body cut short (the client left) or too large to hold goes on unscreened, as it came.
         pending: list[Message] = [{"type": "http.request", "body": raw, "more_body": not whole}, *after]
 

@@ -23,7 +23,7 @@ from gpu_watchdog.inference import batch, recovery, scoring
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.cpu_threads import ThreadSetter, plan
 from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult, TokenLogprob
-from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
+from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, context_lost, is_fatal_cuda, is_oom
 from gpu_watchdog.inference.kv import (
     KVBatch,
     NotStitchable,
@@ -84,7 +84,7 @@ class DecodeLoop(PrefillSteps, LoopThread):
     def enqueue(self, seq: Seq) -> None:
         with self._cond:
             if self.poisoned is not None:
-                raise FatalCudaError(self.poisoned)
+                raise context_lost(self.poisoned)
             if seq.canary:
                 self._waiting.appendleft(seq)
             else:
@@ -147,7 +147,10 @@ class DecodeLoop(PrefillSteps, LoopThread):
             self._waiting.clear()
             self._cond.notify_all()
         for seq in queued:
-            self._finish(seq, FatalCudaError(reason))
+            # Never started: another worker or replica can take them. One put back after an OOM
+            # (it ran, may have streamed) was in flight like the rest.
+            started = seq.retried or seq.admitted or bool(seq.generated)
+            self._finish(seq, FatalCudaError(reason) if started else context_lost(reason))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 

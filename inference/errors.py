@@ -49,6 +49,11 @@ class ContextLost(Draining):
     can take it (503 + Retry-After; those in flight at the failure get `FatalCudaError`'s 500)."""
 
 
+def context_lost(reason: str) -> ContextLost:
+    """What new or still-queued work of a poisoned process is refused with (a 503 with Retry-After)."""
+    return ContextLost(f"the GPU context was lost ({reason[:120]}); the process is restarting")
+
+
 class InferenceOOM(Exception):
     """Out of memory that survived emptying the cache (and splitting the batch)."""
 

@@ -6,10 +6,8 @@ item (`cost`, e.g. its tokens) for admission and for the batch's token budget. T
 request-level handlers through one batch loop; the causal LM is a handler too, whose items are
 generated token by token in the decode loop instead.
 
-What a handler can do (`capabilities`) decides which HTTP routes it serves: `generate` (OpenAI
-completions and chat), `embed` (`/v1/embeddings`), `classify` (`/v1/classify`), and `predict`
-(`POST /predict`, the body given to `decode` as it came). A handler of one's own is named
-`module:attr` and needs nothing but this file's contract.
+What a handler can do (`capabilities`, named in `inference.capabilities`) decides which HTTP routes
+it serves. A handler of one's own is named `module:attr` and needs nothing but this file's contract.
 """
 
 from __future__ import annotations
@@ -20,10 +18,11 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-GENERATE = "generate"
-EMBED = "embed"
-CLASSIFY = "classify"
-PREDICT = "predict"
+# A handler of one's own names what it can do with these (their definitions are in `capabilities`).
+from gpu_watchdog.inference.capabilities import CLASSIFY, EMBED, GENERATE, PREDICT
+
+__all__ = ["CLASSIFY", "EMBED", "GENERATE", "PREDICT", "Handler", "HandlerError", "RequestHandler", "item_cost",
+           "resolve"]
 
 
 class HandlerError(RuntimeError):

@@ -15,10 +15,11 @@ import structlog
 from aiohttp import web
 
 from gpu_watchdog import contract
-from gpu_watchdog.inference.drain import Drain
-from gpu_watchdog.inference.faults import FaultError, FaultInjector
+from gpu_watchdog.inference.faults import FaultError
+from gpu_watchdog.inference.guard import Guard
 from gpu_watchdog.inference.openapi import control_spec
-from gpu_watchdog.inference.screen import Entry, QuarantineError, Screen, parse_entry
+from gpu_watchdog.inference.poison import EXIT_TOLD, exit_code, leave
+from gpu_watchdog.inference.screen import Entry, QuarantineError, parse_entry
 from gpu_watchdog.inference.validation import BadRequest, parse_json_object
 
 log = structlog.get_logger(__name__)
@@ -49,6 +50,9 @@ def bearer_auth(token: str) -> Any:
 
     return middleware
 
+# Long enough for the answer to leave before the process does.
+EXIT_AFTER_S = 0.2
+
 
 async def _optional_body(request: web.Request) -> dict[str, Any]:
     raw = await request.read()
@@ -71,21 +75,13 @@ def _deadline(body: dict[str, Any]) -> float:
 
 
 class ControlTarget(Protocol):
-    """What the control API drives. `memory_report` and `empty_cache` run in a worker thread."""
+    """What the control API drives. `memory_report` and `guard.empty_cache` run in a worker thread."""
 
-    instance_id: str
-    faults: FaultInjector | None
-    # Fingerprints in flight and the quarantine list the server refuses by.
-    screen: Screen
-    # Set once the poisoned state was reported through the control API (to the watchdog).
-    poison_reported: asyncio.Event
-    # Whether new work is refused; the control API begins and lifts its drains here.
-    drain: Drain
+    # The process's failure state, drain, quarantine screen, faults and allocator (`inference.guard`).
+    guard: Guard
 
     @property
     def started(self) -> bool: ...
-    @property
-    def poisoned(self) -> bool: ...
     @property
     def inflight(self) -> int: ...
     @property
@@ -94,7 +90,6 @@ class ControlTarget(Protocol):
     def admission_capacity(self) -> float: ...
 
     def memory_report(self) -> dict[str, Any]: ...
-    def empty_cache(self) -> int: ...
     async def canary(self, timeout: float) -> contract.CanaryResult: ...
     def set_admission_limit(self, limit: int) -> None: ...
 
@@ -116,6 +111,7 @@ class ControlAPI:
         r.add_delete(contract.DRAIN, self.undrain)
         r.add_post(contract.ADMISSION, self.admission)
         r.add_post(contract.FAULT, self.fault)
+        r.add_post(contract.EXIT, self.exit)
         r.add_get(contract.REQUESTS, self.requests)
         r.add_get(contract.QUARANTINE, self.quarantine)
         r.add_post(contract.QUARANTINE, self.quarantine_add)
@@ -132,10 +128,10 @@ class ControlAPI:
     async def requests(self, request: web.Request) -> web.Response:
         """The fingerprints in flight, the newest admitted, those answered lately, and what was in
         flight when the context was lost (`at_failure`); read by the sidecar before a restart."""
-        return web.json_response(self.service.screen.book.report())
+        return web.json_response(self.service.guard.screen.book.report())
 
     async def quarantine(self, request: web.Request) -> web.Response:
-        return web.json_response(self.service.screen.describe())
+        return web.json_response(self.service.guard.screen.describe())
 
     async def _entries(self, request: web.Request, many: bool) -> list[Entry]:
         body = await _optional_body(request)
@@ -154,22 +150,22 @@ class ControlAPI:
             entries = await self._entries(request, many=False)
         except BadRequest as exc:
             return _bad(exc)
-        self.service.screen.quarantine.add(entries[0])
+        self.service.guard.screen.quarantine.add(entries[0])
         log.warning("quarantine_added", fingerprint=entries[0].fingerprint, until=entries[0].until, by="control")
-        return web.json_response(self.service.screen.describe())
+        return web.json_response(self.service.guard.screen.describe())
 
     async def quarantine_replace(self, request: web.Request) -> web.Response:
         try:
             entries = await self._entries(request, many=True)
         except BadRequest as exc:
             return _bad(exc)
-        before = {e["fingerprint"] for e in self.service.screen.quarantine.describe()}
-        self.service.screen.quarantine.replace(entries)
+        before = {e["fingerprint"] for e in self.service.guard.screen.quarantine.describe()}
+        self.service.guard.screen.quarantine.replace(entries)
         after = {e.fingerprint for e in entries}
         if before != after:
             log.warning("quarantine_replaced", added=sorted(after - before), lifted=sorted(before - after),
                         by="control")
-        return web.json_response(self.service.screen.describe())
+        return web.json_response(self.service.guard.screen.describe())
 
     async def quarantine_lift(self, request: web.Request) -> web.Response:
         fp = request.query.get("fingerprint")
@@ -180,25 +176,48 @@ class ControlAPI:
                 return _bad(exc)
         if not isinstance(fp, str) or not fp:
             return _bad(BadRequest(400, "fingerprint", "fingerprint: required (the query or the body)"))
-        lifted = self.service.screen.quarantine.lift(fp)
+        lifted = self.service.guard.screen.quarantine.lift(fp)
         log.warning("quarantine_lifted", fingerprint=fp, lifted=lifted, by="control")
-        return web.json_response({**self.service.screen.describe(), "lifted": lifted})
+        return web.json_response({**self.service.guard.screen.describe(), "lifted": lifted})
 
     def _require_started(self) -> None:
         if not self.service.started:
             raise web.HTTPServiceUnavailable(text='{"error": {"message": "model still loading"}}',
                                              content_type="application/json")
 
+    async def exit(self, request: web.Request) -> web.Response:
+        """The worker rung: a hung or poisoned worker of several leaves (code 75), and its server
+        starts it again while the others serve. Answered first, then the process is gone."""
+        try:
+            body = await _optional_body(request)
+            reason = body.get("reason", "watchdog")
+            if not isinstance(reason, str) or not reason.strip():
+                raise BadRequest(400, "reason", "reason must be a non-empty string")
+            instance = body.get("instance_id")
+            if instance is not None and not isinstance(instance, str):
+                raise BadRequest(400, "instance_id", "instance_id must be a string")
+        except BadRequest as exc:
+            return _bad(exc)
+        if instance is not None and instance != self.service.guard.instance_id:
+            # Meant for the process this one replaced: this one stays.
+            return web.json_response({"error": {"message": f"instance {instance} is gone; this is"
+                                                f" {self.service.guard.instance_id}", "type": "instance_mismatch",
+                                                "param": "instance_id", "code": None}}, status=409)
+        log.error("exiting", reason=reason[:200], code=exit_code(EXIT_TOLD), source="control",
+                  inflight=self.service.inflight)
+        asyncio.get_running_loop().call_later(EXIT_AFTER_S, leave, EXIT_TOLD)
+        return web.json_response({"exiting": True, "code": EXIT_TOLD}, status=202)
+
     async def memory(self, request: web.Request) -> web.Response:
         self._require_started()
         report = await asyncio.to_thread(self.service.memory_report)
         if report["poisoned"]:
-            self.service.poison_reported.set()
+            self.service.guard.poison_reported.set()
         return web.json_response(report)
 
     async def empty_cache(self, request: web.Request) -> web.Response:
         self._require_started()
-        freed = await asyncio.to_thread(self.service.empty_cache)
+        freed = await asyncio.to_thread(self.service.guard.empty_cache)
         log.info("empty_cache", freed_bytes=freed, source="control")
         return web.json_response({"freed_bytes": freed})
 
@@ -211,10 +230,10 @@ class ControlAPI:
             return _bad(exc)
         result = await self.service.canary(timeout)
         log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
-        if self.service.poisoned:
-            self.service.poison_reported.set()
+        if self.service.guard.poisoned:
+            self.service.guard.poison_reported.set()
         # The canary runs while drained (the model is still checked); the flag says the server refuses traffic.
-        return web.json_response(result.to_json(self.service.instance_id, self.service.drain.active))
+        return web.json_response(result.to_json(self.service.guard.instance_id, self.service.guard.drain.active))
 
     async def drain(self, request: web.Request) -> web.Response:
         """Stop admitting (readyz turns 503) until `deadline` s from now at most, and wait, bounded
@@ -227,7 +246,7 @@ class ControlAPI:
             deadline_s = _deadline(body)
         except BadRequest as exc:
             return _bad(exc)
-        sched.drain.begin(deadline_s)
+        sched.guard.drain.begin(deadline_s)
         self._wake_in(deadline_s)
         log.info("drain_started", inflight=sched.inflight, queued=sched.queued, timeout_s=timeout,
                  deadline_s=deadline_s)
@@ -238,18 +257,18 @@ class ControlAPI:
         drained = not (sched.inflight or sched.queued)
         log.info("drain_finished", drained=drained, inflight=sched.inflight, queued=sched.queued)
         return web.json_response({"drained": drained, "inflight": sched.inflight, "queued": sched.queued,
-                                  "draining": sched.drain.active, "deadline_left_s": sched.drain.left_s()})
+                                  "draining": sched.guard.drain.active, "deadline_left_s": sched.guard.drain.left_s()})
 
     async def undrain(self, request: web.Request) -> web.Response:
         """Lift the control drain now (idempotent). The shutdown's drain is not the control API's to lift."""
         sched = self.service
-        if sched.drain.shutdown:
+        if sched.guard.drain.shutdown:
             log.warning("drain_lift_refused", by="control", why="shutting down")
             return web.json_response({"error": {"message": "the process is shutting down; its drain stays",
                                                 "type": "shutting_down", "param": None, "code": None},
                                       "draining": True}, status=409)
         self._note_lapse()  # one that ran out a moment ago is logged as such, not as lifted here
-        lifted = sched.drain.lift()
+        lifted = sched.guard.drain.lift()
         if self._lapse is not None:
             self._lapse.cancel()
             self._lapse = None
@@ -257,7 +276,7 @@ class ControlAPI:
             log.info("drain_lifted", by="control", inflight=sched.inflight, queued=sched.queued)
         else:
             log.info("drain_lift_ignored", by="control", why="not draining")
-        return web.json_response({"draining": sched.drain.active, "lifted": lifted, "inflight": sched.inflight,
+        return web.json_response({"draining": sched.guard.drain.active, "lifted": lifted, "inflight": sched.inflight,
                                   "queued": sched.queued})
 
     def _wake_in(self, seconds: float) -> None:
@@ -268,13 +287,13 @@ class ControlAPI:
     def _deadline_passed(self) -> None:
         self._lapse = None
         if not self._note_lapse():
-            left = self.service.drain.left_s()
+            left = self.service.guard.drain.left_s()
             if left is not None:  # woken a hair early
                 self._wake_in(left)
 
     def _note_lapse(self) -> bool:
         """Log a control drain whose deadline has passed (once); whether there was one."""
-        drain = self.service.drain
+        drain = self.service.guard.drain
         if not drain.lapse():
             return False
         if drain.shutdown:
@@ -296,7 +315,7 @@ class ControlAPI:
         return web.json_response({"limit": limit, "capacity": self.service.admission_capacity})
 
     async def fault(self, request: web.Request) -> web.Response:
-        faults = self.service.faults
+        faults = self.service.guard.faults
         if faults is None:
             return web.json_response(
                 {"error": {"message": "fault injection is disabled; start with --fault-injection", "type": "disabled"}},

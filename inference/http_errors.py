@@ -6,6 +6,8 @@ A client's mistake is a 4xx naming the field; a full gate, a drain, an OOM or a 
 
 from __future__ import annotations
 
+import asyncio
+
 from aiohttp import web
 
 from gpu_watchdog.inference.errors import (
@@ -41,3 +43,14 @@ def error_response(exc: BaseException, retry_after: int) -> web.Response:
                                             "type": "fatal_cuda", "param": None, "code": None}}, status=500)
     return web.json_response({"error": {"message": "internal error", "type": "internal", "param": None,
                                         "code": None}}, status=500)
+
+
+async def read_body(request: web.Request, timeout_s: float, max_bytes: int) -> bytes:
+    """The whole body, or the 4xx that says why not: a client that trickles its body must not hold
+    a connection (and memory) forever."""
+    try:
+        return await asyncio.wait_for(request.read(), timeout=timeout_s)
+    except TimeoutError:
+        raise BadRequest(408, "body", f"request body not received within {timeout_s:g} s") from None
+    except web.HTTPRequestEntityTooLarge:
+        raise BadRequest(413, "body", f"request body larger than {max_bytes} bytes") from None

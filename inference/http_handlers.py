@@ -8,7 +8,6 @@ reaching a model that cannot answer it.
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import json
 import time
@@ -20,10 +19,16 @@ import structlog
 from aiohttp import web
 
 from gpu_watchdog.inference import http_tokenize
+from gpu_watchdog.inference.capabilities import CLASSIFY, EMBED, GENERATE, PREDICT
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
-from gpu_watchdog.inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT, RequestHandler
+from gpu_watchdog.inference.handler import RequestHandler
+from gpu_watchdog.inference.http_errors import read_body
+from gpu_watchdog.inference.screen import RequestAccount
 from gpu_watchdog.inference.service import InferenceService
 from gpu_watchdog.inference.validation import BadRequest, parse_json_object
+
+# Each public request's account (its id, tokens, user, fingerprint), set by the request log's middleware.
+ACCOUNT = web.RequestKey("account", RequestAccount)
 
 log = structlog.get_logger(__name__)
 
@@ -51,8 +56,7 @@ def capabilities(service: InferenceService) -> frozenset[str] | None:
     """What the running handler can do; None while it is still being loaded."""
     if service.settings.handler == "causal-lm":
         return frozenset({GENERATE})
-    handler = service.handler
-    return None if handler is None else handler.capabilities
+    return service.handler.capabilities if service.started else None
 
 
 def _not_served(service: InferenceService, request: web.Request, need: str) -> web.Response:
@@ -89,19 +93,14 @@ class HandlerRoutes:
 
     def _handler(self) -> RequestHandler:
         s = self.service
-        if not s.ready or s.engine is None or s.handler is None:
+        if not s.started:
             raise Draining("the model is still loading")
         assert isinstance(s.handler, RequestHandler)
         return s.handler
 
     async def _body(self, request: web.Request, allowed: frozenset[str] | None) -> dict[str, Any]:
         settings = self.service.settings
-        try:
-            raw = await asyncio.wait_for(request.read(), timeout=settings.body_timeout_s)
-        except TimeoutError:
-            raise BadRequest(408, "body", f"request body not received within {settings.body_timeout_s:g} s") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(413, "body", f"request body larger than {settings.max_body_bytes} bytes") from None
+        raw = await read_body(request, settings.body_timeout_s, settings.max_body_bytes)
         data = await http_tokenize.off_loop(request, parse_json_object, raw)
         if allowed is not None:
             unknown = sorted(set(data) - allowed)
@@ -110,7 +109,7 @@ class HandlerRoutes:
         model = data.get("model")
         if model is not None and model != self.service.model_name:
             raise BadRequest(404, "model", f"The model `{model}` does not exist", code="model_not_found")
-        self.service.screen.request(request, data)
+        self.service.guard.screen.request(request[ACCOUNT], data)
         return data
 
     async def _outputs(self, request: web.Request, handler: RequestHandler, data: dict[str, Any]
@@ -118,14 +117,13 @@ class HandlerRoutes:
         # Tokenizing thousands of inputs is real work: off the event loop, on the tokenizing pool.
         items = await http_tokenize.in_pool(handler.decode, data)
         engine = self.service.engine
-        assert engine is not None
         outputs = await engine.predict(items, self.service.settings.queue_timeout)
         return items, outputs
 
     def _tokens(self, request: web.Request, handler: RequestHandler, items: list[Any]) -> int:
         cost = getattr(handler, "cost", None)
         tokens = sum(int(cost(i)) for i in items) if cost is not None else 0
-        request["prompt_tokens"] = tokens
+        request[ACCOUNT].prompt_tokens = tokens
         return tokens
 
     # -- routes ------------------------------------------------------------------------------
@@ -141,7 +139,7 @@ class HandlerRoutes:
             items, outputs = await self._outputs(request, handler, data)
         except Exception as exc:
             return self.fail(request, exc)
-        request["user"] = data.get("user")
+        request[ACCOUNT].user = data.get("user")
         tokens = self._tokens(request, handler, items)
         # Written out off the event loop, like the inputs were read: 2048 vectors of 768 floats are
         # seconds of JSON.
@@ -159,7 +157,7 @@ class HandlerRoutes:
         except Exception as exc:
             return self.fail(request, exc)
         tokens = self._tokens(request, handler, items)
-        rid = request.get("rid", "")
+        rid = request[ACCOUNT].rid
 
         def answer() -> str:
             data_rows = [{"index": i, **handler.encode(out)} for i, out in enumerate(outputs)]

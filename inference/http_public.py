@@ -25,8 +25,8 @@ from gpu_watchdog.inference.errors import (
     QueueFull,
 )
 from gpu_watchdog.inference.handlers.inputs import MAX_INPUTS
-from gpu_watchdog.inference.http_errors import error_response
-from gpu_watchdog.inference.http_handlers import HandlerRoutes, capabilities
+from gpu_watchdog.inference.http_errors import error_response, read_body
+from gpu_watchdog.inference.http_handlers import ACCOUNT, HandlerRoutes, capabilities
 from gpu_watchdog.inference.mailbox import Mailbox
 from gpu_watchdog.inference.openai_extras import (
     StreamedLogprobs,
@@ -37,7 +37,7 @@ from gpu_watchdog.inference.openai_extras import (
     request_options,
 )
 from gpu_watchdog.inference.openapi import public_spec
-from gpu_watchdog.inference.screen import MARKED
+from gpu_watchdog.inference.screen import MARKED, RequestAccount
 from gpu_watchdog.inference.service import InferenceService
 from gpu_watchdog.inference.validation import (
     BadRequest,
@@ -62,7 +62,7 @@ CLIENT_CLOSED = 499
 @web.middleware
 async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
-    request["rid"] = rid
+    account = request[ACCOUNT] = RequestAccount(rid)
     start = time.perf_counter()
     service = request.app[SERVICE_KEY]
     status = 500
@@ -70,7 +70,7 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
     marked = MARKED.set(frozenset())
     try:
         response = await handler(request)
-        status = CLIENT_CLOSED if request.get("client_gone") else response.status
+        status = CLIENT_CLOSED if account.client_gone else response.status
         if not response.prepared:
             response.headers.setdefault("X-Request-Id", rid)
         return response
@@ -91,16 +91,16 @@ async def request_log(request: web.Request, handler: Handler) -> web.StreamRespo
         raise
     finally:
         MARKED.reset(marked)
-        service.screen.done(request.get("ticket"), ok=status < 400)
+        service.guard.screen.done(account.ticket, ok=status < 400)
         elapsed = time.perf_counter() - start
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
         if request.path not in ("/metrics", "/healthz", "/readyz"):
             service.metrics.requests.labels(route=route, code=str(status)).inc()
             service.metrics.duration.labels(route=route).observe(elapsed)
             log.info("request", request_id=rid, route=route, method=request.method, status=status,
-                     latency_s=round(elapsed, 4), prompt_tokens=request.get("prompt_tokens"),
-                     completion_tokens=request.get("completion_tokens"), user=request.get("user"),
-                     fingerprint=request.get("fingerprint"))
+                     latency_s=round(elapsed, 4), prompt_tokens=account.prompt_tokens,
+                     completion_tokens=account.completion_tokens, user=account.user,
+                     fingerprint=account.fingerprint)
 
 
 @dataclass(frozen=True)
@@ -153,8 +153,9 @@ class PublicAPI:
         return app
 
     async def openapi(self, request: web.Request) -> web.Response:
-        ctx = self.service.engine.context_len if self.service.engine is not None else 0
-        limits = getattr(self.service.handler, "limits", None)
+        started = self.service.started
+        ctx = self.service.engine.context_len if started else 0
+        limits = getattr(self.service.handler, "limits", None) if started else None
         return web.json_response(public_spec(self.service.settings.max_tokens_limit, ctx, self.service.model_name,
                                              capabilities(self.service) or frozenset(),
                                              getattr(limits, "max_inputs", MAX_INPUTS)))
@@ -168,16 +169,17 @@ class PublicAPI:
     async def readyz(self, request: web.Request) -> web.Response:
         s = self.service
         if s.is_ready():
-            return web.json_response({"ready": True})
+            # The limit tells `serve --workers`' front which worker has room, without the control
+            # API (whose memory read is the watchdog's, and counts as its seeing a poisoning).
+            return web.json_response({"ready": True, "admission_limit": s.admission.limit})
         reason = "poisoned" if s.poisoned else "draining" if s.ready else "warming_up"
         return web.json_response({"ready": False, "reason": reason}, status=503)
 
     def _model_card(self) -> dict[str, Any]:
-        engine = self.service.engine
         card: dict[str, Any] = {"id": self.service.model_name, "object": "model", "created": self.created,
                                 "owned_by": "gpu-watchdog"}
-        if engine is not None:
-            card["max_model_len"] = engine.context_len
+        if self.service.started:
+            card["max_model_len"] = self.service.engine.context_len
         return card
 
     async def models(self, request: web.Request) -> web.Response:
@@ -198,22 +200,15 @@ class PublicAPI:
 
     async def _body(self, request: web.Request) -> dict[str, Any]:
         s = self.service
-        if not s.ready or s.engine is None:
+        if not s.started:
             raise Draining("the model is still loading")
-        try:
-            # A client that trickles its body must not hold a connection (and memory) forever.
-            raw = await asyncio.wait_for(request.read(), timeout=s.settings.body_timeout_s)
-        except TimeoutError:
-            raise BadRequest(408, "body", f"request body not received within {s.settings.body_timeout_s:g} s") from None
-        except web.HTTPRequestEntityTooLarge:
-            raise BadRequest(413, "body", f"request body larger than {s.settings.max_body_bytes} bytes") from None
+        raw = await read_body(request, s.settings.body_timeout_s, s.settings.max_body_bytes)
         data = await http_tokenize.off_loop(request, parse_json_object, raw)
-        s.screen.request(request, data)
+        s.guard.screen.request(request[ACCOUNT], data)
         return data
 
     def _jobs(self, request: web.Request, prompts: list[list[int]], sampling: Sampling) -> list[_Job]:
         engine = self.service.engine
-        assert engine is not None
         ctx = engine.lm.context_len
         jobs: list[_Job] = []
         for i, ids in enumerate(prompts):
@@ -224,24 +219,23 @@ class PublicAPI:
                 max_tokens = max(1, min(self.service.settings.max_tokens_limit, ctx - len(ids)))
             check_context(len(ids), max_tokens, ctx, field)
             jobs += [_Job(i * sampling.n + c, ids, max_tokens, i, c) for c in range(sampling.n)]
-        request["prompt_tokens"] = sum(len(j.ids) for j in jobs if j.choice == 0)
-        request["user"] = sampling.user
+        account = request[ACCOUNT]
+        account.prompt_tokens = sum(len(j.ids) for j in jobs if j.choice == 0)
+        account.user = sampling.user
         return jobs
 
     async def _completion_jobs(self, request: web.Request, strict: bool, allow_stream: bool
                                ) -> tuple[CompletionParams, list[_Job]]:
+        data = await self._body(request)  # 503 while the model loads
         engine = self.service.engine
-        data = await self._body(request)
-        assert engine is not None
         params, prompts = await http_tokenize.off_loop(request, http_tokenize.completion_prompts, data, self._limits(),
                                                        engine.lm.codec, engine.lm.vocab_size, strict=strict,
                                                        allow_stream=allow_stream)
         return params, self._jobs(request, prompts, params.sampling)
 
     async def _chat_jobs(self, request: web.Request) -> tuple[ChatParams, list[_Job]]:
+        data = await self._body(request)  # 503 while the model loads
         engine = self.service.engine
-        data = await self._body(request)
-        assert engine is not None
         params, ids = await http_tokenize.off_loop(request, http_tokenize.chat_prompt, data, self._limits(),
                                                    engine.lm.codec, engine.lm.vocab_size)
         return params, self._jobs(request, [ids], params.sampling)
@@ -254,7 +248,6 @@ class PublicAPI:
 
     async def _run(self, request: web.Request, jobs: list[_Job], sampling: Sampling) -> list[GenResult]:
         engine = self.service.engine
-        assert engine is not None
         timeout = self.service.settings.queue_timeout
         requests = [self._request(j, sampling) for j in jobs]
         tasks = [asyncio.ensure_future(engine.submit(r, timeout)) for r in requests]
@@ -267,7 +260,7 @@ class PublicAPI:
             for t in tasks:
                 t.cancel()
             raise
-        request["completion_tokens"] = sum(r.completion_tokens for r in results)
+        request[ACCOUNT].completion_tokens = sum(r.completion_tokens for r in results)
         return list(results)
 
     @staticmethod
@@ -276,14 +269,15 @@ class PublicAPI:
         """The client closed its connection: every sequence of the request leaves at the next step,
         its admission share freed, rather than generating for nobody."""
         _cancel_all(requests, tasks)
-        if not request.get("client_gone"):
-            request["client_gone"] = True
-            log.info("request_cancelled", request_id=request.get("rid"), reason="client_disconnected",
+        account = request[ACCOUNT]
+        if not account.client_gone:
+            account.client_gone = True
+            log.info("request_cancelled", request_id=account.rid, reason="client_disconnected",
                      sequences=len(tasks))
 
     def _fail(self, request: web.Request, exc: BaseException) -> web.Response:
         if not isinstance(exc, _EXPECTED):
-            log.exception("request_failed", request_id=request.get("rid"), error=repr(exc))
+            log.exception("request_failed", request_id=request[ACCOUNT].rid, error=repr(exc))
         return error_response(exc, self.service.settings.retry_after_s)
 
     @staticmethod
@@ -307,7 +301,7 @@ class PublicAPI:
         except Exception as exc:
             return self._fail(request, exc)
         return web.json_response({
-            "id": f"cmpl-{request['rid']}",
+            "id": f"cmpl-{request[ACCOUNT].rid}",
             "object": "text_completion",
             "created": int(time.time()),
             "model": params.sampling.model,
@@ -319,7 +313,6 @@ class PublicAPI:
         prompt = params.prompts[job.prompt]
         if isinstance(prompt, str):
             return prompt
-        assert self.service.engine is not None
         return self.service.engine.lm.codec.decode(list(prompt), skip_special_tokens=False)
 
     def _completion_choice(self, params: CompletionParams, job: _Job, r: GenResult) -> dict[str, Any]:
@@ -327,7 +320,6 @@ class PublicAPI:
         text = self._echo_text(params, job) + r.text if s.echo else r.text
         logprobs = None
         if s.logprobs is not None and r.logprobs is not None:
-            assert self.service.engine is not None
             spell = TokenText(self.service.engine.lm.codec)
             logprobs = completion_logprobs(spell, r.token_ids, r.logprobs)
             if s.echo and r.prompt_logprobs is not None:
@@ -345,11 +337,10 @@ class PublicAPI:
             results = await self._run(request, jobs, params.sampling)
         except Exception as exc:
             return self._fail(request, exc)
-        assert self.service.engine is not None
         spell = TokenText(self.service.engine.lm.codec)
         top = params.sampling.logprobs
         return web.json_response({
-            "id": f"chatcmpl-{request['rid']}",
+            "id": f"chatcmpl-{request[ACCOUNT].rid}",
             "object": "chat.completion",
             "created": int(time.time()),
             "model": params.sampling.model,
@@ -380,11 +371,10 @@ class PublicAPI:
 
     async def _sse(self, request: web.Request, jobs: list[_Job], sampling: Sampling, chat: bool,
                    params: CompletionParams | None = None) -> web.StreamResponse:
-        cid = f"{'chatcmpl' if chat else 'cmpl'}-{request['rid']}"
+        cid = f"{'chatcmpl' if chat else 'cmpl'}-{request[ACCOUNT].rid}"
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         engine = self.service.engine
-        assert engine is not None
         streamed = None if sampling.logprobs is None else StreamedLogprobs(TokenText(engine.lm.codec), chat,
                                                                             sampling.logprobs)
         echo = params if not chat and sampling.echo else None
@@ -450,7 +440,6 @@ class PublicAPI:
         """Headers go out only once generation started, so admission failures still get a proper
         status code; the sequences are batched with everything else in the engine."""
         engine = self.service.engine
-        assert engine is not None
         loop = asyncio.get_running_loop()
         mailbox = self._mailbox(loop)
         pieces: asyncio.Queue[tuple[int, Any] | None] = asyncio.Queue()
@@ -481,7 +470,7 @@ class PublicAPI:
             _cancel_all(requests, tasks)
             return self._fail(request, exc)
         response = web.StreamResponse(headers={"Content-Type": content_type, "Cache-Control": "no-cache",
-                                               "X-Request-Id": request["rid"]})
+                                               "X-Request-Id": request[ACCOUNT].rid})
         try:
             await response.prepare(request)
             if opening is not None:
@@ -497,7 +486,7 @@ class PublicAPI:
                 _cancel_all(requests, tasks)
                 # Never end silently: an SSE client gets an error event; a plain-text client gets a
                 # truncated chunked body (no terminating chunk), which every HTTP client reports.
-                log.warning("stream_failed", request_id=request["rid"], error=str(exc)[:200])
+                log.warning("stream_failed", request_id=request[ACCOUNT].rid, error=str(exc)[:200])
                 if sse and error_event is not None:
                     await response.write(error_event(exc))
                     await response.write_eof()
@@ -505,7 +494,7 @@ class PublicAPI:
                     request.transport.close()
                 return response
             results = list(whole.result())
-            request["completion_tokens"] = sum(r.completion_tokens for r in results)
+            request[ACCOUNT].completion_tokens = sum(r.completion_tokens for r in results)
             if closing is not None:
                 await response.write(closing(results))
             await response.write_eof()

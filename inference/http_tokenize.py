@@ -81,7 +81,6 @@ _DETOKENIZE_FIELDS = frozenset({"model", "tokens"})
 
 def tokenize_body(data: dict[str, Any], service: InferenceService) -> dict[str, Any]:
     engine = service.engine
-    assert engine is not None
     _check(data, _TOKENIZE_FIELDS, service)
     codec = engine.lm.codec
     strs = _flag(data, "return_token_strs", False)
@@ -110,7 +109,6 @@ def tokenize_body(data: dict[str, Any], service: InferenceService) -> dict[str, 
 
 def detokenize_body(data: dict[str, Any], service: InferenceService) -> dict[str, Any]:
     engine = service.engine
-    assert engine is not None
     _check(data, _DETOKENIZE_FIELDS, service)
     tokens = data.get("tokens")
     if not isinstance(tokens, list):
@@ -155,7 +153,7 @@ def add_routes(app: web.Application, service: InferenceService) -> None:
 
 async def _answer(request: web.Request, service: InferenceService,
                   body: Callable[[dict[str, Any], InferenceService], dict[str, Any]]) -> web.Response:
-    if not service.ready or service.engine is None:
+    if not service.started:
         return web.json_response({"error": {"message": "the model is still loading", "type": "draining",
                                             "param": None, "code": "draining"}}, status=503,
                                  headers={"Retry-After": str(service.settings.retry_after_s)})

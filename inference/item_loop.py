@@ -23,7 +23,7 @@ import torch
 from gpu_watchdog.inference import item_rules
 from gpu_watchdog.inference.admission import AdmissionGate, Grant
 from gpu_watchdog.inference.engine_api import EngineProbe
-from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, is_fatal_cuda, is_oom
+from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, context_lost, is_fatal_cuda, is_oom
 from gpu_watchdog.inference.handler import RequestHandler
 from gpu_watchdog.inference.loop_thread import LoopHooks, LoopThread
 from gpu_watchdog.inference.screen import MARKED
@@ -77,7 +77,7 @@ class BatchLoop(LoopThread):
     def enqueue(self, jobs: list[Job]) -> None:
         with self._cond:
             if self.poisoned is not None:
-                raise FatalCudaError(self.poisoned)
+                raise context_lost(self.poisoned)
             for job in jobs:
                 if job.canary:
                     self._waiting.appendleft(job)
@@ -117,8 +117,8 @@ class BatchLoop(LoopThread):
             queued = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
-        for job in queued:
-            _settle(job, FatalCudaError(reason))
+        for job in queued:  # never started: another worker or replica can take them
+            _settle(job, context_lost(reason))
         if self.on_fatal is not None:
             self.on_fatal(reason)
 

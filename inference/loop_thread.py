@@ -15,7 +15,7 @@ from gpu_watchdog.inference.faults import FaultInjector
 
 @dataclass(frozen=True)
 class LoopHooks:
-    """What a loop reports to the engine, and the faults it applies."""
+    """What a loop reports (to the engine's guard and metrics), and the faults it applies."""
 
     faults: FaultInjector | None = None
     # Units of work done (tokens generated, items answered): a watcher reads the counter as proof

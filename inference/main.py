@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import sys
 
@@ -13,13 +12,11 @@ from aiohttp import web
 from gpu_watchdog.contract import TokenError, ensure_token
 from gpu_watchdog.inference.http_control import ControlAPI
 from gpu_watchdog.inference.http_public import PublicAPI
-from gpu_watchdog.inference.poison import EXIT_POISONED
-from gpu_watchdog.inference.screen import FAILURE_READ_WAIT_S
+from gpu_watchdog.inference.poison import leave
 from gpu_watchdog.inference.service import InferenceService
-from gpu_watchdog.inference.settings import ServeSettings
+from gpu_watchdog.inference.settings import ServeSettings, SettingsError
 
 log = structlog.get_logger(__name__)
-
 
 
 async def _serve(settings: ServeSettings) -> int:
@@ -33,9 +30,14 @@ async def _serve(settings: ServeSettings) -> int:
     await public.setup()
     await control.setup()
     # Probes answer (503 on /readyz) while the model loads, so a startupProbe can watch it.
-    await web.TCPSite(public, settings.host, settings.port).start()
+    if settings.unix_socket is not None:
+        await web.UnixSite(public, settings.unix_socket).start()
+        api = f"unix:{settings.unix_socket}"
+    else:
+        await web.TCPSite(public, settings.host, settings.port).start()
+        api = f"http://{settings.host}:{settings.port}"
     await web.TCPSite(control, settings.control_host, settings.control_port).start()
-    log.info("listening", api=f"http://{settings.host}:{settings.port}",
+    log.info("listening", api=api,
              control=f"http://{settings.control_host}:{settings.control_port}",
              token_file=token_path, token_source="env" if token_path is None else "file",
              fault_injection=settings.fault_injection)
@@ -56,26 +58,14 @@ async def _serve(settings: ServeSettings) -> int:
     if not stop.is_set():
         await asyncio.wait({stop_task, fatal_task}, return_when=asyncio.FIRST_COMPLETED)
 
-    if service.fatal_reason is not None:
-        # In-flight requests were answered with 500 and new ones get 500 at once. Linger until the
-        # watchdog has seen the poisoned state (so its restart and Event carry the real reason),
-        # but never longer than the linger bound: without a watchdog the process exits anyway.
-        reported = asyncio.create_task(service.poison_reported.wait())
-        done, _ = await asyncio.wait({reported, stop_task}, timeout=settings.poison_linger_s,
-                                     return_when=asyncio.FIRST_COMPLETED)
-        reported.cancel()
-        if not done:
-            log.warning("poison_not_reported", linger_s=settings.poison_linger_s)
-        elif not await asyncio.to_thread(service.screen.book.wait_read):
-            log.warning("inflight_not_read", wait_s=FAILURE_READ_WAIT_S)
-        await asyncio.sleep(0.3)
-        log.error("exiting", reason="cuda_context_poisoned", detail=service.fatal_reason, code=EXIT_POISONED)
-        return EXIT_POISONED
+    if service.guard.poisoned:
+        # In-flight requests were answered with 500 and new ones get 500 at once.
+        return await service.guard.linger(settings.poison_linger_s, stop_task)
 
     # For good: no drain deadline and no control lift ends the shutdown's drain.
-    service.drain.begin_shutdown()
-    sched = service.engine
-    if sched is not None:
+    service.guard.drain.begin_shutdown()
+    if service.started:
+        sched = service.engine
         deadline = loop.time() + settings.shutdown_grace_s
         log.info("shutdown_drain", inflight=sched.inflight, queued=sched.queued, grace_s=settings.shutdown_grace_s)
         while (sched.inflight or sched.queued) and loop.time() < deadline:
@@ -89,14 +79,19 @@ async def _serve(settings: ServeSettings) -> int:
 def run(settings: ServeSettings) -> int:
     """Serve until SIGTERM; the caller configured logging (structlog) once, at the entry point."""
     try:
-        code = asyncio.run(_serve(settings))
+        if settings.workers > 1:
+            from gpu_watchdog.inference.front import serve_workers
+
+            code = asyncio.run(serve_workers(settings))
+        else:
+            code = asyncio.run(_serve(settings))
+    except SettingsError as exc:
+        print(f"gpu-watchdog serve: {exc}", file=sys.stderr)
+        code = 2
     except TokenError as exc:
         print(f"gpu-watchdog serve: {exc}", file=sys.stderr)
         code = 2
     except OSError as exc:
         print(f"gpu-watchdog serve: cannot listen: {exc.strerror or exc}", file=sys.stderr)
         code = 2
-    sys.stdout.flush()
-    sys.stderr.flush()
-    # Worker threads may sit in a hung kernel; a normal interpreter exit would wait for them forever.
-    os._exit(code)
+    leave(code)

@@ -19,6 +19,7 @@ from gpu_watchdog.inference import model as model_mod
 from gpu_watchdog.inference.engine import Engine
 from gpu_watchdog.inference.engine_api import GenRequest
 from gpu_watchdog.inference.handler import RequestHandler
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.planner import CostModel, Plan, plan
 
 SHORT_PROMPT = 16
@@ -117,7 +118,7 @@ def measure_plan(
         max_output = max_output or lm.context_len - max_input
         if max_input + max_output > lm.context_len:
             raise MeasureError(f"--max-input + --max-output exceed the model's context of {lm.context_len} tokens")
-        engine = Engine(lm)
+        engine = Engine(CausalLM(lm))
         try:
             m = measure(engine, max_input, max_output)
         finally:
@@ -144,7 +145,7 @@ def _measure_handler(handler: RequestHandler, model_dir: str | None, max_input: 
     """One item's peak at two sizes through the engine `serve` runs, as `serve --max-concurrency auto` does."""
     device = torch.device("cuda")
     handler.load(model_dir, device)
-    engine = Engine(None, handler=handler, device=device)
+    engine = Engine(handler, device=device)
     try:
         longest = min(max_input or engine.context_len, engine.context_len)
         return measure_items(engine, handler.sized_sample, longest)  # type: ignore[attr-defined]

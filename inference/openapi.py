@@ -10,7 +10,7 @@ from typing import Any
 
 from gpu_watchdog.contract import DRAIN_DEADLINE_DEFAULT_S, DRAIN_DEADLINE_MAX_S, MemoryReport, record_schema
 from gpu_watchdog.contract import VERSION as __version__
-from gpu_watchdog.inference.handler import CLASSIFY, EMBED, GENERATE, PREDICT
+from gpu_watchdog.inference.capabilities import CLASSIFY, EMBED, GENERATE, PREDICT
 
 ERROR = {
     "type": "object",
@@ -363,6 +363,19 @@ def control_spec() -> dict[str, Any]:
                                                  "description": "context_loss, oom, hang, slow: only for requests "
                                                                 "whose prompt, messages or input contain it"}}}}}},
                 "responses": {"200": _json(obj, "fault injected"), **_errors(400, 401, 404)}}},
+            "/control/exit": {"post": {
+                "operationId": "exit",
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {
+                        "reason": {"type": "string", "minLength": 1, "description": "said in the exit's log line"},
+                        "instance_id": {"type": "string",
+                                        "description": "only if this process is still that instance (409 if not)"}}}}}},
+                "responses": {"202": _json({"type": "object", "required": ["exiting", "code"],
+                                            "properties": {"exiting": {"type": "boolean"},
+                                                           "code": {"type": "integer"}}},
+                                           "the process exits (code 75) once this answer has left: a worker of"
+                                           " several, for its server to start again"),
+                              "409": _json(ERROR, "another instance: the one named is gone"), **_errors(400, 401)}}},
             "/control/requests": {"get": {"operationId": "requests", "responses": {
                 "200": _json(obj, "fingerprints in flight, the newest admitted, those answered lately, and those "
                                   "in flight when the context was lost (`at_failure`)"), **_errors(401)}}},

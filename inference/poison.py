@@ -7,9 +7,30 @@ whichever process died.
 from __future__ import annotations
 
 import os
+import sys
 from pathlib import Path
+from typing import NoReturn
 
 EXIT_POISONED = 3
+# Told to exit through the control API (`POST /control/exit`): a hung or poisoned worker of several,
+# which its server (`serve --workers`' parent, a pre-fork server) starts again. EX_TEMPFAIL: try again.
+EXIT_TOLD = 75
+# gunicorn's arbiter stops the whole service when a worker exits with 3 ("failed to boot") or 4
+# ("app failed to load"): a worker of it that must leave says EXIT_TOLD instead, and is replaced.
+GUNICORN_HALTS = (3, 4)
+
+
+def exit_code(code: int) -> int:
+    """`code`, or EXIT_TOLD where the server this process is a worker of would stop on `code`."""
+    return EXIT_TOLD if code in GUNICORN_HALTS and "gunicorn" in sys.modules else code
+
+
+def leave(code: int) -> NoReturn:
+    """Exit now, what was logged flushed: worker threads may sit in a hung kernel, and a normal
+    interpreter exit would wait for them forever."""
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code(code))
 
 TERMINATION_LOG = os.environ.get("GPU_WATCHDOG_TERMINATION_LOG", "/dev/termination-log")
 

@@ -233,6 +233,20 @@ class Quarantined(BadRequest):
         return refusal_body(self.entry)
 
 
+@dataclass
+class RequestAccount:
+    """One request's account, filled in as it is served, for its log line and the screen: typed,
+    and the same in `serve` (under `http_public.ACCOUNT`) and in the agent's glue."""
+
+    rid: str = ""
+    fingerprint: str | None = None
+    ticket: int | None = None  # its booking in flight, for `Screen.done`
+    prompt_tokens: int | None = None
+    completion_tokens: int | None = None
+    user: str | None = None
+    client_gone: bool = False
+
+
 class Screen:
     """The per-request half, one per process: fingerprint, refuse if quarantined, book in flight."""
 
@@ -292,16 +306,15 @@ class Screen:
         """Book a fingerprint in flight (after `check`): the ticket `done` takes."""
         return None if fp is None else self.book.begin(fp)
 
-    def request(self, scope: Any, body: Any) -> None:
+    def request(self, account: RequestAccount, body: Any) -> None:
         """One parsed request: fingerprint it, refuse it if quarantined, else book it in flight; what
-        the request log and `done` need goes into `scope` (the framework's per-request mapping:
-        aiohttp's request, the agent glue's dict)."""
-        self.screened(scope, self.of_body(body))
+        the request log and `done` need goes into its account."""
+        self.screened(account, self.of_body(body))
 
-    def screened(self, scope: Any, fp: str | None) -> None:
-        scope["fingerprint"] = fp
+    def screened(self, account: RequestAccount, fp: str | None) -> None:
+        account.fingerprint = fp
         self.check(fp)
-        scope["ticket"] = self.admit(fp)
+        account.ticket = self.admit(fp)
 
     def done(self, ticket: int | None, ok: bool) -> None:
         if ticket is not None:

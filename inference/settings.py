@@ -82,6 +82,13 @@ class ServeSettings:
     device: str = field(default="auto", metadata=flag("--device", choices=("auto", "cpu", "cuda")))
     host: str = field(default="0.0.0.0", metadata=flag("--host"))
     port: int = field(default=8000, metadata=flag("--port", parse=int))
+    workers: int = field(default=1, metadata=flag(
+        "--workers", "server processes, one per GPU (CUDA_VISIBLE_DEVICES=k each), behind this one port;"
+        " worker k's control API on --control-port + k (default: 1)", parse=_positive_int, metavar="N",
+        serve_only=True))
+    unix_socket: str | None = field(default=None, metadata=flag(
+        "--unix-socket", "answer the public API on this Unix socket instead of --host/--port (what each"
+        " worker of --workers does)", metavar="PATH", serve_only=True))
     control_host: str = "127.0.0.1"
     control_port: int = field(default=8001, metadata=flag("--control-port", parse=int))
     max_concurrency: int | None = field(default=None, metadata=flag(
@@ -135,6 +142,8 @@ class ServeSettings:
         checks = [
             (self.device in ("auto", "cpu", "cuda"), "--device must be auto, cpu or cuda"),
             (1 <= self.port <= 65535, "--port must be between 1 and 65535"),
+            (1 <= self.workers <= 64, "--workers must be between 1 and 64"),
+            (self.workers == 1 or self.unix_socket is None, "--unix-socket is one worker's; not with --workers"),
             (0 <= self.control_port <= 65535, "--control-port must be between 0 and 65535"),
             (self.max_concurrency is None or self.max_concurrency >= 1, "--max-concurrency must be >= 1 or auto"),
             (1 <= self.max_batch_size <= 4096, "--max-batch-size must be between 1 and 4096"),

@@ -26,15 +26,16 @@ from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.config import Settings, metrics_url
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
-from gpu_watchdog.watchdog.executor import POD_GPUS_RETRY_MAX_S, Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.executor import Executor, FleetLedger, RestartEvents
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
 from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
 from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
 from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
-from gpu_watchdog.watchdog.samples import History, XidEvent
+from gpu_watchdog.watchdog.samples import DecisionRecord, History, XidEvent
 from gpu_watchdog.watchdog.server import build_app
 from gpu_watchdog.watchdog.state import (
     AdmissionRequested,
@@ -45,6 +46,7 @@ from gpu_watchdog.watchdog.state import (
     RestartHeld,
     reduce,
 )
+from gpu_watchdog.watchdog.worker_rung import WorkerRung
 
 log = logs.get("watchdog")
 
@@ -101,15 +103,11 @@ class Watchdog:
         self.clock: Callable[[], float] = lambda: 0.0
         self.history = History(started_at=0.0)
         self.metrics = WatchdogMetrics(self.snapshot)
-        self.decisions: list[dict[str, Any]] = []
         self.episodes = Episodes(self.metrics)
         self._last_tick = 0.0
-        self._blocked_reported: str | None = None
         self._lags: deque[float] = deque(maxlen=1200)
         self._actions: set[asyncio.Task[Any]] = set()
         self._eval_lock = asyncio.Lock()
-        # A restarter that published something the target's recovery makes obsolete (a verdict).
-        self._target_served: Callable[[float], Any] | None = getattr(restarter, "target_served", None)
         self._run: Running | None = None
 
     @property
@@ -135,7 +133,7 @@ class Watchdog:
         s = self.settings
         k = s.kubernetes
         self.history = History(started_at=now, epoch=now, jitter=self._jitter(), pod=k.pod_name,
-                               node=k.node_name or None)
+                               node=k.node_name or None, worker_count=s.target.workers)
         self._last_tick = now
         session = aiohttp.ClientSession()
         token = self._token or self._read_token() if s.target.http is None and s.target.openai_url is None else None
@@ -164,6 +162,11 @@ class Watchdog:
             periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)
         if samplers.server_metrics is not None:
             periodic("server", self._server_delay, self._sample_server)
+        if samplers.workers is not None:
+            periodic("workers", lambda: s.sampling.torch_interval, self._sample_workers)
+            rung = WorkerRung(s, samplers.workers, self.metrics, self._fold, self._record, self.clock,
+                              self.restart_events is not None)
+            periodic("worker_canaries", lambda: s.canary.interval, lambda: rung.sample(lambda: self.history))
         if samplers.device_health is not None:
             periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
         if s.policy.quarantine.enabled and samplers.control is not None:
@@ -175,6 +178,7 @@ class Watchdog:
                  strategy=self.restarter.strategy, nvml=samplers.nvml.available, port=port,
                  pod_gpus=self.history.pod_gpus, canary_interval_s=s.canary.interval,
                  canary_timeout_s=s.canary.timeout, budget_scope="workload" if self.restart_events else "pod",
+                 workers=s.target.workers,
                  workload=self.workload)
 
     async def _serve_http(self) -> tuple[web.AppRunner, int]:
@@ -294,6 +298,26 @@ class Watchdog:
         self.episodes.follow_idle_memory(sample)
         await self._evaluate()
 
+    async def _sample_workers(self) -> None:
+        workers = self.running.samplers.workers
+        assert workers is not None
+        sample = await workers.sample()
+        if any((w.memory.error or "").startswith("unauthorized") for w in sample.workers):
+            workers.set_token(self._read_token() or self._token)
+        before = {w.worker: w.memory for w in self.history.workers.workers} if self.history.workers else {}
+        for w in sample.workers:
+            last, now = before.get(w.worker), w.memory
+            if now.reachable and (last is None or not last.reachable or last.instance_id != now.instance_id):
+                log.info("worker_seen", worker=w.worker, url=w.url, instance_id=now.instance_id, device=now.device,
+                         uuid=now.uuid)
+            elif not now.reachable and (last is None or last.reachable):
+                log.warning("worker_unreachable", worker=w.worker, url=w.url, error=now.error)
+            if now.poisoned and not (last is not None and last.poisoned):
+                # Its agent exits by itself and the pre-fork server starts another: nothing of ours to do.
+                log.warning("worker_poisoned", worker=w.worker, url=w.url, reason=now.poison_reason,
+                            action="none: the worker exits and its server replaces it")
+        self._fold(sample)
+
     async def _sample_device_health(self) -> None:
         device_health = self.running.samplers.device_health
         assert device_health is not None
@@ -332,8 +356,8 @@ class Watchdog:
             await executor.push_quarantine(sample.instance_id)
         self._fold(sample)
         # A drained server's answer is no cure: the verdict stays until a new process serves.
-        if sample.served and self._target_served is not None:
-            await self._target_served(self.wall_clock())
+        if sample.served:
+            await self.restarter.target_served(self.wall_clock())
         if sample.served and not self.history.restart_in_progress:
             # The ledger's bookkeeping in its own task: an API that is slow must not delay canaries.
             self._spawn(self.executor.target_served())
@@ -360,8 +384,7 @@ class Watchdog:
         """The kubelet may come up after us, or its socket be fixed: ask again, ever less often."""
         executor = self.executor
         while executor.pod_gpus_error is not None:
-            await asyncio.sleep(executor.pod_gpus_retry_s)
-            executor.pod_gpus_retry_s = min(executor.pod_gpus_retry_s * 2, POD_GPUS_RETRY_MAX_S)
+            await asyncio.sleep(executor.next_pod_gpus_wait())
             await self._learn_pod_gpus()
 
     async def _read_budget(self) -> None:
@@ -383,22 +406,19 @@ class Watchdog:
                 self._spawn(executor.end_hold())
 
     def _record(self, decision: Decision, outcome: str, now: float) -> None:
-        entry = {"at": round(now - self.history.started_at, 3), "action": decision.action,
-                 "reason": decision.reason, "outcome": outcome, "detail": decision.detail}
-        self.decisions = [*self.decisions[-49:], entry]
+        self._fold(DecisionRecord(round(now - self.history.started_at, 3), decision.action, decision.reason, outcome,
+                                  decision.detail))
         self.metrics.decisions.labels(action=decision.action, reason=decision.reason, outcome=outcome).inc()
 
     def _act(self, decision: Decision, now: float) -> None:
         if decision.action == "restart" and not decision.allowed:
-            if self._blocked_reported != decision.reason:
-                self._blocked_reported = decision.reason
-                self._record(decision, "blocked_by_budget", now)
+            if self.history.blocked_reported != decision.reason:
+                self._record(decision, BLOCKED_BY_BUDGET, now)
                 log.error("restart_blocked", reason=decision.reason, blocked_by=decision.blocked_by,
                           budget_window_s=self.settings.policy.restart_budget.window, detail=decision.detail,
                           workload=self.workload, budget_read_error=self.executor.budget_read_error)
             return
         if decision.action == "restart":
-            self._blocked_reported = None
             self._fold(RestartBegun(now))
             if self.executor.fleet.held is None:  # asked again while held: recorded once, as held
                 self._record(decision, "started", now)
@@ -481,7 +501,7 @@ class Watchdog:
             strategy=self.restarter.strategy,
             restart_failed=None if executor is None else executor.restart_failed,
             restart_not_recorded=None if executor is None else executor.not_recorded_now(),
-            ignored_records=0 if executor is None else len(executor.ignored_records), decisions=self.decisions,
+            ignored_records=0 if executor is None else len(executor.ignored_records),
             idle_memory=self.episodes.idle_memory, pod_gpus_error=None if executor is None else executor.pod_gpus_error,
             suspects=() if executor is None else tuple(executor.suspects.values()),
             budget_from_events=self.restart_events is not None, workload=self.workload,

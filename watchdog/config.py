@@ -76,6 +76,10 @@ class TargetSettings:
     # The target's counter of finished work on its metrics page (`name` or `name{label="v"}`):
     # canary timeouts while it advances mean saturated, not hung.
     progress_metric: str | None = None
+    # The service's workers, each with its control API on the next port from control_url's
+    # (`serve --workers N`, the agent under `uvicorn --workers N`): the first is watched by every
+    # rule, the others by their own canaries (a hang of theirs is theirs: the worker rung).
+    workers: int = 1
 
 
 @dataclass(frozen=True)
@@ -423,6 +427,11 @@ def _check(s: Settings, errors: list[str]) -> None:
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
             errors.append(f"{key}: expected an http(s) URL, got {url!r}")
     _check_http_target(s.target, errors)
+    if not 1 <= s.target.workers <= 256:
+        errors.append("target.workers: must be between 1 and 256")
+    elif s.target.workers > 1 and (s.target.http is not None or s.target.openai_url is not None):
+        errors.append("target.workers: only with the control API (target.control_url), not target.http or"
+                      " target.openai_url")
 
 
 # <deployment>-<pod-template-hash>-<5 characters>: how a Deployment's ReplicaSet names its pods.

@@ -36,6 +36,8 @@ class ControlClient:
                 if resp.status == 401:
                     raise ControlError("control API rejected the token (401)", "unauthorized")
                 text = await resp.text()
+                if resp.status == 409:
+                    raise ControlError(f"{method} {path} answered 409: {text[:200]}", "conflict")
                 if resp.status >= 400:
                     raise ControlError(f"{method} {path} answered {resp.status}: {text[:200]}", "bad_response")
                 try:
@@ -74,6 +76,14 @@ class ControlClient:
     async def undrain(self, timeout: float = 10.0) -> dict[str, Any]:
         """Lift the drain now (`DELETE /control/drain`; lifting none is not an error)."""
         return await self._call("DELETE", contract.DRAIN, None, timeout)
+
+    async def exit(self, reason: str, instance_id: str | None = None, timeout: float = 5.0) -> dict[str, Any]:
+        """The worker rung: the process exits (code 75) and its server starts it again; `instance_id`:
+        only if it is still that process (409 otherwise)."""
+        body: dict[str, Any] = {"reason": reason}
+        if instance_id is not None:
+            body["instance_id"] = instance_id
+        return await self._call("POST", contract.EXIT, body, timeout)
 
     async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
         """The fingerprints in flight, and those in flight when the context was lost (`at_failure`)."""

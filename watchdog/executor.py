@@ -17,14 +17,21 @@ from typing import Any, Protocol, TypeVar
 from gpu_watchdog import contract, logs
 from gpu_watchdog.watchdog import escalation, fleet, ladder, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter
+from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter, RestartOutcome
 from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
 from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
 from gpu_watchdog.watchdog.fleet import FleetView, Ledger
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import FLEET_BREAKER_OPEN, FLEET_LEDGER_UNKNOWN, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.names import (
+    CONTEXT_LOSS,
+    FLEET_BREAKER_OPEN,
+    FLEET_LEDGER_UNKNOWN,
+    RUNG_CONTAINER,
+    RUNG_POD,
+    RUNG_WORKER,
+)
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.samples import PastRestart
 from gpu_watchdog.watchdog.state import (
@@ -340,7 +347,12 @@ class Executor:
         drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
                                          s.restart.drain_timeout, fold, self.clock)
         try:
-            outcome = await self.restarter.restart(decision, drain)
+            outcome = await self._worker_exit(decision) if decision.rung == RUNG_WORKER and not reported_only \
+                else None
+            if outcome is None:
+                if decision.rung == RUNG_WORKER:
+                    decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)
+                outcome = await self.restarter.restart(decision, drain)
             done, rung = outcome.done, outcome.rung
             if done:
                 self.restart_failed = None
@@ -369,7 +381,31 @@ class Executor:
             self.restart_failed = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
             await drain.lift("restart_failed")
-        return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung), record
+        return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
+                            decision.instance_id), record
+
+    async def _worker_exit(self, decision: Decision) -> RestartOutcome | None:
+        """The watched worker leaves and its server starts it again; None when it cannot be told (the
+        container's rung then, as for one worker).
+
+        A poisoned worker exits by itself once its in-flight requests were read: telling it would
+        only race the new process that replaces it. A hung one is told, naming the process, so that
+        a replacement already listening is never the one that leaves; one that is gone already (or
+        was replaced) is what the rung wanted."""
+        if decision.reason == CONTEXT_LOSS:
+            return RestartOutcome(True, "the poisoned worker exits by itself; its server starts it again",
+                                  rung=RUNG_WORKER)
+        if self.control is None:
+            return None
+        why = f"{decision.reason}: {decision.detail.get('evidence', 'canary timeouts')}"
+        try:
+            await self.control.exit(why, decision.instance_id)
+        except ControlError as exc:
+            if exc.kind in ("unreachable", "conflict"):
+                return RestartOutcome(True, f"the worker is gone already ({exc})", rung=RUNG_WORKER)
+            log.warning("worker_exit_failed", reason=decision.reason, error=str(exc), next_rung=RUNG_CONTAINER)
+            return None
+        return RestartOutcome(True, "the worker was told to exit; its server starts it again", rung=RUNG_WORKER)
 
     def _not_recorded(self, decision: Decision, detail: str) -> None:
         """An episode: said when it starts, again when an Event is written, and over when no restart is
@@ -457,8 +493,9 @@ class Executor:
             return None
         s = self.settings.policy.fleet
         pod, replicas = self.settings.kubernetes.pod_name, self.replicas
-        # Only `container` restarts in place; evict and delete always replace the pod.
-        rung = decision.rung if self.restarter.strategy == "container" else RUNG_POD
+        # Only `container` restarts in place; evict and delete always replace the pod; a worker's
+        # restart is the worker's whatever the strategy.
+        rung = decision.rung if self.restarter.strategy == "container" or decision.rung == RUNG_WORKER else RUNG_POD
         try:
             ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
                                                                         rung, now))
@@ -533,7 +570,7 @@ class Executor:
 
     def restart_ended(self, ended: RestartEnded) -> None:
         """An in-place restart done: its slot is given back once the target serves again."""
-        self._in_place_pending = self.fleet.slot_held and ended.done and ended.rung == RUNG_CONTAINER
+        self._in_place_pending = self.fleet.slot_held and ended.done and ended.rung in (RUNG_CONTAINER, RUNG_WORKER)
 
     async def give_back_slot(self, restarted: bool, why: str) -> None:
         """Our slot back to the fleet: our target serves again after an in-place restart, or the restart
@@ -602,6 +639,12 @@ class Executor:
         return kept
 
     # -- which GPUs, and those restarts did not cure -------------------------------------------
+
+    def next_pod_gpus_wait(self) -> float:
+        """How long to wait before asking the kubelet again: doubled after each ask, up to a bound."""
+        wait = self.pod_gpus_retry_s
+        self.pod_gpus_retry_s = min(wait * 2, POD_GPUS_RETRY_MAX_S)
+        return wait
 
     async def learn_pod_gpus(self) -> PodGpus | None:
         """The kubelet's answer; None while it has none (the error is kept and said once)."""

@@ -20,6 +20,9 @@ from gpu_watchdog.watchdog.samples import CanarySample, GpuSample, ServerSample,
 
 P = "gpu_watchdog_"
 
+# One worker of the service: its index, its last allocator read and its last canary (None: none yet).
+WorkerRow = tuple[int, TorchSample | None, CanarySample | None]
+
 
 @dataclass
 class Snapshot:
@@ -34,6 +37,8 @@ class Snapshot:
     suspects: tuple[str, ...] = ()
     fleet: FleetView | None = None  # only where the workload's ledger is read
     workload: str | None = None
+    # `target.workers` > 1: every worker as last read (0: the watched one), and its latest canary.
+    workers: tuple[WorkerRow, ...] = ()
 
 
 class SnapshotCollector(Collector):
@@ -78,6 +83,7 @@ class SnapshotCollector(Collector):
                 cfam = CounterMetricFamily(P + name, doc, labels=labels)
                 cfam.add_metric([t.device], float(value))
                 yield cfam
+        yield from _worker_families(s.workers)
         m = s.idle_memory
         if m is not None:  # CUDA only: without an allocator there is nothing to follow
             for name, doc, value in (
@@ -209,3 +215,26 @@ class WatchdogMetrics:
         self.quarantined = Gauge(P + "quarantined", "Request fingerprints the workload refuses now, as pushed to"
                                  " this pod's server", ["workload"], registry=r)
         r.register(SnapshotCollector(snapshot))
+
+
+def _worker_families(workers: tuple[WorkerRow, ...]) -> Iterator[Metric]:
+    """One series per worker of the service (`target.workers` > 1), labelled `worker` and its GPU."""
+    if not workers:
+        return
+    up = GaugeMetricFamily(P + "worker_up", "1 while the worker's control API answers and its context is sound",
+                           labels=["worker", "uuid"])
+    canary = GaugeMetricFamily(P + "worker_canary_success", "1 if the worker's last canary succeeded",
+                               labels=["worker"])
+    allocated = GaugeMetricFamily(P + "worker_torch_allocated_bytes", "Bytes allocated by tensors in the worker",
+                                  labels=["worker", "uuid"])
+    reserved = GaugeMetricFamily(P + "worker_torch_reserved_bytes", "Bytes the worker's caching allocator holds",
+                                 labels=["worker", "uuid"])
+    for k, t, c in workers:
+        uuid = (t.uuid if t is not None else None) or ""
+        up.add_metric([str(k), uuid], 1.0 if t is not None and t.reachable and not t.poisoned else 0.0)
+        if c is not None:
+            canary.add_metric([str(k)], 1.0 if c.ok else 0.0)
+        if t is not None and t.reachable:
+            allocated.add_metric([str(k), uuid], float(t.allocated_bytes))
+            reserved.add_metric([str(k), uuid], float(t.reserved_bytes))
+    yield from (up, canary, allocated, reserved)

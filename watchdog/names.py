@@ -17,11 +17,12 @@ STARTUP_TIMEOUT = "startup_timeout"
 UNSERVABLE = "unservable"
 RESTART_REASONS = (CONTEXT_LOSS, HANG, FRAGMENTATION_DRIFT, MAX_AGE, STARTUP_TIMEOUT, UNSERVABLE)
 
-# How a restart is carried out, cheapest first (`gpu_watchdog_restarts_total{rung}`): the inference
-# container in place (same pod, same GPU, model files in the page cache), the pod (rescheduled), or
-# the child process of `gpu-watchdog up`.
-RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS = "container", "pod", "process"
-RUNGS = (RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS)
+# How a restart is carried out, cheapest first (`gpu_watchdog_restarts_total{rung}`): one worker of
+# several (told to exit, its server starts it again, the others serving), the inference container
+# in place (same pod, same GPU, model files in the page cache), the pod (rescheduled), or the child
+# process of `gpu-watchdog up`.
+RUNG_WORKER, RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS = "worker", "container", "pod", "process"
+RUNGS = (RUNG_WORKER, RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS)
 
 # Why the allocator cache is flushed (`gpu_watchdog_empty_cache_total{reason}`).
 MEMORY_PRESSURE = "memory_pressure"
@@ -53,6 +54,8 @@ GPU_SUSPECT = "gpu_suspect"
 RESTART_WAITING = "restart_waiting"
 # The last restart was not carried out because its Event could not be written.
 RESTART_NOT_RECORDED = "restart_not_recorded"
+# A decision's outcome when the restart budget refuses it.
+BLOCKED_BY_BUDGET = "blocked_by_budget"
 # A restart held by the workload's ledger: every slot taken (at most max_unavailable restarting), the
 # breaker open (a fault a restart does not cure, fleet-wide), or the ledger unreadable (fail safe).
 FLEET_UNAVAILABLE_LIMIT = "fleet_unavailable_limit"

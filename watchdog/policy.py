@@ -32,6 +32,7 @@ from gpu_watchdog.watchdog.names import (
     PROGRESS_UNKNOWN,
     RUNG_CONTAINER,
     RUNG_POD,
+    RUNG_WORKER,
     SATURATED,
     STARTING,
     STARTUP_TIMEOUT,
@@ -166,13 +167,40 @@ def decide(settings: PolicySettings, history: History, now: float, budget_from_e
     return [*_cache_rules(settings, history, now), *_admission_rule(settings, history, now)]
 
 
+def other_workers(settings: PolicySettings, h: History, now: float, budget_from_events: bool = False
+                  ) -> list[Decision]:
+    """The service's other workers (k >= 1, `target.workers`): one whose own canaries timed out
+    `hang.consecutive_timeouts` times in a row, after it had served, is hung; a new process of it
+    cures it while the others serve (rung `worker`). Judged by its canaries: they run on the slot
+    each worker keeps for them, so a worker that is only busy still answers one. A poisoned worker
+    is not decided for: it exits by itself once its state was read, and its server replaces it."""
+    n = settings.hang.consecutive_timeouts
+    out: list[Decision] = []
+    for k, canaries in sorted(h.worker_canaries.items()):
+        run: list[CanarySample] = []
+        for c in reversed(canaries):
+            if c.error_class != "timeout":
+                break
+            run.append(c)
+        if len(run) < n or not any(c.served for c in canaries):  # before it served: still loading
+            continue
+        detail = {"worker": k, "evidence": "worker_canary", "consecutive_timeouts": n,
+                  "last_latency_s": round(run[0].latency_s, 3)}
+        decision = Decision("restart", HANG, detail, drain=False, instance_id=run[0].instance_id, rung=RUNG_WORKER)
+        if budget_remaining(settings, h, now, budget_from_events) <= 0:
+            decision = replace(decision, allowed=False,
+                               blocked_by=budget_blocker(settings, h, now, budget_from_events))
+        out.append(decision)
+    return out
+
+
 def wanted_restart(settings: PolicySettings, history: History, now: float) -> Decision | None:
     """The restart the evidence calls for now, whether or not it is held back or budgeted."""
     return _restart_rule(settings, history, now)
 
 
 def rung_for(settings: PolicySettings, h: History, decision: Decision, now: float) -> str:
-    """The container in place first; the pod when in place cannot cure.
+    """The watched worker of several first, then the container in place; the pod when in place cannot cure.
 
     A lost GPU, one the kubelet reports unhealthy, or one the driver says needs more than a new process
     (its recovery action, or an Xid whose catalog action resets the GPU or reboots the node) is not
@@ -183,9 +211,19 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
     if d.get("evidence") in ("gpu_lost", "device_health", "recovery_action") or d.get("node_action"):
         return RUNG_POD
     window = settings.in_place.window
-    in_place = [a for a in h.actions if a.action == "restart" and a.rung == RUNG_CONTAINER
+
+    def spent(rung: str) -> bool:
+        done = [a for a in h.actions if a.action == "restart" and a.rung == rung
                 and a.reason == decision.reason and now - a.at < window]
-    return RUNG_POD if len(in_place) >= settings.in_place.max_restarts else RUNG_CONTAINER
+        return len(done) >= settings.in_place.max_restarts
+
+    # The watched worker of several poisoned or hung (its canary, its poisoned flag): that process's
+    # fault, cured by a new one of it while the others serve. An Xid names a GPU and a stall is the
+    # whole server's counter: the container, as for one worker.
+    own = d.get("evidence") in ("canary", "poisoned_flag") or (decision.reason == HANG and "evidence" not in d)
+    if h.worker_count > 1 and decision.reason in (CONTEXT_LOSS, HANG) and own and not spent(RUNG_WORKER):
+        return RUNG_WORKER
+    return RUNG_POD if spent(RUNG_CONTAINER) else RUNG_CONTAINER
 
 
 def _held_back(h: History, reason: str, now: float) -> bool:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpu_watchdog.watchdog.records import Ladder
 
@@ -94,6 +95,41 @@ class TorchSample:
 
 
 @dataclass(frozen=True)
+class WorkerSample:
+    """One of the service's other workers as its control API answered (`memory`), on its own port."""
+
+    worker: int
+    url: str
+    memory: TorchSample
+
+
+@dataclass(frozen=True)
+class WorkersSample:
+    """Every other worker of the service, read at once (`target.workers`)."""
+
+    at: float
+    workers: tuple[WorkerSample, ...]
+
+
+@dataclass(frozen=True)
+class WorkerCanaries:
+    """A canary through each other worker's own control API, run at once."""
+
+    at: float
+    canaries: tuple[tuple[int, CanarySample], ...]
+
+
+@dataclass(frozen=True)
+class WorkerRestarted:
+    """Another worker's rung carried out (told to exit, or found gone): its server starts it again."""
+
+    at: float
+    worker: int
+    reason: str
+    instance_id: str | None
+
+
+@dataclass(frozen=True)
 class CanarySample:
     at: float
     ok: bool
@@ -152,6 +188,22 @@ class ActionRecord:
 
 
 @dataclass(frozen=True)
+class DecisionRecord:
+    """One decision the loop acted on (or found blocked), with what became of it: `/status` shows
+    the latest, and a blocked restart is reported once until a restart starts."""
+
+    at: float  # seconds since the watchdog started
+    action: str
+    reason: str
+    outcome: str  # started | done | failed | blocked_by_budget | held ... (the executor's record)
+    detail: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"at": self.at, "action": self.action, "reason": self.reason, "outcome": self.outcome,
+                "detail": self.detail}
+
+
+@dataclass(frozen=True)
 class PastRestart:
     """One of the workload's restarts as read back from its Event: enough to tell its lineage."""
 
@@ -193,13 +245,27 @@ class History:
     xids: deque[XidEvent] = field(default_factory=lambda: deque(maxlen=256))
     device_health: DeviceHealthSample | None = None  # the latest read of our pod's status
     actions: deque[ActionRecord] = field(default_factory=lambda: deque(maxlen=256))
+    decisions: deque[DecisionRecord] = field(default_factory=lambda: deque(maxlen=50))
+    # The service's other workers as last read (`target.workers` > 1); worker 0 is the one decided for.
+    workers: WorkersSample | None = None
+    worker_count: int = 1  # `target.workers`: more than one, and a fault of one process is that worker's
+    gone_instance: str | None = None  # the process the last worker-rung restart replaced
+    # The other workers' canaries since each one's last restart (worker k >= 1).
+    worker_canaries: dict[int, deque[CanarySample]] = field(default_factory=dict)
+    # The reason of the restart last reported blocked by the budget: reported once until one starts.
+    blocked_reported: str | None = None
     restart_in_progress: bool = False
     # A restart in progress that waits for permission (the disruption budget) with nothing drained:
     # the server serves as before, and is ready while its evidence says it can serve.
     restart_waiting: bool = False
 
     def canaries_since_epoch(self) -> list[CanarySample]:
-        return [c for c in self.canaries if c.at >= self.epoch]
+        return [c for c in self.canaries if c.at >= self.epoch and not self._gone(c.instance_id)]
+
+    def _gone(self, instance_id: str | None) -> bool:
+        """From the process a worker rung restarted: it lives on a moment (a poisoned one until it
+        exits by itself), and what it says then is not about the worker that replaces it."""
+        return instance_id is not None and instance_id == self.gone_instance
 
     def torch_uuid(self) -> str | None:
         """The GPU the inference process last said it runs on."""
@@ -212,7 +278,7 @@ class History:
         return [s for s in self.server if s.at >= self.epoch and s.reachable]
 
     def torch_since_epoch(self) -> list[TorchSample]:
-        return [t for t in self.torch if t.at >= self.epoch and t.reachable]
+        return [t for t in self.torch if t.at >= self.epoch and t.reachable and not self._gone(t.instance_id)]
 
     def restarts_within(self, now: float, window: float) -> list[ActionRecord]:
         """Restarts this sidecar carried out (not those only reported, nor those that failed)."""

@@ -6,11 +6,12 @@ policy, these take the time as an argument and do no I/O, so traces can drive th
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, replace
 
 from gpu_watchdog.watchdog import ladder
 from gpu_watchdog.watchdog.config import AdmissionSettings
-from gpu_watchdog.watchdog.names import RUNG_POD
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.records import Failure, Ladder
 from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
@@ -18,14 +19,21 @@ from gpu_watchdog.watchdog.samples import (
     RESTART_REPORTED,
     ActionRecord,
     CanarySample,
+    DecisionRecord,
     DeviceHealthSample,
     GpuReadout,
     History,
     PastRestart,
     ServerSample,
     TorchSample,
+    WorkerCanaries,
+    WorkerRestarted,
+    WorkersSample,
     XidEvent,
 )
+
+# Enough of another worker's canaries for any hang rule (`policy.hang.consecutive_timeouts`).
+WORKER_CANARIES_KEPT = 32
 
 
 @dataclass(frozen=True)
@@ -58,6 +66,7 @@ class RestartEnded:
     # Not done because the strategy only reports (`none`), rather than because it failed.
     reported_only: bool = False
     rung: str = RUNG_POD
+    instance_id: str | None = None  # the process restarted, where known
 
 
 @dataclass(frozen=True)
@@ -108,7 +117,8 @@ class AdmissionAnswered:
 
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
            | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
-           | RestartWaiting | RestartHeld | DeviceHealthSample)
+           | RestartWaiting | RestartHeld | DeviceHealthSample | DecisionRecord | WorkersSample | WorkerCanaries
+           | WorkerRestarted)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -146,6 +156,20 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         # Nothing is drained or done until the restarter says so (after asking the disruption
         # budget and writing the Event): the server serves meanwhile.
         h.restart_in_progress, h.restart_waiting = True, True
+        h.blocked_reported = None
+    elif isinstance(outcome, WorkersSample):
+        h.workers = outcome
+    elif isinstance(outcome, WorkerCanaries):
+        for k, c in outcome.canaries:
+            h.worker_canaries.setdefault(k, deque(maxlen=WORKER_CANARIES_KEPT)).append(c)
+    elif isinstance(outcome, WorkerRestarted):
+        # Counted as a restart (the budget), and what that worker said before is about a process gone.
+        h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, RUNG_WORKER))
+        h.worker_canaries.pop(outcome.worker, None)
+    elif isinstance(outcome, DecisionRecord):
+        h.decisions.append(outcome)
+        if outcome.outcome == BLOCKED_BY_BUDGET:
+            h.blocked_reported = outcome.reason
     elif isinstance(outcome, RestartWaiting):
         h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):
@@ -159,6 +183,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, outcome.rung))
         # Evidence older than this is about a process that is gone; the new one starts anew.
         h.epoch = outcome.at
+        if outcome.rung == RUNG_WORKER:
+            h.gone_instance = outcome.instance_id
         h.served_at = None
     elif isinstance(outcome, RestartCancelled):
         h.restart_in_progress, h.restart_waiting = False, False

@@ -10,7 +10,7 @@ from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.escalation import Suspect
 from gpu_watchdog.watchdog.fleet import FleetView
 from gpu_watchdog.watchdog.idle_memory import IdleMemory
-from gpu_watchdog.watchdog.metrics import Snapshot
+from gpu_watchdog.watchdog.metrics import Snapshot, WorkerRow
 from gpu_watchdog.watchdog.samples import History
 
 
@@ -24,7 +24,6 @@ class Extras:
     strategy: str
     restart_failed: str | None
     restart_not_recorded: str | None
-    decisions: list[dict[str, Any]]
     idle_memory: IdleMemory | None
     pod_gpus_error: str | None
     suspects: tuple[Suspect, ...] = ()
@@ -104,7 +103,17 @@ def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
         admission_limit=h.ladder.limit if h.ladder is not None else None,
         fleet=x.fleet,
         workload=x.workload,
+        workers=_workers_snapshot(settings, h),
     )
+
+
+def _workers_snapshot(settings: Settings, h: History) -> tuple[WorkerRow, ...]:
+    if settings.target.workers < 2:
+        return ()
+    first = (0, next((t for t in reversed(h.torch) if t.at >= h.epoch), None), h.canaries[-1] if h.canaries else None)
+    others = [] if h.workers is None else [
+        (w.worker, w.memory, (h.worker_canaries.get(w.worker) or [None])[-1]) for w in h.workers.workers]
+    return (first, *others)
 
 
 def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, Any]:
@@ -145,6 +154,7 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
                            "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1),
                            "ignored_future_records": x.ignored_records},
         "event_loop_lag_s": x.loop_lag,
+        "workers": workers_status(settings, h, now),
         "restart_in_progress": h.restart_in_progress,
         "restart_waiting": h.restart_waiting,
         "restart_failed": x.restart_failed,
@@ -164,9 +174,33 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
             else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
                          "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in x.suspects],
-        "last_decisions": x.decisions[-20:],
+        "last_decisions": [d.to_json() for d in list(h.decisions)[-20:]],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }
+
+
+def workers_status(settings: Settings, h: History, now: float) -> dict[str, Any] | None:
+    """The service's workers: the first is the target (its canary, allocator and decisions above),
+    the others as their control APIs last answered."""
+    if settings.target.workers < 2:
+        return None
+    def canary(k: int) -> dict[str, Any] | None:
+        run = h.worker_canaries.get(k)
+        if not run:
+            return None
+        c = run[-1]
+        return {"ok": c.ok, "error_class": c.error_class, "latency_s": round(c.latency_s, 3),
+                "s_ago": round(now - c.at, 1)}
+
+    seen = [] if h.workers is None else [
+        {"worker": w.worker, "url": w.url, "reachable": w.memory.reachable, "error": w.memory.error,
+         "instance_id": w.memory.instance_id, "device": w.memory.device, "uuid": w.memory.uuid,
+         "poisoned": w.memory.poisoned, "inflight": w.memory.inflight, "queued": w.memory.queued,
+         "admission_limit": w.memory.admission_limit, "canary": canary(w.worker)} for w in h.workers.workers]
+    # Every worker is decided for: the first by every rule above, the others for a hang of their own
+    # canaries (a poisoned one exits by itself and its server replaces it).
+    return {"count": settings.target.workers, "decided_for": list(range(settings.target.workers)),
+            "read_s_ago": None if h.workers is None else round(now - h.workers.at, 1), "others": seen}
 
 
 def fleet_status(f: FleetView) -> dict[str, Any]:

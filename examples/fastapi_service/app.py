@@ -2,6 +2,10 @@
 
     python examples/fastapi_service/app.py --port 8000 --control-port 8001 [--fault-injection] [--model DIR]
 
+Or with several workers, one per GPU where there are several (the flags in PREDICT_ARGS):
+
+    PREDICT_ARGS="--control-port 8001" uvicorn --app-dir examples/fastapi_service app:create_app --factory --workers 2
+
 `POST /predict {"inputs": "..."}` runs the model in FastAPI's thread pool. The lines marked
 `# agent` are all the watchdog needs; the rest is the service as a team would write it.
 """
@@ -9,6 +13,8 @@
 from __future__ import annotations
 
 import argparse
+import os
+import shlex
 from typing import Any
 
 import torch
@@ -31,7 +37,7 @@ class ByteTokenizer:
         return bytes(int(i) % 256 for i in ids).decode("utf-8", errors="replace")
 
 
-def load(model_dir: str | None, device: str) -> tuple[Any, Any]:
+def load(model_dir: str | None, device: torch.device) -> tuple[Any, Any]:
     if model_dir is None:
         torch.manual_seed(1234)
         config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=344, num_hidden_layers=2,
@@ -50,7 +56,10 @@ class PredictIn(BaseModel):
 
 
 def build(args: argparse.Namespace) -> tuple[FastAPI, Agent]:
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    agent = Agent(AgentSettings(limit=args.limit, control_port=args.control_port,  # agent
+                                fault_injection=args.fault_injection, token_file=args.token_file))  # agent
+    agent.start()  # agent: this worker's control port, the k-th of the range for the k-th worker
+    device = agent.device  # agent: the k-th worker's GPU is card k (one worker per GPU), else cpu
     model, tokenizer = load(args.model, device)
 
     def generate(text: str, max_new_tokens: int) -> str:
@@ -60,8 +69,6 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Agent]:
         return str(tokenizer.decode(out[0, batch["input_ids"].shape[1]:], skip_special_tokens=True))
 
     app = FastAPI(title="predict")
-    agent = Agent(AgentSettings(limit=args.limit, control_port=args.control_port,  # agent
-                                fault_injection=args.fault_injection, token_file=args.token_file))  # agent
     agent.register_canary(lambda: generate("ping", 1))  # agent
     install(app, agent)  # agent
 
@@ -78,7 +85,7 @@ def build(args: argparse.Namespace) -> tuple[FastAPI, Agent]:
     return app, agent
 
 
-def main(argv: list[str] | None = None) -> None:
+def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, default=8000)
@@ -87,9 +94,19 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--limit", type=int, default=4, help="requests in the model at once")
     p.add_argument("--token-file", default=None, help="control token file (GPU_WATCHDOG_TOKEN wins)")
     p.add_argument("--fault-injection", action="store_true")
-    args = p.parse_args(argv)
-    app, agent = build(args)
-    agent.start()  # agent
+    return p
+
+
+def create_app() -> FastAPI:
+    """The app for a server that builds it in each worker (`uvicorn ... app:create_app --factory
+    --workers N`, gunicorn's uvicorn workers): the flags from PREDICT_ARGS."""
+    app, _ = build(parser().parse_args(shlex.split(os.environ.get("PREDICT_ARGS", ""))))
+    return app
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    app, _ = build(args)
     uvicorn.run(app, host=args.host, port=args.port, log_level="warning")
 
 

@@ -6,17 +6,27 @@ from __future__ import annotations
 import torch
 
 from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference.capabilities import GENERATE
 from gpu_watchdog.inference.engine_api import GenRequest
-from gpu_watchdog.inference.handler import GENERATE
 
 CANARY_PROMPT = "ping"
+
+
+def canary_request(lm: model_mod.LoadedModel) -> GenRequest:
+    """The canary's work for a causal LM: one token of a short prompt, on the path every request takes."""
+    return GenRequest(lm.codec.encode(CANARY_PROMPT), max_tokens=1)
 
 
 class CausalLM:
     capabilities = frozenset({GENERATE})
 
-    def __init__(self) -> None:
-        self._lm: model_mod.LoadedModel | None = None
+    def __init__(self, lm: model_mod.LoadedModel | None = None) -> None:
+        """`lm`: a model already loaded (warm-up, measuring, tests); else `load` loads one."""
+        self._lm = lm
+
+    @property
+    def loaded(self) -> bool:
+        return self._lm is not None
 
     @property
     def lm(self) -> model_mod.LoadedModel:
@@ -27,4 +37,4 @@ class CausalLM:
         self._lm = model_mod.load(model, device)
 
     def sample(self) -> GenRequest:
-        return GenRequest(self.lm.codec.encode(CANARY_PROMPT), max_tokens=1)
+        return canary_request(self.lm)

@@ -7,7 +7,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from gpu_watchdog.inference.handler import CLASSIFY, PREDICT
+from gpu_watchdog.inference.capabilities import CLASSIFY, PREDICT
 from gpu_watchdog.inference.handlers.encoder import Encoder
 
 

@@ -461,3 +461,29 @@ def test_the_handler_value_reaches_the_servers_flags() -> None:
     with pytest.raises(helm.HelmError, match="handler"):
         chart.render(with_images({"inference": {"handler": "no such thing"}}), name="demo", namespace="serving",
                      is_install=True)
+
+
+@pytest.mark.parametrize(("gpus", "workers", "expected"), [(1, "auto", 1), (2, "auto", 2), (4, "auto", 4),
+                                                           (0, "auto", 1), (0, 3, 3), (2, 2, 2), (4, 1, 1),
+                                                           (4, None, 4), (1, None, 1)])
+def test_one_worker_per_gpu_in_the_server_and_the_sidecar_alike(gpus: int, workers: Any, expected: int,
+                                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    values = {"inference": {"gpus": gpus, "workers": workers}} if workers is not None else {"inference": {"gpus": gpus}}
+    args = containers(render(values))["inference"]["args"]
+    flags = [a for a in args if a.startswith("--workers")]
+    assert flags == ([] if expected == 1 else [f"--workers={expected}"])
+    assert watchdog_config(values, monkeypatch).target.workers == expected
+
+
+@pytest.mark.parametrize(("values", "message"), [
+    ({"inference": {"gpus": 2, "workers": 3}}, "inference.workers=3 is more than inference.gpus=2"),
+    ({"inference": {"gpus": 4, "workers": 2}}, "would leave 2 GPU(s) without a worker"),
+    ({**VLLM, "inference": {**VLLM.get("inference", {}), "workers": 2}}, "the bundled server's"),
+    ({"inference": {"workers": 0}}, "workers"),
+    ({"inference": {"workers": "many"}}, "workers"),
+])
+def test_workers_that_do_not_match_the_gpus_are_refused_saying_why(values: dict[str, Any], message: str) -> None:
+    chart = helm.Chart.load(str(CHART))
+    with pytest.raises(helm.HelmError) as err:
+        chart.render(with_images(values), name="demo", namespace="serving", is_install=True)
+    assert message in str(err.value)

@@ -104,17 +104,53 @@ def test_the_quarantine_panel_and_alert_ask_for_what_the_sidecar_and_the_server_
     watchdog.quarantined.labels(workload="llm").set(1)
     server = InferenceMetrics()
     server.quarantined.inc()
-    exposed: dict[str, set[str]] = {}
-    for registry in (watchdog.registry, server.registry):
-        for family in text_string_to_metric_families(generate_latest(registry).decode()):
-            for sample in family.samples:
-                exposed.setdefault(sample.name, set()).update(sample.labels)
+    exposed = exposed_series(watchdog.registry, server.registry)
     rules = yaml.safe_load((DASH / "alerts.yaml").read_text())["groups"][0]["rules"]
     queries = [(title, expr) for title, expr in panel_queries() if "quarantined" in expr]
     queries += [(r["alert"], r["expr"]) for r in rules if "quarantined" in r["expr"]]
     assert {"Requests quarantined (query of death)", "GPUWatchdogRequestQuarantined"} <= {t for t, _ in queries}
+    assert_ask_for_exposed(queries, re.compile(r"\b(gpu_(?:watchdog|inference)_\w+)"), exposed)
+
+
+def exposed_series(*registries: Any) -> dict[str, set[str]]:
+    """Every sample name the registries expose, with the labels it carries."""
+    exposed: dict[str, set[str]] = {}
+    for registry in registries:
+        for family in text_string_to_metric_families(generate_latest(registry).decode()):
+            for sample in family.samples:
+                exposed.setdefault(sample.name, set()).update(sample.labels)
+    return exposed
+
+
+def assert_ask_for_exposed(queries: list[tuple[str, str]], series: re.Pattern[str],
+                           exposed: dict[str, set[str]]) -> None:
+    """Each query's series (those `series` matches) is exposed, and grouped only by labels it has."""
     for title, expr in queries:
-        for name in re.findall(r"\b(gpu_(?:watchdog|inference)_\w+)", expr):
+        for name in set(series.findall(expr)):
             assert name in exposed, f"{title}: {name} is not a series the sidecar or the server exposes"
             grouped = {label.strip() for group in re.findall(r"\bby \(([^)]*)\)", expr) for label in group.split(",")}
             assert grouped <= exposed[name] | TARGET_LABELS, (title, grouped - exposed[name] - TARGET_LABELS)
+
+
+def test_the_worker_panels_and_alert_ask_for_what_serve_s_workers_expose() -> None:
+    from gpu_watchdog.inference.front import WorkerMetrics
+    from gpu_watchdog.inference.workers import Worker, WorkerPlan
+
+    metrics = WorkerMetrics()
+    w = Worker(WorkerPlan(1, "1", 8002, "/tmp/w1.sock"))
+    metrics.update(w)
+    metrics.exited(w, "context_lost")
+    from gpu_watchdog.watchdog.samples import CanarySample, TorchSample
+
+    row = (1, TorchSample(at=1, reachable=True, uuid="GPU-b"), CanarySample(at=1, ok=True, latency_s=0.1,
+                                                                            error_class=None))
+    sidecar = WatchdogMetrics(lambda: Snapshot(workers=(row,)))
+    exposed = exposed_series(metrics.registry, sidecar.registry)
+    rules = yaml.safe_load((DASH / "alerts.yaml").read_text())["groups"][0]["rules"]
+    worker_series = re.compile(r"\b(gpu_(?:inference|watchdog)_worker_\w+)")
+    queries = [(title, expr) for title, expr in panel_queries() if worker_series.search(expr)]
+    queries += [(r["alert"], r["expr"]) for r in rules if worker_series.search(r["expr"])]
+    assert {"Inference workers ready", "Worker restarts (by its server, the pod kept serving)",
+            "Workers as the watchdog sees them (control API up, last canary)",
+            "GPUInferenceWorkerRestarting"} <= {t for t, _ in queries}
+    assert_ask_for_exposed(queries, worker_series, exposed)

@@ -52,6 +52,9 @@ def check_results(out: Path, log: str, scratch: Path) -> None:
     assert f"{stem}.json full: OOMs inside the server" in log
     assert "done in" in log and "all checks passed" in log
     assert "cached decoding, alone and batched: OK" in log
+    # One worker per GPU needs two: on fewer, the step says it was skipped and why.
+    assert "one worker per GPU: the agent's example" in log and "GPU(s) visible; one worker per GPU needs two" in log
+    assert "serve --workers N behind one port" in log and "GPU(s) visible; serve --workers needs two or more" in log
     # The generated model (a few GB on a GPU) goes to the temp folder, not the results, and is removed again.
     assert list(scratch.rglob("model-big")) == [] and list(scratch.rglob("*.safetensors")) == []
 

@@ -112,10 +112,10 @@ async def test_a_restart_held_while_its_server_serves_is_one_episode_and_takes_t
             await asyncio.sleep(3.0)  # many canaries served, many asks
             assert wd.metrics.registry.get_sample_value(
                 "gpu_watchdog_fleet_held_total", {"why": FLEET_UNAVAILABLE_LIMIT}) == 1.0
-            held = [d for d in wd.decisions if d["outcome"] == FLEET_UNAVAILABLE_LIMIT]
-            assert len(held) == 1 and held[0]["reason"] == MAX_AGE
+            held = [d for d in wd.history.decisions if d.outcome == FLEET_UNAVAILABLE_LIMIT]
+            assert len(held) == 1 and held[0].reason == MAX_AGE
             # Decided once, held once: the asks every 2 s since are not decisions of their own.
-            assert len([d for d in wd.decisions if d["outcome"] == "started"]) == 1
+            assert len([d for d in wd.history.decisions if d.outcome == "started"]) == 1
             waits = [w for w in kmock.writes_to("leases") if w.ok]
             assert len(waits) == 2  # the seed, and joining the waiting list once
             assert [w.pod for w in stored_ledger(kmock).waiting] == [pods[0]]

@@ -154,8 +154,12 @@ async def test_a_request_that_kills_two_replicas_is_refused_by_both_and_nothing_
         assert sum(p.model_exits for p in fleet.all_pods.values()) == exits_before
 
         # The evidence: the culprit was in flight at both failures, on two pods; the bystander only at one.
-        culprit_lines = [e for p in first for e in request_lines(p) if e.get("fingerprint") == culprit]
-        assert [e["status"] for e in culprit_lines] == [500, 500]
+        # A first pod whose server restarted in place keeps its log, so the later refusals may follow the
+        # failure there: the evidence is what came before them.
+        for p in first:
+            statuses = [e["status"] for e in request_lines(p) if e.get("fingerprint") == culprit]
+            refused = statuses.index(422) if 422 in statuses else len(statuses)
+            assert statuses[:refused] == [500] and set(statuses[refused:]) <= {422}, (p.name, statuses)
         innocent_fp = {e["fingerprint"] for p in first for e in request_lines(p)
                        if e.get("status") == 500 and e["fingerprint"] != culprit}
         for pod in fleet.pods():

@@ -34,6 +34,9 @@ class RecordingRestarter:
         self.decisions.append(decision)
         return RestartOutcome(True, "restarted", rung="process")
 
+    async def target_served(self, at_wall: float) -> None:
+        return None
+
 
 def settings(**kubernetes: Any) -> Any:
     return from_mapping({

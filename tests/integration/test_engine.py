@@ -15,6 +15,8 @@ from gpu_watchdog.inference.engine import Engine
 from gpu_watchdog.inference.engine_api import GenRequest, GenResult, SamplingParams
 from gpu_watchdog.inference.errors import InferenceOOM
 from gpu_watchdog.inference.faults import FaultInjector
+from gpu_watchdog.inference.guard import Guard
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 
 PROMPTS = [("the first prompt", 24), ("a second, rather longer prompt about memory", 9), ("x", 31),
            ("four", 17), ("prompt number five is here", 5), ("six", 40), ("seven sevens", 12)]
@@ -27,7 +29,7 @@ def lm() -> model_mod.LoadedModel:
 
 @pytest.fixture
 def engine(lm: model_mod.LoadedModel) -> Iterator[Engine]:
-    e = Engine(lm)
+    e = Engine(CausalLM(lm))
     yield e
     e.stop()
 
@@ -74,7 +76,7 @@ def test_admission_by_weight_is_never_exceeded_under_a_burst_of_mixed_lengths(lm
     capacity = 120.0
     gate = AdmissionGate(capacity)
     seen: list[tuple[float, int]] = []
-    e = Engine(lm, gate=gate, cost=float)  # weight = prompt + max_tokens, in tokens
+    e = Engine(CausalLM(lm), guard=Guard(gate=gate), cost=float)  # weight = prompt + max_tokens, in tokens
     loop = e._loop
     loop.on_step = lambda rows: seen.append((gate.stats().in_use, rows))
     try:
@@ -97,7 +99,7 @@ def test_admission_by_weight_is_never_exceeded_under_a_burst_of_mixed_lengths(lm
 def test_an_oom_shrinks_the_batch_and_the_retried_sequences_resume_where_they_were(
         lm: model_mod.LoadedModel) -> None:
     faults = FaultInjector()
-    e = Engine(lm, faults=faults)
+    e = Engine(CausalLM(lm), guard=Guard(faults=faults))
     try:
         alone = [solo(e, p, n) for p, n in PROMPTS]
         # A card that holds three sequences: more in one step runs out of memory.
@@ -106,13 +108,13 @@ def test_an_oom_shrinks_the_batch_and_the_retried_sequences_resume_where_they_we
     finally:
         e.stop()
     assert [r.text for r in results] == alone
-    assert e.oom_count >= 1
+    assert e.guard.oom_count >= 1
     assert e.probe().preemptions >= 1
 
 
 def test_a_second_oom_answers_with_a_clean_error_and_the_engine_serves_on(lm: model_mod.LoadedModel) -> None:
     faults = FaultInjector()
-    e = Engine(lm, faults=faults)
+    e = Engine(CausalLM(lm), guard=Guard(faults=faults))
     try:
         faults.inject("oom", {"count": 3})
         seqs = [e._sequence(GenRequest(lm.codec.encode(p), 5)) for p in ("one", "two")]
@@ -127,7 +129,7 @@ def test_a_second_oom_answers_with_a_clean_error_and_the_engine_serves_on(lm: mo
 
 
 def test_the_canary_is_answered_at_the_next_step_under_full_load(lm: model_mod.LoadedModel) -> None:
-    e = Engine(lm, gate=AdmissionGate(2.0))
+    e = Engine(CausalLM(lm), guard=Guard(gate=AdmissionGate(2.0)))
     try:
         async def scenario() -> tuple[bool, list[bool], int]:
             codec = lm.codec
@@ -186,7 +188,7 @@ def test_a_model_whose_cache_cannot_be_stitched_is_still_served_correctly() -> N
     printable[32:127] = True  # one character per token, so texts compare token for token
     lm = model_mod.LoadedModel("sliding", model, model_mod.ByteCodec(), torch.device("cpu"), torch.float32, 256,
                                printable, model_mod.last_logits_only(model), model_mod.cache_keyword(model))
-    e = Engine(lm)
+    e = Engine(CausalLM(lm))
     try:
         prompts = [("a sliding window", 20), ("b", 12), ("c is longer than the window", 16)]
         results: list[GenResult] = e.generate([GenRequest(lm.codec.encode(p), n) for p, n in prompts])
@@ -199,7 +201,7 @@ def test_a_model_whose_cache_cannot_be_stitched_is_still_served_correctly() -> N
 def test_a_sequence_that_leaves_the_queue_after_an_oom_does_not_keep_the_batch_capped(
         lm: model_mod.LoadedModel) -> None:
     faults = FaultInjector()
-    e = Engine(lm, faults=faults)
+    e = Engine(CausalLM(lm), guard=Guard(faults=faults))
     loop = e._decode
     try:
         faults.inject("memory_cap", {"sequences": 3})
@@ -232,7 +234,7 @@ def test_the_queue_timeout_never_cuts_off_a_sequence_stepped_out_by_an_oom(lm: m
     """The queue timeout bounds the wait for admission: one admitted, then stepped out by an OOM and
     waiting to resume, is answered in full however long that takes, never a 503 half-way."""
     faults = FaultInjector()
-    e = Engine(lm, faults=faults)
+    e = Engine(CausalLM(lm), guard=Guard(faults=faults))
     prompts = ("a", "b", "c", "d", "e", "f")
     try:
         alone = [solo(e, p, 12) for p in prompts]
@@ -256,7 +258,7 @@ def test_the_queue_timeout_never_cuts_off_a_sequence_stepped_out_by_an_oom(lm: m
 def test_stop_returns_once_the_loop_thread_has_ended(lm: model_mod.LoadedModel) -> None:
     """A loop thread left inside torch when the interpreter exits aborts the process
     ("terminate called without an active exception"): stop() waits for it."""
-    e = Engine(lm)
+    e = Engine(CausalLM(lm))
     [r] = e.generate([GenRequest(lm.codec.encode("one more"), 6)])
     assert r.completion_tokens >= 1
     thread = e._decode._thread
@@ -268,8 +270,8 @@ def test_a_prompt_over_the_prefill_budget_is_prefilled_in_chunks_while_the_batch
         lm: model_mod.LoadedModel) -> None:
     codec = lm.codec
     long_prompt = "a long prompt that takes several chunks to prefill, " * 4  # 208 tokens
-    chunked = Engine(lm, prefill_tokens=32)
-    whole = Engine(lm)
+    chunked = Engine(CausalLM(lm), prefill_tokens=32)
+    whole = Engine(CausalLM(lm))
     try:
         [expected] = whole.generate([GenRequest(codec.encode(long_prompt), 12)])
         order: list[str] = []
@@ -299,7 +301,7 @@ def test_a_prompt_over_the_prefill_budget_is_prefilled_in_chunks_while_the_batch
 def test_an_oom_in_a_chunk_sends_that_prompt_back_to_start_over_and_nothing_is_lost(
         lm: model_mod.LoadedModel) -> None:
     faults = FaultInjector()
-    e = Engine(lm, faults=faults, prefill_tokens=16)
+    e = Engine(CausalLM(lm), guard=Guard(faults=faults), prefill_tokens=16)
     try:
         codec = lm.codec
         prompt = codec.encode("chunked prefill meets an out-of-memory error " * 2)
@@ -317,7 +319,7 @@ def test_an_oom_in_a_chunk_sends_that_prompt_back_to_start_over_and_nothing_is_l
         e.stop()
     assert result.text == expected.text
     assert other.text == running_alone.text
-    assert e.oom_count == 1 and e.probe().preemptions == 1
+    assert e.guard.oom_count == 1 and e.probe().preemptions == 1
 
 
 SYSTEM = "You are a careful assistant who answers briefly and exactly. "  # 61 bytes: 3 whole blocks
@@ -332,7 +334,7 @@ def test_prompts_that_begin_alike_reuse_the_cached_beginning_and_answer_the_same
     codec = lm.codec
     first = SYSTEM + "What is a GPU?"
     rest = [SYSTEM + "Name a colour.", SYSTEM + SYSTEM + "Again?", "an unrelated prompt", SYSTEM[:40] + "half"]
-    plain, cached = Engine(loaded), Engine(loaded)
+    plain, cached = Engine(CausalLM(loaded)), Engine(CausalLM(loaded))
     cached.enable_prefix_cache(64 << 20)
     try:
         expected = [r.text for r in plain.generate([GenRequest(codec.encode(p), 12) for p in [first, *rest]])]
@@ -355,7 +357,7 @@ def test_prompts_that_begin_alike_reuse_the_cached_beginning_and_answer_the_same
 def test_a_long_prompt_prefilled_in_chunks_starts_after_its_cached_beginning(lm: model_mod.LoadedModel) -> None:
     codec = lm.codec
     long_prompt = SYSTEM * 3 + "and then a question that comes at the very end"
-    plain, cached = Engine(lm), Engine(lm, prefill_tokens=16)
+    plain, cached = Engine(CausalLM(lm)), Engine(CausalLM(lm), prefill_tokens=16)
     cached.enable_prefix_cache(64 << 20)
     try:
         [expected] = plain.generate([GenRequest(codec.encode(long_prompt), 10)])
@@ -375,7 +377,7 @@ def test_a_prompt_to_score_is_computed_whole_and_scores_the_same_with_the_cache_
         lm: model_mod.LoadedModel) -> None:
     codec = lm.codec
     prompt = codec.encode(SYSTEM + "score me")
-    plain, cached = Engine(lm), Engine(lm)
+    plain, cached = Engine(CausalLM(lm)), Engine(CausalLM(lm))
     cached.enable_prefix_cache(64 << 20)
     try:
         [expected] = plain.generate([GenRequest(prompt, 1, prompt_logprobs=2)])
@@ -392,7 +394,7 @@ def test_a_prompt_to_score_is_computed_whole_and_scores_the_same_with_the_cache_
 
 def test_joiners_found_cached_are_prefilled_apart_and_stream_first(lm: model_mod.LoadedModel) -> None:
     codec = lm.codec
-    e = Engine(lm)
+    e = Engine(CausalLM(lm))
     e.enable_prefix_cache(64 << 20)
     try:
         e.generate([GenRequest(codec.encode(SYSTEM * 2), 2)])

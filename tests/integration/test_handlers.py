@@ -305,7 +305,7 @@ def test_items_are_sized_for_measuring_and_measuring_needs_cuda(models: Path) ->
     for tokens in (3, 16, handler.max_tokens):
         item = handler.sized_sample(tokens)
         assert len(item) == tokens and item[0] == 2 and item[-1] == 3  # [CLS] ... [SEP]
-    engine = Engine(None, handler=handler)
+    engine = Engine(handler)
     try:
         assert len(engine.predict_now([handler.sized_sample(handler.max_tokens)])[0]) == 64
         with pytest.raises(MeasureError, match="CUDA"):

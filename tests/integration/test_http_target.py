@@ -36,6 +36,9 @@ class RecordingRestarter:
         self.calls.append(decision)
         return RestartOutcome(False, "recorded")
 
+    async def target_served(self, at_wall: float) -> None:
+        return None
+
 
 @dataclass
 class Predict:

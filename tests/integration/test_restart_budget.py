@@ -87,7 +87,7 @@ async def live(wd: Watchdog, until_decided: float = 30.0) -> tuple[dict[str, Any
         loop = asyncio.get_running_loop()
         deadline = loop.time() + until_decided
         while loop.time() < deadline:
-            if any(d["outcome"] in ("done", "failed", "not_recorded", "blocked_by_budget") for d in wd.decisions):
+            if any(d.outcome in ("done", "failed", "not_recorded", "blocked_by_budget") for d in wd.history.decisions):
                 break
             await asyncio.sleep(0.05)
         await asyncio.sleep(0.2)  # let a started eviction finish

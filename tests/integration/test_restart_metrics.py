@@ -47,6 +47,9 @@ class Restarter:
         self.calls.append(decision.reason)
         return RestartOutcome(self.done, "done" if self.done else "refused")
 
+    async def target_served(self, at_wall: float) -> None:
+        return None
+
 
 def watchdog(restarter: Restarter) -> Watchdog:
     settings = from_mapping({

@@ -44,6 +44,9 @@ class RecordingRestarter:
         self.calls.append(decision)
         return RestartOutcome(False, "recorded")
 
+    async def target_served(self, at_wall: float) -> None:
+        return None
+
 
 class ExplodingNvml:
     """Stands in for NVML at the hardware edge and fails in every way it can."""

@@ -126,4 +126,4 @@ async def test_a_canary_that_runs_out_of_memory_says_oom() -> None:
 
     agent = Agent(AgentSettings(device="cpu"), canary=oom)
     result = await agent.canary(2.0)
-    assert (result.ok, result.error_class) == (False, "oom") and agent.oom_count == 1
+    assert (result.ok, result.error_class) == (False, "oom") and agent.guard.oom_count == 1

@@ -12,7 +12,7 @@ from kubernetes import client
 from gpu_watchdog.watchdog import policy, xid_catalog
 from gpu_watchdog.watchdog.config import PolicySettings, Settings
 from gpu_watchdog.watchdog.escalation import driver_says
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision, decide
 from gpu_watchdog.watchdog.samplers.device_health import device_health
 from gpu_watchdog.watchdog.samples import (
@@ -22,6 +22,8 @@ from gpu_watchdog.watchdog.samples import (
     GpuSample,
     History,
     TorchSample,
+    WorkerCanaries,
+    WorkerRestarted,
     XidEvent,
 )
 from gpu_watchdog.watchdog.state import RestartEnded, reduce
@@ -281,3 +283,88 @@ def test_settings_other_than_the_defaults_change_nothing_of_the_rung() -> None:
     h = history(gpus=(gpu(2, 4),), gpus_visible=1)
     d = restart(decide(s, h, 2.5))
     assert d is not None and d.rung == RUNG_POD
+
+
+# -- the worker rung (target.workers > 1) ---------------------------------------------------------
+
+
+def poisoned(h: History, at: float) -> History:
+    h.canaries.append(CanarySample(at=at, ok=False, latency_s=0.01, error_class="fatal_cuda",
+                                   error="CUDA error: an illegal memory access", instance_id="i1"))
+    return h
+
+
+def test_one_worker_of_several_poisoned_is_that_worker_s_to_cure_not_the_container_s() -> None:
+    d = restart(decide(settings(), poisoned(history(worker_count=2), 2), 2))
+    assert d is not None and (d.reason, d.rung) == (CONTEXT_LOSS, RUNG_WORKER)
+    alone = restart(decide(settings(), poisoned(history(), 2), 2))
+    assert alone is not None and alone.rung == RUNG_CONTAINER
+
+
+def test_a_hung_worker_of_several_is_that_worker_s_and_a_stall_of_the_server_the_container_s() -> None:
+    h = history(worker_count=3)
+    for k in range(3):
+        h.canaries.append(CanarySample(at=10 + 5 * k, ok=False, latency_s=5, error_class="timeout", instance_id="i1"))
+    d = restart(decide(settings(), h, 30))
+    assert d is not None and (d.reason, d.rung) == (HANG, RUNG_WORKER)
+    stall = policy.rung_for(settings(), h, Decision("restart", HANG, {"evidence": "stall"}), 30)
+    assert stall == RUNG_CONTAINER
+
+
+def test_a_gpu_level_fault_of_a_worker_goes_where_it_would_for_one() -> None:
+    h = history(worker_count=2)
+    lost = policy.rung_for(settings(), h, Decision("restart", CONTEXT_LOSS, {"evidence": "gpu_lost"}), 5)
+    xid = policy.rung_for(settings(), h, Decision("restart", CONTEXT_LOSS, {"evidence": "xid", "xid": 13}), 5)
+    assert (lost, xid) == (RUNG_POD, RUNG_CONTAINER)
+
+
+def test_worker_restarts_that_do_not_cure_climb_to_the_container() -> None:
+    s = settings()
+    h = history(worker_count=2)
+    for k in range(s.in_place.max_restarts):
+        h = reduce(h, RestartEnded(at=10.0 + k, reason=CONTEXT_LOSS, done=True, keep_unready=False,
+                                   rung=RUNG_WORKER))
+    d = restart(decide(s, poisoned(h, 20), 20))
+    assert d is not None and d.rung == RUNG_CONTAINER
+
+
+def worker_canary(at: float, ok: bool, instance: str = "w1") -> CanarySample:
+    return CanarySample(at=at, ok=ok, latency_s=0.05 if ok else 5.0, error_class=None if ok else "timeout",
+                        instance_id=instance)
+
+
+def test_another_worker_whose_own_canaries_time_out_after_it_served_is_that_worker_s_hang() -> None:
+    s = settings()
+    h = history(worker_count=3)
+    h = reduce(h, WorkerCanaries(5, ((1, worker_canary(5, True)), (2, worker_canary(5, True)))))
+    for t in (10, 15, 20):
+        h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)), (2, worker_canary(t, t != 15)))))
+    [d] = policy.other_workers(s, h, 20)
+    assert (d.reason, d.rung, d.detail["worker"], d.instance_id, d.allowed) == (HANG, RUNG_WORKER, 1, "w1", True)
+    assert restart(decide(s, h, 20)) is None  # the watched worker serves: nothing for the pod
+
+
+def test_a_worker_that_never_served_is_loading_and_one_restarted_starts_again_from_nothing() -> None:
+    s = settings()
+    h = history(worker_count=2)
+    for t in (10, 15, 20):
+        h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)),)))
+    assert policy.other_workers(s, h, 20) == []
+    h = reduce(h, WorkerCanaries(25, ((1, worker_canary(25, True)),)))
+    for t in (30, 35, 40):
+        h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)),)))
+    assert len(policy.other_workers(s, h, 40)) == 1
+    h = reduce(h, WorkerRestarted(41, 1, HANG, "w1"))
+    assert policy.other_workers(s, h, 41) == [] and h.restarts_within(41, 3600)[-1].rung == RUNG_WORKER
+
+
+def test_worker_restarts_spend_the_budget_like_any_other() -> None:
+    s = settings()
+    h = history(worker_count=2)
+    for k in range(s.restart_budget.max_restarts):
+        h = reduce(h, WorkerRestarted(1.0 + k, 1, HANG, f"w{k}"))
+    h = reduce(h, WorkerCanaries(50, ((1, worker_canary(50, True)),)))
+    for t in (55, 60, 65):
+        h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)),)))
+    [d] = policy.other_workers(s, h, 65)
+    assert not d.allowed and d.blocked_by == "restart_budget"

@@ -7,6 +7,7 @@ import dataclasses
 import torch
 
 from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.model import cache_keyword, greedy_without_cache, last_logits_only, load_builtin
 
 
@@ -25,8 +26,8 @@ def test_last_logits_only_gives_the_same_answers_as_full_logits() -> None:
         assert lm.model(input_ids=ids, **lm.forward_extra).logits.shape[1] == 1
     # Different lengths: the batch is left-padded, so "last position" must be each row's own last token.
     prompts = ["a", "a much longer prompt than the first one", "mid-sized prompt"]
-    trimmed = _texts(Engine(lm), prompts)
-    full = _texts(Engine(dataclasses.replace(lm, forward_extra={})), prompts)
+    trimmed = _texts(Engine(CausalLM(lm)), prompts)
+    full = _texts(Engine(CausalLM(dataclasses.replace(lm, forward_extra={}))), prompts)
     assert trimmed == full
     assert len(set(trimmed)) == 3
 
@@ -51,11 +52,11 @@ def test_cached_decoding_matches_recomputing_every_step() -> None:
     assert lm.cache_kwarg == cache_keyword(lm.model)
     codec = lm.codec
     for prompt in ("hello there", "a"):
-        [result] = Engine(lm).generate([GenRequest(prompt_ids=codec.encode(prompt), max_tokens=10)])
+        [result] = Engine(CausalLM(lm)).generate([GenRequest(prompt_ids=codec.encode(prompt), max_tokens=10)])
         reference = greedy_without_cache(lm, prompt, 10)
         assert result.text == codec.decoder().feed(reference)
     broken = dataclasses.replace(lm, cache_kwarg="kv_cache_under_a_name_nobody_reads")
-    [garbled] = Engine(broken).generate([GenRequest(prompt_ids=codec.encode("hello there"), max_tokens=10)])
+    [garbled] = Engine(CausalLM(broken)).generate([GenRequest(prompt_ids=codec.encode("hello there"), max_tokens=10)])
     assert garbled.text != codec.decoder().feed(greedy_without_cache(lm, "hello there", 10))
 
 

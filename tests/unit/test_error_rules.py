@@ -138,7 +138,7 @@ def quiet_agent() -> Agent:
     agent = Agent(AgentSettings(limit=2, queue_timeout=0.5, device="cpu"))
 
     def exit_() -> None:
-        raise AssertionError(f"the agent would exit: {agent.poison_reason}")
+        raise AssertionError(f"the agent would exit: {agent.guard.poison_reason}")
 
     agent._exit = exit_  # type: ignore[method-assign]
     return agent
@@ -165,7 +165,7 @@ async def test_an_async_admit_lets_an_apps_exception_through_too() -> None:
     with pytest.raises(KeyError) as inside:
         async with agent.admit():
             raise err
-    assert inside.value is err and not agent.poisoned and agent.oom_count == 0
+    assert inside.value is err and not agent.poisoned and agent.guard.oom_count == 0
 
 
 async def test_a_canary_failing_with_hostile_text_is_other() -> None:

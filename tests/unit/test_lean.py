@@ -12,6 +12,7 @@ import torch.nn.functional as F
 
 from gpu_watchdog.inference import model as model_mod
 from gpu_watchdog.inference.engine import Engine, GenRequest
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.kv import growing, prefill_inputs
 from gpu_watchdog.inference.lean import lean_forward
 
@@ -116,7 +117,7 @@ def test_the_engine_answers_the_same_through_either_forward() -> None:
     prompts = ["hello there", "a", "a much longer prompt than the others, to pad them", "mid"]
     answers = []
     for loaded in (lm, generic):
-        engine = Engine(loaded)
+        engine = Engine(CausalLM(loaded))
         try:
             results = engine.generate([GenRequest(lm.codec.encode(p), max_tokens=14) for p in prompts])
         finally:

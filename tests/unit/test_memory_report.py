@@ -31,7 +31,7 @@ def test_the_agents_report_is_the_record_and_the_sidecar_reads_it() -> None:
     assert "engine" not in report  # the agent has no batches to report
     sample = parse_memory(report, at=12.5)
     assert sample.reachable and (sample.admission_limit, sample.inflight, sample.instance_id) == \
-        (3, 1, agent.instance_id)
+        (3, 1, agent.guard.instance_id)
 
 
 def good() -> dict[str, Any]:

@@ -13,6 +13,7 @@ import torch
 from gpu_watchdog.inference import scoring
 from gpu_watchdog.inference.engine import Engine, GenRequest
 from gpu_watchdog.inference.engine_api import TokenLogprob
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.lean import lean_forward
 from gpu_watchdog.inference.model import LoadedModel, load_builtin
 from gpu_watchdog.inference.planner import CostModel
@@ -58,7 +59,7 @@ def _reference(lm: LoadedModel, prompt: list[int]) -> list[TokenLogprob]:
 
 
 def _scored(lm: LoadedModel, prompt: list[int], **engine: Any) -> list[TokenLogprob]:
-    e = Engine(lm, **engine)
+    e = Engine(CausalLM(lm), **engine)
     try:
         [result] = e.generate([GenRequest(prompt, 2, prompt_logprobs=K)])
     finally:
@@ -129,7 +130,7 @@ def test_a_scored_prompt_weighs_its_logits_more_with_a_longer_prompt(mode: str) 
     cost = CostModel(fixed_bytes=1 << 20, per_token_bytes=16 << 10) if mode == "bytes" else None
     admission = Admission(mode, 4.0, 4, cost, worst, None, "test", float(scoring.kv_bytes(lm, worst)))
     chunk = 64
-    engine = Engine(lm, cost=admission.cost, bytes_cost=admission.bytes_cost, score_chunk=chunk)
+    engine = Engine(CausalLM(lm), cost=admission.cost, bytes_cost=admission.bytes_cost, score_chunk=chunk)
     try:
         engine.generate([GenRequest([65, 66], 1)])  # the loop has decided how its head is split
         extras = []
@@ -147,7 +148,7 @@ def test_a_scored_prompt_weighs_its_logits_more_with_a_longer_prompt(mode: str) 
         engine.stop()
     # A model whose head cannot be split off holds a whole pass of logits: the prefill budget's worth.
     capped = dataclasses.replace(lm, model=_Capped(lm.model), lean=None)
-    engine = Engine(capped, cost=admission.cost, bytes_cost=admission.bytes_cost, score_chunk=chunk,
+    engine = Engine(CausalLM(capped), cost=admission.cost, bytes_cost=admission.bytes_cost, score_chunk=chunk,
                     prefill_tokens=256)
     try:
         engine.generate([GenRequest([65, 66], 1)])

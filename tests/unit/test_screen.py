@@ -14,6 +14,7 @@ from gpu_watchdog.inference.screen import (
     Quarantined,
     QuarantineError,
     QuarantineList,
+    RequestAccount,
     RequestBook,
     Screen,
     parse_entry,
@@ -73,18 +74,18 @@ def test_a_screen_refuses_what_is_listed_counts_it_and_books_the_rest() -> None:
     screen = Screen("i1", "model-a")
     counted: list[int] = []
     screen.on_refused = lambda: counted.append(1)
-    scope: dict[str, object] = {}
+    account = RequestAccount()
     body = {"prompt": "hello", "max_tokens": 3}
-    screen.request(scope, body)
-    fp = scope["fingerprint"]
+    screen.request(account, body)
+    fp = account.fingerprint
     assert isinstance(fp, str) and screen.book.report()["inflight"] == [fp]
-    screen.done(scope["ticket"], ok=True)  # type: ignore[arg-type]
+    screen.done(account.ticket, ok=True)
     screen.quarantine.add(Entry(fp, until=9e12, failures=2))
     with pytest.raises(Quarantined) as refused:
-        screen.request({}, {**body, "temperature": 1.5})
+        screen.request(RequestAccount(), {**body, "temperature": 1.5})
     assert refused.value.status == 422 and refused.value.body()["error"]["fingerprint"] == fp
     assert counted == [1] and screen.book.report()["inflight"] == []
-    screen.request({}, {**body, "max_tokens": 4})  # other work: admitted
+    screen.request(RequestAccount(), {**body, "max_tokens": 4})  # other work: admitted
     # The same body fingerprints alike on another replica of the same model, not of another model.
     other = Screen("i2", "model-a")
     assert other.of_body(body) == fp and Screen("i3", "model-b").of_body(body) != fp

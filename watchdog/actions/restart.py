@@ -64,6 +64,10 @@ class Restarter(Protocol):
 
     async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome: ...
 
+    async def target_served(self, at_wall: float) -> None:
+        """The target served a canary (not drained): what this restarter published for the target's
+        recovery to make obsolete (the container rung's verdict) is spent. Most publish nothing."""
+
 
 def annotations_for(decision: Decision, workload: str | None = None, node: str | None = None) -> dict[str, str]:
     """What a later sidecar reads back: why, for which workload's budget, on which node, and which
@@ -172,6 +176,9 @@ class KubeRestarter:
         else:
             self.pod.delete(self.pod.pod_name, self.pod.namespace, grace, dry_run)
 
+    async def target_served(self, at_wall: float) -> None:
+        return None  # nothing published that a recovery makes obsolete
+
 
 class Supervisor(Protocol):
     async def restart_child(self, instance_id: str | None, reason: str, graceful: bool) -> bool: ...
@@ -191,6 +198,9 @@ class LocalRestarter:
         ok = await self.supervisor.restart_child(decision.instance_id, decision.reason, graceful=decision.drain)
         return RestartOutcome(ok, "child restarted and ready" if ok else "child did not become ready",
                               rung=RUNG_PROCESS)
+
+    async def target_served(self, at_wall: float) -> None:
+        return None  # nothing published that a recovery makes obsolete
 
 
 class ContainerRestarter:
@@ -270,6 +280,9 @@ class ReportOnlyRestarter:
     async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
         log.warning("restart_not_performed", reason=decision.reason, strategy="none", detail=decision.detail)
         return RestartOutcome(False, "strategy none: reported only")
+
+    async def target_served(self, at_wall: float) -> None:
+        return None  # nothing published that a recovery makes obsolete
 
 
 def _describe(exc: BaseException) -> str:

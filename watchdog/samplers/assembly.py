@@ -16,6 +16,7 @@ from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler, po
 from gpu_watchdog.watchdog.samplers.http_canary import HttpCanary
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, NvmlSampler
 from gpu_watchdog.watchdog.samplers.server_metrics import ServerMetricsSampler
+from gpu_watchdog.watchdog.samplers.workers import WorkersSampler
 from gpu_watchdog.watchdog.selector import parse as parse_selector
 
 log = logs.get("watchdog")
@@ -31,6 +32,8 @@ class Samplers:
     server_metrics: ServerMetricsSampler | None
     # Our pod's devices' health from its status: only where the Kubernetes API is configured.
     device_health: DeviceHealthSampler | None
+    # The service's other workers (target.workers > 1), each on its own control port.
+    workers: WorkersSampler | None = None
 
 
 def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Callable[[], float],
@@ -53,9 +56,12 @@ def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Ca
         headers = canary.headers if isinstance(canary, OpenAICanary | HttpCanary) else dict
         progress = None if s.target.progress_metric is None else parse_selector(s.target.progress_metric)
         server_metrics = ServerMetricsSampler(server_metrics_url, session, clock, timeout=s.sampling.server_timeout,
-                                              headers=headers, progress=progress)
+                                              headers=headers, progress=progress,
+                                              worker="0" if s.target.workers > 1 else None)
+    workers = None if control is None or s.target.workers < 2 else WorkersSampler(
+        s.target.control_url, s.target.workers, token, session, clock, s.canary.timeout)
     return Samplers(NvmlSampler(nvml_backend, clock), canary, control, allocator, server_metrics,
-                    _device_health(settings, clock))
+                    _device_health(settings, clock), workers)
 
 
 def _device_health(settings: Settings, clock: Callable[[], float]) -> DeviceHealthSampler | None:

@@ -92,14 +92,19 @@ def wanted_lines(text: str, names: frozenset[str] = KNOWN_NAMES) -> str:
     return "\n".join(keep) + "\n"
 
 
-def parse(text: str, at: float) -> ServerSample:
-    """One sample from exposition text; a page that is not Prometheus text is an unreachable sample."""
+def parse(text: str, at: float, worker: str | None = None) -> ServerSample:
+    """One sample from exposition text; a page that is not Prometheus text is an unreachable sample.
+
+    `worker`: on the page of `serve --workers N`, which labels each worker's series `worker`, only
+    that worker's: the others' progress must not make the watched one look busy while it hangs."""
     sums: dict[str, float] = {}
     if text.strip() and not wanted_lines(text).strip() and not _looks_like_exposition(text):
         return ServerSample(at=at, reachable=False, error="bad_response: not Prometheus text")
     try:
         for family in text_string_to_metric_families(wanted_lines(text)):
             for s in family.samples:
+                if worker is not None and s.labels.get("worker", worker) != worker:
+                    continue
                 # Several engines or models behind one server each carry their own series: add them up.
                 sums[s.name] = sums.get(s.name, 0.0) + float(s.value)
     except Exception as exc:  # the parser raises ValueError, IndexError, ... on garbage
@@ -153,8 +158,10 @@ def progress_of(text: str, selector: Selector) -> float | None:
 
 class ServerMetricsSampler:
     def __init__(self, url: str, session: aiohttp.ClientSession, clock: Callable[[], float], timeout: float,
-                 headers: Callable[[], dict[str, str]] = dict, progress: Selector | None = None) -> None:
+                 headers: Callable[[], dict[str, str]] = dict, progress: Selector | None = None,
+                 worker: str | None = None) -> None:
         self.url = url
+        self.worker = worker
         # A counter of finished work named in config replaces the dialect's own.
         self.progress = progress
         self.session = session
@@ -178,7 +185,7 @@ class ServerMetricsSampler:
             return ServerSample(at=self.clock(), reachable=False, error="bad_response: page over 8 MiB")
         text = body.decode("utf-8", errors="replace")
         # Off the event loop: the sidecar's own probes must answer while the machine is saturated.
-        return self._with_progress(await asyncio.to_thread(parse, text, self.clock()), text)
+        return self._with_progress(await asyncio.to_thread(parse, text, self.clock(), self.worker), text)
 
     def _with_progress(self, sample: ServerSample, text: str) -> ServerSample:
         if self.progress is None or not sample.reachable:

@@ -143,6 +143,27 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- end -}}
 {{- end -}}
 
+{{- /* The bundled server's worker processes: one per GPU, checked against inference.gpus. */ -}}
+{{- define "gpu-watchdog.workers" -}}
+{{- $gpus := int .Values.inference.gpus -}}
+{{- $w := .Values.inference.workers -}}
+{{- if kindIs "invalid" $w -}}{{- $w = "auto" -}}{{- end -}}
+{{- $engine := include "gpu-watchdog.engine" . -}}
+{{- if eq (toString $w) "auto" -}}
+{{- ternary $gpus 1 (and (eq $engine "bundled") (gt $gpus 1)) -}}
+{{- else -}}
+{{- $n := int $w -}}
+{{- if and (gt $n 1) (ne $engine "bundled") -}}
+{{- fail (printf "inference.workers=%d: worker processes are the bundled server's (inference.engine %s runs its own); leave it auto" $n $engine) -}}
+{{- else if and (gt $gpus 0) (gt $n $gpus) -}}
+{{- fail (printf "inference.workers=%d is more than inference.gpus=%d: one worker per GPU, never two on one card (each measures its budget as if the card were its own)" $n $gpus) -}}
+{{- else if and (gt $n 1) (lt $n $gpus) -}}
+{{- fail (printf "inference.workers=%d with inference.gpus=%d would leave %d GPU(s) without a worker: set inference.workers to %d (one per GPU), or to 1 for one process that uses them all" $n $gpus (sub $gpus $n) $gpus) -}}
+{{- end -}}
+{{- $n -}}
+{{- end -}}
+{{- end -}}
+
 {{- define "gpu-watchdog.watchdogConfig" -}}
 {{- $cfg := deepCopy .Values.watchdog.config -}}
 {{- $engine := include "gpu-watchdog.engine" . -}}
@@ -150,7 +171,7 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- $userTarget := deepCopy ($cfg.target | default dict) -}}
 {{- $userKube := deepCopy ($cfg.kubernetes | default dict) -}}
 {{- if eq $engine "bundled" -}}
-{{- $_ := set $cfg "target" (merge (dict "control_url" "http://127.0.0.1:8001" "token_file" "/var/run/gpu-watchdog/token") $userTarget) -}}
+{{- $_ := set $cfg "target" (merge (dict "control_url" "http://127.0.0.1:8001" "token_file" "/var/run/gpu-watchdog/token" "workers" (int (include "gpu-watchdog.workers" .))) $userTarget) -}}
 {{- else -}}
 {{- $port := include "gpu-watchdog.servingPort" . -}}
 {{- $metricsPath := ternary .Values.external.metricsPath "/metrics" (eq $engine "external") -}}
