@@ -26,7 +26,7 @@ from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.config import Settings, metrics_url
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
-from gpu_watchdog.watchdog.executor import Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.executor import BUDGET_FRESH_S, Executor, FleetLedger, RestartEvents
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
@@ -53,8 +53,6 @@ log = logs.get("watchdog")
 TICK_S = 0.5
 LAG_PROBE_S = 0.25  # how often the loop measures its own lateness
 BUDGET_READ_S = 60.0  # the workload's restart Events are read again this often (and before a restart)
-# A restart asked again while the fleet holds it (every 2 s) reads them again only once this old.
-BUDGET_FRESH_S = 10.0
 # The workload's quarantine is read from its Lease and pushed to our server this often: a request
 # quarantined by another replica is refused here within it.
 QUARANTINE_SYNC_S = 5.0
@@ -139,7 +137,8 @@ class Watchdog:
         token = self._token or self._read_token() if s.target.http is None and s.target.openai_url is None else None
         samplers = build_samplers(s, session, self.clock, token, self._nvml_backend, self.server_metrics_url)
         executor = Executor(s, self.restarter, self.metrics, self.clock, self.wall_clock, samplers.control,
-                            self.node, self.restart_events, self.workload, self._pod_gpus, self.ledger)
+                            self.node, self.restart_events, self.workload, self._pod_gpus, self.ledger,
+                            {k: c for k, _, c in samplers.workers.clients} if samplers.workers is not None else None)
         await asyncio.to_thread(samplers.nvml.open)
         samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
         runner, port = await self._serve_http() if serve_http else (None, None)
@@ -164,8 +163,8 @@ class Watchdog:
             periodic("server", self._server_delay, self._sample_server)
         if samplers.workers is not None:
             periodic("workers", lambda: s.sampling.torch_interval, self._sample_workers)
-            rung = WorkerRung(s, samplers.workers, self.metrics, self._fold, self._record, self.clock,
-                              self.restart_events is not None)
+            rung = WorkerRung(s, samplers.workers, executor, self.metrics, self._fold, self._record, self.clock,
+                              self._read_budget if self.restart_events is not None else None)
             periodic("worker_canaries", lambda: s.canary.interval, lambda: rung.sample(lambda: self.history))
         if samplers.device_health is not None:
             periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
@@ -401,8 +400,11 @@ class Watchdog:
             for decision in policy.decide(self.settings.policy, self.history, now, self.restart_events is not None):
                 self._act(decision, now)
             executor = self.executor
+            # Held for the watched target or for another worker: over once neither wants a restart.
             if executor.fleet.held is not None and not self.history.restart_in_progress \
-                    and policy.wanted_restart(self.settings.policy, self.history, now) is None:
+                    and policy.wanted_restart(self.settings.policy, self.history, now) is None \
+                    and not policy.worker_restart_wanted(self.settings.policy, self.history, now,
+                                                         self.restart_events is not None):
                 self._spawn(executor.end_hold())
 
     def _record(self, decision: Decision, outcome: str, now: float) -> None:
@@ -419,6 +421,8 @@ class Watchdog:
                           workload=self.workload, budget_read_error=self.executor.budget_read_error)
             return
         if decision.action == "restart":
+            if not self.executor.begin(0):
+                return  # another worker's restart is under way: decided again once it has ended
             self._fold(RestartBegun(now))
             if self.executor.fleet.held is None:  # asked again while held: recorded once, as held
                 self._record(decision, "started", now)
@@ -443,6 +447,12 @@ class Watchdog:
                         if self.history.ladder is not None else None)
 
     async def _restart(self, decision: Decision) -> None:
+        try:
+            await self._restart_target(decision)
+        finally:
+            self.executor.end(0)  # begun by _act
+
+    async def _restart_target(self, decision: Decision) -> None:
         # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it now,
         # whether or not this restart goes ahead.
         self._spawn(self.executor.report_driver_word(decision))
@@ -479,7 +489,7 @@ class Watchdog:
         self._fold(ended)
         self.executor.restart_ended(ended)
         if not ended.done:
-            await self.executor.give_back_slot(False, f"restart {record}")
+            await self.executor.release_slot(0, f"restart {record}")
         if ended.done:
             self.running.samplers.canary.forget()
         if self.node is not None and decision.reason in CURING_REASONS and record != "reported":

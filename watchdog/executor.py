@@ -11,13 +11,20 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
 from gpu_watchdog.watchdog import escalation, fleet, ladder, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, Restarter, RestartOutcome
+from gpu_watchdog.watchdog.actions.restart import (
+    NOT_RECORDED,
+    WORKER_ACTION,
+    WORKER_PREFIX,
+    DrainHandle,
+    Restarter,
+    RestartOutcome,
+)
 from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
 from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
@@ -56,6 +63,9 @@ DRAIN_DEADLINE_MARGIN_S = 120.0
 # wanted: a wanted one is tried again within the longest backoff (15 min), so after twice that
 # without an attempt the restart is no longer wanted and the episode is over.
 NOT_RECORDED_HOLD_S = 1800.0
+# A restart asked again while the fleet holds it (every 2 s) reads the workload's Events again only
+# once they are this old.
+BUDGET_FRESH_S = 10.0
 # How long a restart waits for its failure's record (the Lease written) before it goes on beside it.
 RECORD_WAIT_S = 5.0
 
@@ -126,10 +136,13 @@ class Executor:
     def __init__(self, settings: Settings, restarter: Restarter, metrics: WatchdogMetrics,
                  clock: Callable[[], float], wall_clock: Callable[[], float], control: ControlClient | None,
                  node: NodeReporter | None, restart_events: RestartEvents | None, workload: str | None,
-                 pod_gpus: Callable[[], tuple[str, ...] | None], ledger: FleetLedger | None = None) -> None:
+                 pod_gpus: Callable[[], tuple[str, ...] | None], ledger: FleetLedger | None = None,
+                 worker_controls: Mapping[int, ControlClient] | None = None) -> None:
         self.settings = settings
         self.restarter = restarter
         self.metrics = metrics
+        # The service's other workers' control APIs (k >= 1): the quarantine reaches each of them.
+        self.worker_controls = dict(worker_controls or {})
         self.clock = clock
         self.wall_clock = wall_clock  # Events carry wall-clock times
         self.control = control
@@ -163,7 +176,14 @@ class Executor:
         self._held_new = False
         self._held_episode: tuple[str, str] | None = None
         self._ledger_lock = asyncio.Lock()
-        self._in_place_pending = False
+        # The workers (0: the watched target) whose in-place restart holds our slot until they serve
+        # again, each with the process it replaced (None: any answer after the restart is the new one);
+        # and whether the slot is for our pod's replacement instead, which gives it back itself.
+        self._in_place: dict[int, str | None] = {}
+        self._slot_for_pod = False
+        # The workers whose restart is under way now (0: the target's): one at a time, so that two
+        # never spend the budget's last restart, and our slot is theirs until each has ended.
+        self._acting: set[int] = set()
         self._give_back_pending: bool | None = None
         self._came_back_done = False
         self._came_back_failed = False
@@ -174,6 +194,7 @@ class Executor:
         self._failures_seen: dict[tuple[str, str | None], tuple[str, ...] | None] = {}
         self._pushed: list[dict[str, Any]] | None = None
         self.quarantine_pushed_to: str | None = None  # the server process the list last reached
+        self.worker_pushed_to: dict[int, str] = {}  # the same, for each other worker
 
     # -- the bundled server's control API ----------------------------------------------------
 
@@ -205,20 +226,23 @@ class Executor:
 
     # -- the query of death ----------------------------------------------------------------------
 
-    async def record_failure(self, decision: Decision) -> tuple[str, ...] | None:
-        """Before a restart for a hang or a lost context: what the server had in flight, added to
-        the workload's failures, and the quarantine decided again (pushed to our server).
+    async def record_failure(self, decision: Decision, control: ControlClient | None = None
+                             ) -> tuple[str, ...] | None:
+        """Before a restart for a hang or a lost context: what the server (or the worker `control`
+        answers for) had in flight, added to the workload's failures, and the quarantine decided
+        again (pushed to our server's workers).
         The fingerprints for the restart's Event; None where none could be read. Nothing here holds
         the restart: an unreadable server is said at once, and the records' write is waited for
         RECORD_WAIT_S at most (it goes on beside the restart after that)."""
         s = self.settings.policy.quarantine
-        if not s.enabled or self.control is None:
+        control = control or self.control
+        if not s.enabled or control is None:
             return None
         key = (decision.reason, decision.instance_id)
         if key in self._failures_seen:
             return self._failures_seen[key]  # asked again (held): recorded once
         try:
-            failure = quarantine.failure_from(await self.control.requests(), self.settings.kubernetes.pod_name
+            failure = quarantine.failure_from(await control.requests(), self.settings.kubernetes.pod_name
                                               or "local", decision.reason, self.wall_clock())
         except (ControlError, quarantine.RecordsError) as exc:
             log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
@@ -294,25 +318,47 @@ class Executor:
         await self.push_quarantine()
 
     async def push_quarantine(self, instance_id: str | None = None) -> None:
-        """The workload's active quarantine to our server (`instance_id`: the process it reached)."""
+        """The workload's active quarantine to our server (`instance_id`: the process it reached) and
+        to each of its other workers: a request that killed one must not reach the next."""
         if self.control is None or not self.settings.policy.quarantine.enabled:
             return
         now = self.wall_clock()
         entries = quarantine.server_entries(self.records, now)
         self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
+        for k in self.worker_controls:
+            # Beside this: a hung worker slow to answer delays neither the target's list nor its canary.
+            task = asyncio.get_running_loop().create_task(self.push_quarantine_to(k, None, entries))
+            self._reports.add(task)
+            task.add_done_callback(self._reports.discard)
+        if await self._push(self.control, entries):
+            self._pushed = entries
+            if instance_id is not None:
+                self.quarantine_pushed_to = instance_id
+
+    async def push_quarantine_to(self, worker: int, instance_id: str | None,
+                                 entries: list[dict[str, Any]] | None = None) -> None:
+        """The quarantine to another worker (`instance_id`: a new process of it, seen by its canary)."""
+        control = self.worker_controls.get(worker)
+        if control is None or not self.settings.policy.quarantine.enabled:
+            return
+        if entries is None:
+            entries = quarantine.server_entries(self.records, self.wall_clock())
+        if await self._push(control, entries, worker) and instance_id is not None:
+            self.worker_pushed_to[worker] = instance_id
+
+    async def _push(self, control: ControlClient, entries: list[dict[str, Any]], worker: int = 0) -> bool:
         try:
-            listed = await self.control.quarantine()
+            listed = await control.quarantine()
             have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
             if have != sorted(e["fingerprint"] for e in entries):
-                await self.control.set_quarantine(entries)
-                log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries])
+                await control.set_quarantine(entries)
+                log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries],
+                         **({"worker": worker} if worker else {}))
         except ControlError as exc:
             if exc.kind != "unreachable":  # a server starting or gone is pushed to at the next sync
-                log.warning("quarantine_not_pushed", error=str(exc)[:300])
-            return
-        self._pushed = entries
-        if instance_id is not None:
-            self.quarantine_pushed_to = instance_id
+                log.warning("quarantine_not_pushed", error=str(exc)[:300], **({"worker": worker} if worker else {}))
+            return False
+        return True
 
     def _report(self, call: Callable[[], None], failed: str) -> None:
         async def report() -> None:
@@ -347,8 +393,8 @@ class Executor:
         drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
                                          s.restart.drain_timeout, fold, self.clock)
         try:
-            outcome = await self._worker_exit(decision) if decision.rung == RUNG_WORKER and not reported_only \
-                else None
+            outcome = await self.worker_exit(decision, 0, self.control) \
+                if decision.rung == RUNG_WORKER and not reported_only else None
             if outcome is None:
                 if decision.rung == RUNG_WORKER:
                     decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)
@@ -367,9 +413,9 @@ class Executor:
                 await drain.lift("restart_failed")
             if outcome.not_recorded:
                 record = "not_recorded"
-                self._not_recorded(decision, outcome.detail)
+                self.note_not_recorded(decision, outcome.detail)
             elif outcome.recorded:
-                self._recorded(decision)
+                self.note_recorded(decision)
             log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy, rung=rung,
                         done=done, detail=outcome.detail, attempts=outcome.attempts,
                         seconds=round(self.clock() - started, 3))
@@ -384,30 +430,39 @@ class Executor:
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id), record
 
-    async def _worker_exit(self, decision: Decision) -> RestartOutcome | None:
-        """The watched worker leaves and its server starts it again; None when it cannot be told (the
-        container's rung then, as for one worker).
+    async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None
+                          ) -> RestartOutcome | None:
+        """Worker `worker` leaves and its server starts it again, its Event written first as for any
+        restart (refused: nothing done, `not_recorded`); None when it cannot be told (for the
+        watched worker the container's rung then, as for one worker).
 
         A poisoned worker exits by itself once its in-flight requests were read: telling it would
-        only race the new process that replaces it. A hung one is told, naming the process, so that
-        a replacement already listening is never the one that leaves; one that is gone already (or
-        was replaced) is what the rung wanted."""
+        only race the new process that replaces it, and its Event is written all the same. A hung
+        one is told, naming the process, so that a replacement already listening is never the one
+        that leaves; one that is gone already (or was replaced) is what the rung wanted."""
         if decision.reason == CONTEXT_LOSS:
-            return RestartOutcome(True, "the poisoned worker exits by itself; its server starts it again",
-                                  rung=RUNG_WORKER)
-        if self.control is None:
+            error = await self.restarter.record(decision, WORKER_ACTION, WORKER_PREFIX)
+            return RestartOutcome(True, "the poisoned worker exits by itself; its server starts it again"
+                                  + ("" if error is None else f" (its Event was not written: {error})"),
+                                  rung=RUNG_WORKER, recorded=error is None)
+        if control is None:
             return None
-        why = f"{decision.reason}: {decision.detail.get('evidence', 'canary timeouts')}"
+        error = await self.restarter.record(decision, WORKER_ACTION, WORKER_PREFIX)
+        if error is not None:
+            return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_WORKER, not_recorded=True)
+        why = f"{decision.reason}: worker {worker}'s {decision.detail.get('evidence', 'canary timeouts')}"
         try:
-            await self.control.exit(why, decision.instance_id)
+            await control.exit(why, decision.instance_id)
         except ControlError as exc:
             if exc.kind in ("unreachable", "conflict"):
-                return RestartOutcome(True, f"the worker is gone already ({exc})", rung=RUNG_WORKER)
-            log.warning("worker_exit_failed", reason=decision.reason, error=str(exc), next_rung=RUNG_CONTAINER)
+                return RestartOutcome(True, f"the worker is gone already ({exc})", rung=RUNG_WORKER, recorded=True)
+            # Its Event stands: the container's rung that follows counts once more (spent sooner, never later).
+            log.warning("worker_exit_failed", reason=decision.reason, worker=worker, error=str(exc))
             return None
-        return RestartOutcome(True, "the worker was told to exit; its server starts it again", rung=RUNG_WORKER)
+        return RestartOutcome(True, "the worker was told to exit; its server starts it again", rung=RUNG_WORKER,
+                              recorded=True)
 
-    def _not_recorded(self, decision: Decision, detail: str) -> None:
+    def note_not_recorded(self, decision: Decision, detail: str) -> None:
         """An episode: said when it starts, again when an Event is written, and over when no restart is
         wanted any more (see NOT_RECORDED_HOLD_S)."""
         if self.not_recorded_now() is None:
@@ -415,7 +470,7 @@ class Executor:
                       action="no restart until its Event can be written; retried with backoff")
         self.restart_not_recorded, self.not_recorded_at = detail, self.clock()
 
-    def _recorded(self, decision: Decision) -> None:
+    def note_recorded(self, decision: Decision) -> None:
         if self.not_recorded_now() is not None:
             log.info("restart_recorded_again", reason=decision.reason)
         self.restart_not_recorded = None
@@ -509,7 +564,7 @@ class Executor:
                 log.info("fleet_slot_taken", reason=decision.reason,
                          waited_s=round(self.clock() - self._fleet_held_since, 3), **verdict.detail)
             self._fleet_held_since = 0.0
-            self._in_place_pending = False
+            self._in_place.pop(int(decision.detail.get("worker", 0)), None)  # its restart begins again
             self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={}, slot_held=True)
             return None
         if verdict.opened and ledger.breaker is not None:
@@ -568,9 +623,52 @@ class Executor:
         assert ledger is not None
         self._report(lambda: ledger.report_breaker(breaker), "fleet_breaker_event_failed")
 
+    def begin(self, worker: int) -> bool:
+        """A restart of `worker` (0: the target) begins; False: another is under way (asked again later)."""
+        if self._acting:
+            return False
+        self._acting.add(worker)
+        return True
+
+    def end(self, worker: int) -> None:
+        self._acting.discard(worker)
+
+    def acting(self) -> bool:
+        return bool(self._acting)
+
+    async def release_slot(self, worker: int, why: str) -> None:
+        """`worker`'s restart did not happen: our slot back (no restart of the fleet's either), unless
+        another worker's restart holds it still."""
+        if (self._acting - {worker}) or self._in_place:
+            return
+        await self.give_back_slot(False, why)
+
     def restart_ended(self, ended: RestartEnded) -> None:
-        """An in-place restart done: its slot is given back once the target serves again."""
-        self._in_place_pending = self.fleet.slot_held and ended.done and ended.rung in (RUNG_CONTAINER, RUNG_WORKER)
+        """An in-place restart done: its slot is given back once the target serves again; a pod's,
+        once its replacement does."""
+        if not (self.fleet.slot_held and ended.done):
+            return
+        if ended.rung in (RUNG_CONTAINER, RUNG_WORKER):
+            self._in_place[0] = None
+        else:
+            self._slot_for_pod = True
+
+    def worker_restarted(self, worker: int, instance_id: str | None) -> None:
+        """Another worker's restart done: the slot it took is given back once that worker serves again
+        (a process other than `instance_id`, which was told to leave)."""
+        if self.fleet.slot_held:
+            self._in_place[worker] = instance_id
+
+    def restarting_workers(self) -> dict[int, str | None]:
+        return dict(self._in_place)
+
+    async def served(self, worker: int, instance_id: str | None) -> None:
+        """Worker `worker` served a canary (0: the watched target, with no restart of ours in
+        progress): once every worker restarted in place serves again, our slot goes back."""
+        if worker in self._in_place and (self._in_place[worker] is None or instance_id != self._in_place[worker]):
+            del self._in_place[worker]
+            if self.fleet.slot_held and not self._in_place and not self._acting and not self._slot_for_pod:
+                await self.give_back_slot(True, "target_serves" if worker == 0 else f"worker_{worker}_serves")
 
     async def give_back_slot(self, restarted: bool, why: str) -> None:
         """Our slot back to the fleet: our target serves again after an in-place restart, or the restart
@@ -589,7 +687,8 @@ class Executor:
             self._give_back_pending = restarted
             return
         self._give_back_pending = None
-        self._in_place_pending = False
+        self._in_place.clear()
+        self._slot_for_pod = False
         self.fleet = dataclasses.replace(self.fleet, slot_held=False)
         log.info("fleet_slot_given_back", why=why, restarted=restarted)
 
@@ -599,8 +698,9 @@ class Executor:
         replica our pod replaced is back."""
         if not self.fleet_on:
             return
-        if self.fleet.slot_held and (self._in_place_pending or self._give_back_pending is not None):
+        if self.fleet.slot_held and self._give_back_pending is not None:
             await self.give_back_slot(True, "target_serves")
+        await self.served(0, None)
         if not self._came_back_done:
             self._came_back_done = await self.came_back()
 

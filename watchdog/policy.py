@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+from collections.abc import Iterable
 from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
@@ -42,6 +43,7 @@ from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
     RESTART_REPORTED,
+    ActionRecord,
     CanarySample,
     History,
     PastRestart,
@@ -169,9 +171,28 @@ def decide(settings: PolicySettings, history: History, now: float, budget_from_e
 
 def other_workers(settings: PolicySettings, h: History, now: float, budget_from_events: bool = False
                   ) -> list[Decision]:
-    """The service's other workers (k >= 1, `target.workers`): one whose own canaries timed out
-    `hang.consecutive_timeouts` times in a row, after it had served, is hung; a new process of it
-    cures it while the others serve (rung `worker`). Judged by its canaries: they run on the slot
+    """The other workers' restarts to carry out now (rung `worker`): those `hung_workers` finds, less
+    those held back in their own episode (as `_held_back` holds the target's), blocked where the
+    budget is spent (the budget is the pod's: every worker's restarts count in it)."""
+    out: list[Decision] = []
+    for decision in hung_workers(settings, h):
+        k = int(decision.detail["worker"])
+        actions = h.worker_actions.get(k, ())
+        done = [a.at for a in actions if a.action == "restart"]
+        served = [c.at for c in h.worker_canaries.get(k, ()) if c.served]
+        if _held_back_in(actions, served, done[-1] if done else float("-inf"), decision.reason, now):
+            continue
+        if budget_remaining(settings, h, now, budget_from_events) <= 0:
+            decision = replace(decision, allowed=False,
+                               blocked_by=budget_blocker(settings, h, now, budget_from_events))
+        out.append(decision)
+    return out
+
+
+def hung_workers(settings: PolicySettings, h: History) -> list[Decision]:
+    """The service's other workers (k >= 1, `target.workers`) the evidence says are hung: one whose
+    own canaries timed out `hang.consecutive_timeouts` times in a row, after it had served; a new
+    process of it cures it while the others serve. Judged by its canaries: they run on the slot
     each worker keeps for them, so a worker that is only busy still answers one. A poisoned worker
     is not decided for: it exits by itself once its state was read, and its server replaces it."""
     n = settings.hang.consecutive_timeouts
@@ -184,14 +205,39 @@ def other_workers(settings: PolicySettings, h: History, now: float, budget_from_
             run.append(c)
         if len(run) < n or not any(c.served for c in canaries):  # before it served: still loading
             continue
-        detail = {"worker": k, "evidence": "worker_canary", "consecutive_timeouts": n,
-                  "last_latency_s": round(run[0].latency_s, 3)}
-        decision = Decision("restart", HANG, detail, drain=False, instance_id=run[0].instance_id, rung=RUNG_WORKER)
-        if budget_remaining(settings, h, now, budget_from_events) <= 0:
-            decision = replace(decision, allowed=False,
-                               blocked_by=budget_blocker(settings, h, now, budget_from_events))
-        out.append(decision)
+        detail: dict[str, Any] = {"worker": k, "evidence": "worker_canary", "consecutive_timeouts": n,
+                                  "last_latency_s": round(run[0].latency_s, 3)}
+        gpu = _worker_gpu(h, k)
+        if gpu:
+            detail["gpus"] = [gpu]
+        # The process that served (a canary that timed out names none): the one told to leave, and
+        # the one its failure's record is about.
+        served = next(c.instance_id for c in reversed(canaries) if c.served)
+        out.append(Decision("restart", HANG, detail, drain=False, instance_id=served or run[0].instance_id,
+                            rung=RUNG_WORKER))
     return out
+
+
+def _worker_gpu(h: History, k: int) -> str | None:
+    """The GPU worker k last said it runs on: its restart's Event names it, for the node's count."""
+    if h.workers is None:
+        return None
+    return next((w.memory.uuid for w in h.workers.workers if w.worker == k and w.memory.uuid), None)
+
+
+def worker_restart_wanted(settings: PolicySettings, h: History, now: float, budget_from_events: bool = False
+                          ) -> bool:
+    """Another worker still wants a restart that could be carried out: hung, not only reported
+    (that waits for it to serve again), and within the budget. A fleet hold lasts while one does."""
+    if budget_remaining(settings, h, now, budget_from_events) <= 0:
+        return False
+    for decision in hung_workers(settings, h):
+        k = int(decision.detail["worker"])
+        served = [c.at for c in h.worker_canaries.get(k, ()) if c.served]
+        since = served[-1] if served else float("-inf")
+        if not any(a.action == RESTART_REPORTED and a.at > since for a in h.worker_actions.get(k, ())):
+            return True
+    return False
 
 
 def wanted_restart(settings: PolicySettings, history: History, now: float) -> Decision | None:
@@ -227,14 +273,21 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
 
 
 def _held_back(h: History, reason: str, now: float) -> bool:
-    """A restart for `reason` that was decided and not carried out, in this same episode.
+    """A restart of the target for `reason` that was decided and not carried out, in this same episode."""
+    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now)
 
-    Reported only (strategy `none`): said once, not again until the target serves again. Failed:
-    tried again after a backoff that doubles with each failure, not at every tick.
+
+def _held_back_in(actions: Iterable[ActionRecord], served: list[float], epoch: float, reason: str,
+                  now: float) -> bool:
+    """One process's restart for `reason` decided and not carried out, in this same episode
+    (`served`: when it served a canary; `epoch`: its last restart).
+
+    Reported only (strategy `none`): said once, not again until it serves again. Held by the fleet:
+    asked again after the hold's own interval. Failed: tried again after a backoff that doubles with
+    each failure, not at every tick.
     """
-    served = [c.at for c in h.canaries if c.served]
     episode_start = served[-1] if served else float("-inf")
-    ours = [a for a in h.actions if a.reason == reason]
+    ours = [a for a in actions if a.reason == reason]
     if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
         return True
     held = [a for a in ours if a.action == RESTART_HELD]
@@ -243,7 +296,7 @@ def _held_back(h: History, reason: str, now: float) -> bool:
     # Failures count for this process whether or not it serves meanwhile: a restart refused while
     # the server goes on serving (a disruption budget, an API that will not record it) must not
     # be asked again at the next canary.
-    failures = [a for a in ours if a.action == RESTART_FAILED and a.at >= h.epoch]
+    failures = [a for a in ours if a.action == RESTART_FAILED and a.at >= epoch]
     if not failures:
         return False
     return now - failures[-1].at < min(RESTART_RETRY_S * 2 ** (len(failures) - 1), RESTART_RETRY_MAX_S)

@@ -121,12 +121,15 @@ class WorkerCanaries:
 
 @dataclass(frozen=True)
 class WorkerRestarted:
-    """Another worker's rung carried out (told to exit, or found gone): its server starts it again."""
+    """Another worker's rung as it ended: carried out (`restart`: told to exit, or found gone; its
+    server starts it again), or not (RESTART_FAILED, RESTART_REPORTED, RESTART_HELD with `why`)."""
 
     at: float
     worker: int
     reason: str
     instance_id: str | None
+    action: str = "restart"
+    why: str = ""
 
 
 @dataclass(frozen=True)
@@ -252,6 +255,8 @@ class History:
     gone_instance: str | None = None  # the process the last worker-rung restart replaced
     # The other workers' canaries since each one's last restart (worker k >= 1).
     worker_canaries: dict[int, deque[CanarySample]] = field(default_factory=dict)
+    # What became of each other worker's restarts: its own backoff, apart from the watched target's.
+    worker_actions: dict[int, deque[ActionRecord]] = field(default_factory=dict)
     # The reason of the restart last reported blocked by the budget: reported once until one starts.
     blocked_reported: str | None = None
     restart_in_progress: bool = False

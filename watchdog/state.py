@@ -163,9 +163,12 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         for k, c in outcome.canaries:
             h.worker_canaries.setdefault(k, deque(maxlen=WORKER_CANARIES_KEPT)).append(c)
     elif isinstance(outcome, WorkerRestarted):
-        # Counted as a restart (the budget), and what that worker said before is about a process gone.
-        h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, RUNG_WORKER))
-        h.worker_canaries.pop(outcome.worker, None)
+        record = ActionRecord(outcome.at, outcome.action, outcome.reason, RUNG_WORKER, outcome.why)
+        h.worker_actions.setdefault(outcome.worker, deque(maxlen=WORKER_CANARIES_KEPT)).append(record)
+        if outcome.action == "restart":
+            # Counted as a restart (the budget), and what that worker said before is about a process gone.
+            h.actions.append(record)
+            h.worker_canaries.pop(outcome.worker, None)
     elif isinstance(outcome, DecisionRecord):
         h.decisions.append(outcome)
         if outcome.outcome == BLOCKED_BY_BUDGET:

@@ -37,6 +37,9 @@ class RecordingRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None
 
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None  # no cluster
+
 
 def settings(**kubernetes: Any) -> Any:
     return from_mapping({

@@ -11,6 +11,7 @@ import pytest
 import requests
 
 from tests.helpers import Server, start_server
+from tests.integration.test_serve_workers import start_tree, worker_requests
 
 NAME = "tiny-test"
 
@@ -180,3 +181,37 @@ def test_a_repeated_beginning_is_reported_as_cached_tokens_and_answers_the_same(
     metrics = requests.get(server.url + "/metrics", timeout=10).text
     hits = [line for line in metrics.splitlines() if line.startswith("gpu_inference_prefix_cache_hit_tokens_total")]
     assert hits and float(hits[0].split()[-1]) >= cached[1] + cached[2]
+
+
+def test_the_same_calls_through_serve_workers_answer_the_same(client: openai.OpenAI, tmp_path: Path) -> None:
+    """`serve --workers 2` behind one port, as the SDK sees it: the same models, the same answers
+    plain, streamed and chatted whichever worker takes them, the same errors naming the field."""
+    tree = start_tree(tmp_path, 2, "--served-model-name", NAME, "--max-concurrency", "4")
+    try:
+        sdk = openai.OpenAI(base_url=tree.url + "/v1", api_key="unused", max_retries=0, timeout=60)
+        assert [m.id for m in sdk.models.list().data] == [NAME]
+        prompts = [f"worker prompt {i}" for i in range(16)]
+
+        def texts(c: openai.OpenAI) -> list[str]:
+            with ThreadPoolExecutor(8) as pool:  # at once: the front spreads them over the workers
+                return list(pool.map(lambda p: c.completions.create(model=NAME, prompt=p, max_tokens=8)
+                                     .choices[0].text, prompts))
+
+        assert texts(sdk) == texts(client)
+        assert set(worker_requests(tree)) == {"0", "1"}
+        chunks = list(sdk.completions.create(model=NAME, prompt="stream me", max_tokens=20, stream=True,
+                                             stream_options={"include_usage": True}))
+        assert "".join(c.choices[0].text for c in chunks if c.choices) == \
+            client.completions.create(model=NAME, prompt="stream me", max_tokens=20).choices[0].text
+        assert [c.usage.completion_tokens for c in chunks if c.usage is not None] == [20]
+        messages: list[openai.types.chat.ChatCompletionMessageParam] = [{"role": "user", "content": "Hello there"}]
+        chat = list(sdk.chat.completions.create(model=NAME, messages=messages, max_tokens=10, stream=True))
+        assert "".join(c.choices[0].delta.content or "" for c in chat if c.choices) == \
+            client.chat.completions.create(model=NAME, messages=messages, max_tokens=10).choices[0].message.content
+        with pytest.raises(openai.BadRequestError) as exc:
+            sdk.completions.create(model=NAME, prompt="x", max_tokens=2, best_of=2)
+        assert exc.value.body["param"] == "best_of"  # type: ignore[index]
+        with pytest.raises(openai.NotFoundError):
+            sdk.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+    finally:
+        tree.proc.stop(timeout=40)

@@ -50,6 +50,9 @@ class Restarter:
     async def target_served(self, at_wall: float) -> None:
         return None
 
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None  # no cluster
+
 
 def watchdog(restarter: Restarter) -> Watchdog:
     settings = from_mapping({

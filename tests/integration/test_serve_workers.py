@@ -240,3 +240,67 @@ def _ready_again(tree: Tree, k: int, old_pid: int) -> bool:
         return any(w["worker"] == k and w["ready"] and w["pid"] != old_pid for w in tree.workers_view())
     except requests.RequestException:
         return False
+
+
+async def test_a_request_that_hangs_two_workers_is_refused_by_every_worker(tmp_path: Path) -> None:
+    """The query of death inside one pod: a request that wedges whichever worker takes it hangs one,
+    then (sent again) the other process; both failures recorded with it in flight, it is
+    quarantined and the list reaches every worker, so the next copy is refused (422) wherever the
+    front sends it, and every other request is served."""
+    tree = await asyncio.to_thread(start_tree, tmp_path, 2, "--max-concurrency", "2", "--fault-injection")
+    verdict = tmp_path / "verdict"
+    settings = from_mapping({
+        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
+                   "workers": 2},
+        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
+        "policy": {"hang": {"consecutive_timeouts": 2}},
+        "restart": {"strategy": "container", "verdict_file": str(verdict)},
+        "server": {"host": "127.0.0.1", "port": 0},
+    })
+    wd = Watchdog(settings, ContainerRestarter(str(verdict)), nvml_backend=NoNvml(), token=TOKEN)  # type: ignore[arg-type]
+    wedge = {"prompt": "a WEDGE shaped request", "max_tokens": 4}
+
+    def arm(k: int) -> None:
+        r = tree.ctl(k, "POST", "/control/fault", {"kind": "hang", "when_prompt_contains": "WEDGE"})
+        assert r.status_code == 200, r.text
+
+    def send(body: dict[str, Any]) -> requests.Response:
+        return requests.post(tree.url + "/v1/completions", json=body, timeout=90)
+
+    def pids() -> dict[int, int]:
+        return {w["worker"]: w["pid"] for w in tree.workers_view()}
+
+    await wd.start(serve_http=False)
+    try:
+        with structlog.testing.capture_logs() as logs:
+            await async_wait(lambda: _true(wd.history.served_at is not None and any(
+                c.served for c in wd.history.worker_canaries.get(1, ()))), 60, "both workers serving canaries")
+            for k in (0, 1):
+                await asyncio.to_thread(arm, k)
+            answers: list[requests.Response] = []
+            for n in (1, 2):
+                before = await asyncio.to_thread(pids)
+                sent = threading.Thread(target=lambda: answers.append(send(wedge)))
+                sent.start()
+                await async_wait(lambda n=n: _true(len([e for e in logs if e["event"] == "restart_finished"]) >= n),
+                                 60, f"restart {n}")
+                [k] = [e.get("worker", 0) for e in logs if e["event"] == "restart_finished"][n - 1:n]
+                await async_wait(lambda k=k, before=before: _true(_ready_again(tree, k, before[k])), 120,
+                                 f"worker {k} started again")
+                await asyncio.to_thread(arm, k)  # the new process wedges on it too
+                await asyncio.to_thread(sent.join, 60)
+            restarted = [e.get("worker", 0) for e in logs if e["event"] == "restart_finished"]
+            assert len(restarted) == 2  # two processes, whichever workers they were
+            assert [a.status_code for a in answers] == [502, 502]  # each lost with its worker, never run twice
+            [q] = [e for e in logs if e["event"] == "request_quarantined"]
+            await async_wait(lambda: _true(all(
+                [e["fingerprint"] for e in tree.ctl(k, "GET", "/control/quarantine").json()["entries"]]
+                == [q["fingerprint"]] for k in (0, 1))), 30, "the quarantine in every worker")
+        for _ in range(4):  # whichever worker takes it
+            refused = await asyncio.to_thread(send, wedge)
+            assert refused.status_code == 422 and refused.json()["error"]["code"] == "request_quarantined"
+        assert await asyncio.to_thread(tree.complete) == 200
+        assert not verdict.exists()
+    finally:
+        await wd.stop()
+        await asyncio.to_thread(tree.proc.stop, 40)

@@ -47,6 +47,9 @@ class RecordingRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None
 
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None  # no cluster
+
 
 class ExplodingNvml:
     """Stands in for NVML at the hardware edge and fails in every way it can."""

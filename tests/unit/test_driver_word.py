@@ -12,10 +12,20 @@ from kubernetes import client
 from gpu_watchdog.watchdog import policy, xid_catalog
 from gpu_watchdog.watchdog.config import PolicySettings, Settings
 from gpu_watchdog.watchdog.escalation import driver_says
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
-from gpu_watchdog.watchdog.policy import Decision, decide
+from gpu_watchdog.watchdog.names import (
+    CONTEXT_LOSS,
+    FLEET_UNAVAILABLE_LIMIT,
+    HANG,
+    RUNG_CONTAINER,
+    RUNG_POD,
+    RUNG_WORKER,
+)
+from gpu_watchdog.watchdog.policy import FLEET_RETRY_S, RESTART_RETRY_S, Decision, decide
 from gpu_watchdog.watchdog.samplers.device_health import device_health
 from gpu_watchdog.watchdog.samples import (
+    RESTART_FAILED,
+    RESTART_HELD,
+    RESTART_REPORTED,
     CanarySample,
     DeviceHealth,
     DeviceHealthSample,
@@ -24,6 +34,8 @@ from gpu_watchdog.watchdog.samples import (
     TorchSample,
     WorkerCanaries,
     WorkerRestarted,
+    WorkerSample,
+    WorkersSample,
     XidEvent,
 )
 from gpu_watchdog.watchdog.state import RestartEnded, reduce
@@ -368,3 +380,61 @@ def test_worker_restarts_spend_the_budget_like_any_other() -> None:
         h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)),)))
     [d] = policy.other_workers(s, h, 65)
     assert not d.allowed and d.blocked_by == "restart_budget"
+
+
+def hung_worker(h: History, start: float) -> History:
+    """Worker 1 served at `start`, then its canaries time out three times, 5 s apart."""
+    h = reduce(h, WorkerCanaries(start, ((1, worker_canary(start, True)),)))
+    for t in (start + 5, start + 10, start + 15):
+        h = reduce(h, WorkerCanaries(t, ((1, worker_canary(t, False)),)))
+    return h
+
+
+def test_a_worker_restart_not_carried_out_is_held_back_in_that_worker_s_own_episode() -> None:
+    s = settings()
+    h = hung_worker(history(worker_count=2), 5)
+    # Failed: not asked again at the next canary, but after the backoff, which doubles.
+    h = reduce(h, WorkerRestarted(20, 1, HANG, "w1", RESTART_FAILED))
+    assert policy.other_workers(s, h, 21) == [] and len(policy.other_workers(s, h, 20 + RESTART_RETRY_S)) == 1
+    h = reduce(h, WorkerRestarted(20 + RESTART_RETRY_S, 1, HANG, "w1", RESTART_FAILED))
+    assert policy.other_workers(s, h, 21 + 1.5 * RESTART_RETRY_S) == []
+    assert len(policy.other_workers(s, h, 20 + 3 * RESTART_RETRY_S)) == 1
+    # Failures of another worker's restart hold back neither the budget nor the watched target.
+    assert h.restarts_within(100, 3600) == [] and policy.budget_remaining(s, h, 100) == s.restart_budget.max_restarts
+    assert not policy._held_back(h, HANG, 21)
+    # Still hung whatever holds it back: the fleet's hold is not over while this worker wants a restart.
+    assert [d.detail["worker"] for d in policy.hung_workers(s, h)] == [1]
+    assert policy.worker_restart_wanted(s, h, 21)
+
+
+def test_a_worker_restart_held_by_the_fleet_is_asked_again_after_the_hold_and_one_reported_once() -> None:
+    s = settings()
+    h = hung_worker(history(worker_count=2), 5)
+    h = reduce(h, WorkerRestarted(20, 1, HANG, "w1", RESTART_HELD, FLEET_UNAVAILABLE_LIMIT))
+    assert policy.other_workers(s, h, 21) == []
+    assert len(policy.other_workers(s, h, 20 + FLEET_RETRY_S[FLEET_UNAVAILABLE_LIMIT])) == 1
+    # Strategy none: said once, not again until that worker serves again.
+    h = reduce(h, WorkerRestarted(30, 1, HANG, "w1", RESTART_REPORTED))
+    assert policy.other_workers(s, h, 500) == []
+    assert not policy.worker_restart_wanted(s, h, 500)  # a fleet hold does not wait on it
+    h = hung_worker(h, 600)
+    assert len(policy.other_workers(s, h, 615)) == 1
+
+
+def test_a_hung_worker_s_restart_names_the_process_that_served_not_a_timed_out_canary() -> None:
+    s = settings()
+    h = history(worker_count=2)
+    h = reduce(h, WorkerCanaries(5, ((1, worker_canary(5, True, "w1-first")),)))
+    for t in (10, 15, 20):
+        h = reduce(h, WorkerCanaries(t, ((1, CanarySample(at=t, ok=False, latency_s=5.0, error_class="timeout")),)))
+    [d] = policy.other_workers(s, h, 20)
+    assert d.instance_id == "w1-first"
+
+
+def test_a_worker_s_restart_names_the_gpu_it_said_it_runs_on() -> None:
+    s = settings()
+    h = hung_worker(history(worker_count=2), 5)
+    memory = TorchSample(at=4, reachable=True, device="cuda", uuid=OTHER, instance_id="w1")
+    h = reduce(h, WorkersSample(4, (WorkerSample(1, "http://127.0.0.1:1", memory),)))
+    [d] = policy.other_workers(s, h, 20)
+    assert d.detail["gpus"] == [OTHER]

@@ -68,6 +68,10 @@ class Restarter(Protocol):
         """The target served a canary (not drained): what this restarter published for the target's
         recovery to make obsolete (the container rung's verdict) is spent. Most publish nothing."""
 
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        """The restart's Event, for a rung this restarter does not carry out itself (a worker's):
+        None once written, or where this restarter writes none; else why not."""
+
 
 def annotations_for(decision: Decision, workload: str | None = None, node: str | None = None) -> dict[str, str]:
     """What a later sidecar reads back: why, for which workload's budget, on which node, and which
@@ -89,9 +93,14 @@ def annotations_for(decision: Decision, workload: str | None = None, node: str |
     return out
 
 
+# The Event of a worker's restart (the worker rung): counted in the budget like any other.
+WORKER_ACTION, WORKER_PREFIX = "RestartWorker", "WorkerRestart"
+
+
 def note_for(decision: Decision, action: str = "Evict") -> str:
     figures = json.dumps(decision.detail, sort_keys=True, default=str)
-    what = "its inference container in place" if action == "RestartContainer" else "this pod"
+    what = {"RestartContainer": "its inference container in place",
+            WORKER_ACTION: f"worker {decision.detail.get('worker', 0)} of its server"}.get(action, "this pod")
     return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
 
 
@@ -107,7 +116,7 @@ class KubeRestarter:
         self.strategy = settings.strategy
         self.sleep = sleep
 
-    async def event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         """Write the restart Event: None once written, else why not (after three tries)."""
         error = "no attempt"
         for attempt in range(3):
@@ -138,7 +147,7 @@ class KubeRestarter:
             try:
                 await asyncio.to_thread(self._act, grace, True)
                 if not recorded:
-                    error = await self.event(decision, action)
+                    error = await self.record(decision, action)
                     if error is not None:
                         return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
                     recorded = True
@@ -202,6 +211,9 @@ class LocalRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
 
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None  # no cluster to write an Event to
+
 
 class ContainerRestarter:
     """Restart the inference container in place: publish the verdict its liveness probe reads.
@@ -229,7 +241,7 @@ class ContainerRestarter:
                                       rung=RUNG_POD)
             return await self.pod.restart(decision, drain)
         if self.pod is not None:
-            error = await self.pod.event(decision, "RestartContainer", prefix="ContainerRestart")
+            error = await self.pod.record(decision, "RestartContainer", prefix="ContainerRestart")
             if error is not None:
                 return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_CONTAINER, not_recorded=True)
         await drain.begin()
@@ -243,6 +255,9 @@ class ContainerRestarter:
         log.warning("container_restart_requested", reason=decision.reason, verdict_file=self.verdict_file)
         return RestartOutcome(True, "verdict written: the kubelet restarts the inference container",
                               rung=RUNG_CONTAINER, recorded=self.pod is not None)
+
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None if self.pod is None else await self.pod.record(decision, action, prefix)
 
     async def target_served(self, at_wall: float) -> None:
         """The target serves again (a new container, or the old one recovered): the verdict is spent.
@@ -283,6 +298,9 @@ class ReportOnlyRestarter:
 
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
+
+    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None  # no cluster to write an Event to
 
 
 def _describe(exc: BaseException) -> str:
