@@ -24,12 +24,11 @@ from gpu_watchdog.watchdog.actions.kube import PodActions
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, WORKER_ACTION, ContainerRestarter, KubeRestarter
 from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
 from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_POD, RUNG_WORKER
 from tests.fleet.test_fleet_holds import LEASE, NS, after_creation, cluster_of, stored_ledger, until
 from tests.integration.test_kubernetes import events
 from tests.integration.test_restart_metrics import NoNvml
-from tests.integration.test_serve_workers import TOKEN, Tree, start_tree
+from tests.integration.test_serve_workers import TOKEN, Tree, sidecar_settings, start_tree
 
 
 @asynccontextmanager
@@ -40,14 +39,9 @@ async def watched(kmock: Any, tmp_path: Path) -> AsyncIterator[tuple[Tree, Watch
     pod = pods[0]
     tree = await asyncio.to_thread(start_tree, tmp_path, 2, "--max-concurrency", "2", "--fault-injection")
     verdict = tmp_path / "verdict"
-    settings = from_mapping({
-        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
-                   "workers": 2},
-        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
-        "policy": {"hang": {"consecutive_timeouts": 2}, "fleet": {"max_unavailable": 1}},
-        "restart": {"strategy": "container", "verdict_file": str(verdict), "retry_initial": "100ms"},
+    settings = sidecar_settings(tree, verdict, {
+        "policy": {"fleet": {"max_unavailable": 1}}, "restart": {"retry_initial": "100ms"},
         "kubernetes": {"pod_name": pod, "namespace": NS, "node_name": "", "request_timeout": 5},
-        "server": {"host": "127.0.0.1", "port": 0},
     })
     evict = dataclasses.replace(settings.restart, strategy="evict")
     restarter = ContainerRestarter(str(verdict), KubeRestarter(PodActions(api, pod, NS, 5.0), evict, workload="llm"))

@@ -22,8 +22,9 @@ from gpu_watchdog.benchmarks._procs import free_port, free_ports
 from gpu_watchdog.contract import MEMORY
 from gpu_watchdog.watchdog.actions.restart import ContainerRestarter
 from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.config import Settings, from_mapping
 from gpu_watchdog.watchdog.names import RUNG_WORKER
+from tests.fleet.harness import deep_merge
 from tests.helpers import Proc, json_lines, spawn, wait_for, wait_http
 from tests.integration.test_agent_workers import async_wait
 from tests.integration.test_restart_metrics import NoNvml
@@ -75,6 +76,19 @@ def start_tree(tmp_path: Path, workers: int, *flags: str) -> Tree:
         proc.stop()
         raise
     return tree
+
+
+def sidecar_settings(tree: Tree, verdict: Path, override: dict[str, Any] | None = None) -> Settings:
+    """The sidecar watching every worker of `tree` quickly (canaries every 300 ms, a hang after two
+    timeouts), restarting in place through `verdict`; `override` merged over it key by key."""
+    return from_mapping(deep_merge({
+        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
+                   "workers": tree.workers},
+        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
+        "policy": {"hang": {"consecutive_timeouts": 2}},
+        "restart": {"strategy": "container", "verdict_file": str(verdict)},
+        "server": {"host": "127.0.0.1", "port": 0},
+    }, override or {}))
 
 
 @pytest.fixture
@@ -189,14 +203,7 @@ async def test_the_sidecar_decides_for_the_watched_worker_and_its_server_restart
         tmp_path: Path) -> None:
     tree = await asyncio.to_thread(start_tree, tmp_path, 2, "--max-concurrency", "2", "--fault-injection")
     verdict = tmp_path / "verdict"
-    settings = from_mapping({
-        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
-                   "workers": 2},
-        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
-        "policy": {"hang": {"consecutive_timeouts": 2}},
-        "restart": {"strategy": "container", "verdict_file": str(verdict)},
-        "server": {"host": "127.0.0.1", "port": 0},
-    })
+    settings = sidecar_settings(tree, verdict)
     wd = Watchdog(settings, ContainerRestarter(str(verdict)), nvml_backend=NoNvml(), token=TOKEN)  # type: ignore[arg-type]
     await wd.start(serve_http=False)
     try:
@@ -249,14 +256,7 @@ async def test_a_request_that_hangs_two_workers_is_refused_by_every_worker(tmp_p
     front sends it, and every other request is served."""
     tree = await asyncio.to_thread(start_tree, tmp_path, 2, "--max-concurrency", "2", "--fault-injection")
     verdict = tmp_path / "verdict"
-    settings = from_mapping({
-        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
-                   "workers": 2},
-        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
-        "policy": {"hang": {"consecutive_timeouts": 2}},
-        "restart": {"strategy": "container", "verdict_file": str(verdict)},
-        "server": {"host": "127.0.0.1", "port": 0},
-    })
+    settings = sidecar_settings(tree, verdict)
     wd = Watchdog(settings, ContainerRestarter(str(verdict)), nvml_backend=NoNvml(), token=TOKEN)  # type: ignore[arg-type]
     wedge = {"prompt": "a WEDGE shaped request", "max_tokens": 4}
 
