@@ -100,7 +100,7 @@ def _cmd_bench(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int
         print("gpu-watchdog bench: the load generator (benchmarks/loadgen.py) comes with the source"
               " checkout; run it from a clone (make install)", file=sys.stderr)
         return 2
-    from gpu_watchdog.contract import read_token
+    from gpu_watchdog.token import read_token
 
     token = read_token(args.token_file) if args.control_url else None
     return bench_main(BenchSettings(

@@ -1,22 +1,18 @@
-"""What the inference process and the sidecar agree on: the control API's routes, its bearer token
-and the memory report's shape.
+"""What the inference process and the sidecar agree on: the control API's routes, the name of its
+bearer token's variable and the memory report's shape.
 
 A leaf: it imports nothing else of this project, so both halves depend on it and on nothing of
-each other's. The token: `GPU_WATCHDOG_TOKEN` wins, else a token file; generated when absent. The
-memory report (`GET /control/memory`) is one typed record: `serve` and the agent build it, the
-sidecar parses it, the control API's schema is derived from it.
+each other's; and pure (no file, no environment), so the sidecar's rules may read it. The token
+file itself is `gpu_watchdog.token`'s. The memory report (`GET /control/memory`) is one typed
+record: `serve` and the agent build it, the sidecar parses it, the control API's schema is derived
+from it.
 """
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
-import os
-import secrets
-import tempfile
 import types
 import typing
-from pathlib import Path
 from typing import Any
 
 VERSION = "0.1.0"
@@ -41,83 +37,6 @@ CONTROL_OPENAPI = "/control/openapi.json"
 # cannot leave the pod drained for good (seconds; `POST /control/drain {"deadline": S}`).
 DRAIN_DEADLINE_DEFAULT_S = 300.0
 DRAIN_DEADLINE_MAX_S = 3600.0
-
-
-class TokenError(RuntimeError):
-    pass
-
-
-def default_token_path() -> Path:
-    return Path(tempfile.gettempdir()) / f"gpu-watchdog-{os.getuid()}" / "token"
-
-
-def read_token(token_file: str | None) -> str | None:
-    env = os.environ.get(ENV_VAR, "").strip()
-    if env:
-        return env
-    if token_file is None:
-        return None
-    path = Path(token_file)
-    if not path.exists():
-        return None
-    try:
-        token = path.read_text(encoding="utf-8").strip()
-    except OSError as exc:
-        raise TokenError(f"cannot read token file {path}: {exc.strerror}") from None
-    if not token:
-        raise TokenError(f"token file {path} is empty")
-    return token
-
-
-def ensure_token(token_file: str | None) -> tuple[str, str | None]:
-    """The token to require, and the file it lives in (None when it came from the environment).
-
-    Generates a fresh token into `token_file` (or a private default path) when none exists, with
-    mode 0600 so only this user can read it.
-    """
-    existing = read_token(token_file)
-    if existing is not None:
-        return existing, None if os.environ.get(ENV_VAR, "").strip() else token_file
-    path = Path(token_file) if token_file else default_token_path()
-    token = secrets.token_urlsafe(32)
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
-        fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600, a name of its own
-    except OSError as exc:
-        raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
-    tmp = Path(tmp_name)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(token + "\n")
-        try:
-            # Whole, and once: the workers of one service starting together must all require the
-            # token the file holds, not each its own with the last writer's in the file.
-            os.link(tmp, path)
-        except FileExistsError:
-            won = _sibling_token(path)
-            if won is not None:
-                return won, str(path)
-            os.replace(tmp, path)  # empty, unreadable or not private to us: replaced, as ever
-        except OSError:  # a file system without hard links: whole, the last writer's
-            os.replace(tmp, path)
-    except OSError as exc:
-        raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
-    finally:
-        with contextlib.suppress(OSError):
-            tmp.unlink()
-    return token, str(path)
-
-
-def _sibling_token(path: Path) -> str | None:
-    """The token another process of this service just wrote at `path`: only a non-empty file of
-    ours that no one else may read counts (never one planted in a shared temp folder)."""
-    try:
-        st = path.stat()
-        if st.st_uid != os.getuid() or st.st_mode & 0o077:
-            return None
-        return path.read_text(encoding="utf-8").strip() or None
-    except OSError:
-        return None
 
 
 # What a canary's failure was: as the process that ran it classifies it (by type, never by text),

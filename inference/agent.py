@@ -34,7 +34,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpu_watchdog.contract import CanaryResult, ensure_token
+from gpu_watchdog.contract import CanaryResult
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.faults import FaultInjector
 from gpu_watchdog.inference.guard import Admitted, Guard
@@ -42,6 +42,7 @@ from gpu_watchdog.inference.http_control import ControlAPI
 from gpu_watchdog.inference.metrics import InferenceMetrics
 from gpu_watchdog.inference.poison import EXIT_POISONED, exit_code, leave
 from gpu_watchdog.inference.screen import RequestAccount
+from gpu_watchdog.token import ensure_token
 
 log = structlog.get_logger(__name__)
 

@@ -25,11 +25,11 @@ from aiohttp import web
 from multidict import CIMultiDict
 from prometheus_client import CollectorRegistry, Counter, Gauge, generate_latest
 
-from gpu_watchdog.contract import ensure_token
 from gpu_watchdog.inference.http_errors import read_body
 from gpu_watchdog.inference.settings import ServeSettings
 from gpu_watchdog.inference.validation import BadRequest
 from gpu_watchdog.inference.workers import Supervisor, Worker, pick, plan_workers
+from gpu_watchdog.token import ensure_token
 
 log = structlog.get_logger(__name__)
 

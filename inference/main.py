@@ -9,12 +9,12 @@ import sys
 import structlog
 from aiohttp import web
 
-from gpu_watchdog.contract import TokenError, ensure_token
 from gpu_watchdog.inference.http_control import ControlAPI
 from gpu_watchdog.inference.http_public import PublicAPI
 from gpu_watchdog.inference.poison import leave
 from gpu_watchdog.inference.service import InferenceService
 from gpu_watchdog.inference.settings import ServeSettings, SettingsError
+from gpu_watchdog.token import TokenError, ensure_token
 
 log = structlog.get_logger(__name__)
 

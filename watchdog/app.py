@@ -19,11 +19,10 @@ import aiohttp
 from aiohttp import web
 
 from gpu_watchdog import logs
-from gpu_watchdog.contract import read_token
+from gpu_watchdog.token import read_token
 from gpu_watchdog.watchdog import ladder, policy, views
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import Restarter
-from gpu_watchdog.watchdog.config import Settings, metrics_url
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.executor import BUDGET_FRESH_S, Executor, FleetLedger, RestartEvents
@@ -37,6 +36,7 @@ from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
 from gpu_watchdog.watchdog.samples import DecisionRecord, History, XidEvent
 from gpu_watchdog.watchdog.server import build_app
+from gpu_watchdog.watchdog.settings import Settings, metrics_url
 from gpu_watchdog.watchdog.state import (
     AdmissionRequested,
     CacheFlushRequested,

@@ -1,4 +1,4 @@
-"""JSON Schema of the sidecar's YAML config, read off the settings dataclasses in `watchdog.config`.
+"""JSON Schema of the sidecar's YAML config, read off the settings dataclasses in `watchdog.settings`.
 
 The Helm chart embeds it under `watchdog.config` in `values.schema.json`, so a misspelt key or a
 wrong type fails `helm install` with the key path instead of crash-looping the sidecar at start.
@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.watchdog import config
+from gpu_watchdog.watchdog import settings
 
 CHART_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "gpu-watchdog" / "values.schema.json"
 REGENERATE = "`python -m gpu_watchdog.watchdog.config_schema` (or `make chart-schema`)"
@@ -72,9 +72,11 @@ def _scalar(tp: Any, meta: Mapping[str, Any], path: str, excluded: Mapping[str, 
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:
-        return {"type": "integer", "minimum": 0}
+        return {"type": "integer", "minimum": meta.get("min", 0),
+                **({"maximum": meta["max"]} if "max" in meta else {})}
     if tp is float:
-        return {"type": "number", "minimum": 0}
+        low = {"exclusiveMinimum": meta["gt"]} if "gt" in meta else {"minimum": meta.get("min", 0)}
+        return {"type": "number", **low, **({"exclusiveMaximum": meta["lt"]} if "lt" in meta else {})}
     if tp is str:
         choices = meta.get("choices")
         if choices:
@@ -126,20 +128,35 @@ def dataclass_schema(cls: type[Any], path: str = "", excluded: Mapping[str, froz
         where = f"{path}.{f.name}" if path else f.name
         if where in omit:
             continue
-        properties[f.name] = _type_schema(hints[f.name], f.metadata, where, excluded, set(omit))
+        schema = _type_schema(hints[f.name], f.metadata, where, excluded, set(omit))
+        meaning = f.metadata.get("help") or section_meaning(hints[f.name])
+        properties[f.name] = {**schema, "description": meaning} if meaning else schema
     return {"type": "object", "additionalProperties": False, "properties": properties}
+
+
+def section_meaning(tp: Any) -> str:
+    """A section's meaning: its settings class's docstring, if it has one."""
+    args = [a for a in typing.get_args(tp) if a is not type(None)] or [tp]
+    cls = args[0]
+    doc = cls.__doc__ if dataclasses.is_dataclass(cls) and isinstance(cls, type) else None
+    if not doc or doc.startswith(f"{cls.__name__}("):  # dataclasses write a signature where there is none
+        return ""
+    return " ".join(doc.split())
 
 
 def settings_schema() -> dict[str, Any]:
     """The whole config file, as `gpu-watchdog run --config` reads it."""
-    return {"$schema": "http://json-schema.org/draft-07/schema#", **dataclass_schema(config.Settings),
+    return {"$schema": "http://json-schema.org/draft-07/schema#", **dataclass_schema(settings.Settings),
             "definitions": DEFINITIONS}
 
 
 def chart_schema() -> dict[str, Any]:
     """`watchdog.config` in the chart's values: the config less what the chart fills in itself."""
-    schema = dataclass_schema(config.Settings, excluded=CHART_EXCLUDED_CHOICES, omit=CHART_OWNED)
-    schema["$comment"] = f"Generated from watchdog/config.py by {REGENERATE}; do not edit by hand."
+    schema = dataclass_schema(settings.Settings, excluded=CHART_EXCLUDED_CHOICES, omit=CHART_OWNED)
+    schema["$comment"] = f"Generated from watchdog/settings.py by {REGENERATE}; do not edit by hand."
+    schema["description"] = ("the sidecar's config (docs/reference/configuration.md), checked against this schema,"
+                             " generated from its settings; the chart fills in `server` and the URLs, paths and"
+                             " names under `target` and `kubernetes` itself")
     return schema
 
 

@@ -15,8 +15,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.config import EscalationSettings
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RESTART_REASONS
+from gpu_watchdog.watchdog.settings import EscalationSettings
 
 CURING_REASONS = (CONTEXT_LOSS, HANG)  # restarts meant to cure the GPU's state, not the process's age
 GPUS_ANNOTATION = "gpu-watchdog.io/gpus"

@@ -25,7 +25,6 @@ from gpu_watchdog.watchdog.actions.restart import (
     Restarter,
     RestartOutcome,
 )
-from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
 from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
 from gpu_watchdog.watchdog.fleet import FleetView, Ledger
@@ -41,6 +40,7 @@ from gpu_watchdog.watchdog.names import (
 )
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.samples import PastRestart
+from gpu_watchdog.watchdog.settings import Settings
 from gpu_watchdog.watchdog.state import (
     AdmissionAnswered,
     Outcome,

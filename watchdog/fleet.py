@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from gpu_watchdog.watchdog.config import FleetSettings
 from gpu_watchdog.watchdog.names import FLEET_BREAKER_OPEN, FLEET_UNAVAILABLE_LIMIT, MAX_AGE, RUNG_POD
+from gpu_watchdog.watchdog.settings import FleetSettings
 
 LEDGER_ANNOTATION = "gpu-watchdog.io/ledger"
 LEDGER_VERSION = 1

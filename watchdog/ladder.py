@@ -27,9 +27,9 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.config import AdmissionSettings
 from gpu_watchdog.watchdog.records import Ladder
 from gpu_watchdog.watchdog.samples import History
+from gpu_watchdog.watchdog.settings import AdmissionSettings
 
 SHRINK, GROW = "shrink_admission", "grow_admission"
 

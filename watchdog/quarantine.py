@@ -24,7 +24,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.config import QuarantineSettings
+from gpu_watchdog.watchdog.settings import QuarantineSettings
 
 MAX_PER_EPISODE = 3  # a bound on the damage: one set of failures quarantines this many at most
 ANNOTATION = "gpu-watchdog.io/quarantine"  # on the workload's Lease, beside the fleet's ledger

@@ -10,7 +10,6 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from gpu_watchdog.watchdog import ladder
-from gpu_watchdog.watchdog.config import AdmissionSettings
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.records import Failure, Ladder
 from gpu_watchdog.watchdog.samples import (
@@ -31,6 +30,7 @@ from gpu_watchdog.watchdog.samples import (
     WorkersSample,
     XidEvent,
 )
+from gpu_watchdog.watchdog.settings import AdmissionSettings
 
 # Enough of another worker's canaries for any hang rule (`policy.hang.consecutive_timeouts`).
 WORKER_CANARIES_KEPT = 32

@@ -12,7 +12,7 @@ import uuid
 import aiohttp
 
 from gpu_watchdog import logs
-from gpu_watchdog.contract import ENV_VAR, TokenError, ensure_token
+from gpu_watchdog.token import ENV_VAR, TokenError, ensure_token
 from gpu_watchdog.watchdog.actions.restart import LocalRestarter
 from gpu_watchdog.watchdog.app import Watchdog
 from gpu_watchdog.watchdog.config import METRICS_AUTO, ConfigError, Settings, from_mapping, read_yaml, replace

@@ -6,12 +6,12 @@ import dataclasses
 from typing import Any
 
 from gpu_watchdog.watchdog import names, policy
-from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.escalation import Suspect
 from gpu_watchdog.watchdog.fleet import FleetView
 from gpu_watchdog.watchdog.idle_memory import IdleMemory
 from gpu_watchdog.watchdog.metrics import Snapshot, WorkerRow
 from gpu_watchdog.watchdog.samples import History
+from gpu_watchdog.watchdog.settings import Settings
 
 
 @dataclasses.dataclass(frozen=True)

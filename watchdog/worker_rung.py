@@ -13,7 +13,6 @@ from typing import Any
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import policy
-from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.executor import BUDGET_FRESH_S, Executor
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
@@ -21,6 +20,7 @@ from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.samplers.workers import WorkersSampler
 from gpu_watchdog.watchdog.samples import RESTART_FAILED, RESTART_HELD, RESTART_REPORTED, History, WorkerRestarted
+from gpu_watchdog.watchdog.settings import Settings
 
 log = logs.get("watchdog.workers")
 

@@ -277,7 +277,7 @@ def test_the_charts_config_schema_is_the_one_generated_from_the_settings() -> No
     doc = json.loads((CHART / "values.schema.json").read_text())
     held, definitions = config_schema.embedded(doc)
     assert (held, definitions) == (config_schema.chart_schema(), config_schema.DEFINITIONS), (
-        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/config.py"
+        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/settings.py"
         f" ({', '.join(config_schema.stale_keys(doc)) or 'definitions'}): run {config_schema.REGENERATE}"
         " and commit helm/gpu-watchdog/values.schema.json")
 

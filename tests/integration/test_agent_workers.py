@@ -18,8 +18,9 @@ import requests
 import structlog
 
 from gpu_watchdog.benchmarks._procs import free_ports
-from gpu_watchdog.contract import MEMORY, ensure_token
+from gpu_watchdog.contract import MEMORY
 from gpu_watchdog.inference.agent import Agent, AgentSettings
+from gpu_watchdog.token import ensure_token
 from gpu_watchdog.watchdog.actions.restart import ContainerRestarter, ReportOnlyRestarter
 from gpu_watchdog.watchdog.app import Watchdog
 from gpu_watchdog.watchdog.config import from_mapping
@@ -62,7 +63,7 @@ def test_each_agent_takes_the_next_port_and_one_past_the_range_serves_unwatched(
 def test_workers_writing_one_token_file_at_once_all_require_the_token_it_holds(tmp_path: Path) -> None:
     path = tmp_path / "token"
     at = time.time() + 1.5  # every process writes at this instant, past its interpreter's start
-    script = ("import time; from gpu_watchdog.contract import ensure_token;"
+    script = ("import time; from gpu_watchdog.token import ensure_token;"
               f" time.sleep(max(0.0, {at!r} - time.time())); print(ensure_token({str(path)!r})[0])")
     env = {k: v for k, v in os.environ.items() if k != "GPU_WATCHDOG_TOKEN"}
     procs = [subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, env=env, cwd=ROOT)

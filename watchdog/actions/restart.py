@@ -13,7 +13,6 @@ from typing import Any, Protocol
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog.actions.kube import PodActions, RefusedError, event_reason
-from gpu_watchdog.watchdog.config import RestartSettings
 from gpu_watchdog.watchdog.escalation import (
     GPUS_ANNOTATION,
     INFLIGHT_ANNOTATION,
@@ -24,6 +23,7 @@ from gpu_watchdog.watchdog.escalation import (
 )
 from gpu_watchdog.watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_PROCESS
 from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.settings import RestartSettings
 
 log = logs.get("watchdog.restart")
 

@@ -38,7 +38,7 @@ class Canary(Protocol):
 
 
 def read_api_key(path: str | None) -> str | None:
-    """The target server's API key. Not contract.read_token: GPU_WATCHDOG_TOKEN is the control
+    """The target server's API key. Not token.read_token: GPU_WATCHDOG_TOKEN is the control
     API's token, and must never be sent to another server as its key."""
     if path is None:
         return None

@@ -19,9 +19,9 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog.actions.k8s import client
 from gpu_watchdog.watchdog.actions.kube import load_api_client
-from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
 from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
+from gpu_watchdog.watchdog.settings import Settings
 
 log = logs.get("watchdog.device_health")
 

@@ -17,10 +17,10 @@ import aiohttp
 from yarl import URL
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.config import HttpTargetSettings
 from gpu_watchdog.watchdog.samplers.canary import ANSWER_BYTES, classify, read_api_key
 from gpu_watchdog.watchdog.samplers.http_body import read_capped
 from gpu_watchdog.watchdog.samples import CanarySample
+from gpu_watchdog.watchdog.settings import HttpTargetSettings
 
 log = logs.get("watchdog.canary")
 

@@ -12,7 +12,7 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
-from gpu_watchdog.watchdog.config import Settings
+from gpu_watchdog.watchdog.settings import Settings
 
 SOCKET = "/var/lib/kubelet/pod-resources/kubelet.sock"
 LIST_METHOD = "/v1.PodResourcesLister/List"
