@@ -24,7 +24,7 @@ OFFLINE_WHEELS ?= .gpu-wheels-ci
 # made by debootstrap (kept between runs), the machine's CA bundle and its local torch wheel.
 CI_BASE := localhost/gpu-watchdog-base:bookworm
 
-.PHONY: install up test lint tools vllm offline images push images-ci clean chart-files chart-schema
+.PHONY: install up test lint tools vllm offline images push images-ci clean chart-files chart-schema docs
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -90,7 +90,7 @@ test: install tools vllm offline lint
 	$(VENV)/bin/pytest
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(OFFLINE_VENV) $(OFFLINE_WHEELS) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(OFFLINE_VENV) $(OFFLINE_WHEELS) .pytest_cache .mypy_cache .ruff_cache .site
 
 images:
 	bash docker/build.sh build
@@ -117,6 +117,12 @@ images-ci:
 chart-files: chart-schema
 	cp dashboards/alerts.yaml dashboards/gpu-watchdog.json helm/gpu-watchdog/files/
 
-# The chart's schema of watchdog.config, generated from the settings in watchdog/config.py.
-chart-schema:
+# The chart's schema of watchdog.config, generated from the settings in watchdog/settings.py.
+chart-schema: install
 	$(PY) -m gpu_watchdog.watchdog.config_schema
+
+# What docs/ generates from the definitions it describes: the configuration and values references
+# (and the chart README's table), and the pictures. tests/docs fails when a committed copy differs.
+docs: chart-schema
+	$(PY) tools/reference.py
+	$(PY) tools/pictures.py

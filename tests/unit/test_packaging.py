@@ -29,7 +29,9 @@ def test_nothing_of_ours_under_a_name_others_own(tmp_path: Path) -> None:
         code = f"import importlib.util as u; s = u.find_spec({name!r}); print(s.origin if s else None)"
         found = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True,
                                check=True).stdout.strip()
-        assert not found.startswith(str(ROOT)), (name, found)
+        # Another distribution's copy may sit in a venv inside the checkout (mkdocs brings PyPI's
+        # watchdog): ours is the folder of that name at the checkout's root.
+        assert found == "None" or not Path(found).resolve().is_relative_to(ROOT / name), (name, found)
 
 
 def test_the_console_script_is_ours(tmp_path: Path) -> None:

@@ -214,7 +214,7 @@ on only where both are allowed, and true where they are not stops the install wi
 {{/* An image reference; a missing repository fails the install with where to look. */}}
 {{- define "gpu-watchdog.image" -}}
 {{- $img := index . 0 -}}{{- $key := index . 1 -}}
-{{- $msg := printf "%s.repository is not set: build and push the images first (make images; make push REGISTRY=...; README, section Kubernetes), then --set %s.repository=REGISTRY/gpu-watchdog-%s" $key $key (ternary "inference" "watchdog" (hasPrefix "inference" $key)) -}}
+{{- $msg := printf "%s.repository is not set: build and push the images first (make images; make push REGISTRY=...; README, On Kubernetes: docs/kubernetes.md), then --set %s.repository=REGISTRY/gpu-watchdog-%s" $key $key (ternary "inference" "watchdog" (hasPrefix "inference" $key)) -}}
 {{- printf "%s:%s" (required $msg $img.repository) $img.tag -}}
 {{- end -}}
 
