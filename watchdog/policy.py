@@ -15,7 +15,6 @@ from statistics import median
 from typing import Any
 
 from gpu_watchdog.watchdog import ladder, xid_catalog
-from gpu_watchdog.watchdog.config import CanarySettings, PolicySettings
 from gpu_watchdog.watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
@@ -51,6 +50,7 @@ from gpu_watchdog.watchdog.samples import (
     TorchSample,
     XidEvent,
 )
+from gpu_watchdog.watchdog.settings import CanarySettings, PolicySettings
 
 # Xid classes, derived from the catalog's immediate actions (`watchdog.xid_catalog`). App faults
 # kill the process's context and a new process cures them; hardware ones need the GPU reset or the
@@ -600,6 +600,11 @@ def _stall(settings: PolicySettings, h: History) -> Decision | None:
             break
         start = s
     if last.at - start.at < settings.stall.window:
+        return None
+    answered = [c for c in h.canaries_since_epoch() if c.at >= start.at]
+    if not last.requests_waiting and answered and answered[-1].ok:
+        # Nothing waits and the server answers its canary: it serves. A counter of answered requests
+        # (the agent's, a `progress_metric`) stays flat under one long request; that is no hang.
         return None
     return Decision("restart", HANG,
                     {"evidence": "stall", "server": last.server, "requests_running": last.requests_running,

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -237,3 +238,24 @@ async def test_the_api_key_is_sent_from_the_request_or_the_target(service: tuple
         cfg = settings(url, api_key_file=str(own)).target.http
         assert (await HttpCanary(cfg, session, time.monotonic, 2.0, api_key_file=str(key)).sample()).ok
         assert state.requests[-1]["auth"] == "Bearer mine"
+
+
+async def test_the_targets_key_reaches_the_http_canary_the_sidecar_builds(service: tuple[str, Predict], tmp_path: Any,
+                                                                        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`target.api_key_file` (where the chart mounts an external server's key) is sent by the canary the
+    sidecar itself assembles for `target.http`, not only by one built by hand."""
+    from gpu_watchdog.watchdog.samplers.assembly import build_samplers
+    from gpu_watchdog.watchdog.samplers.nvml import PynvmlBackend
+
+    url, state = service
+    monkeypatch.setenv("POD_NAME", "p")
+    monkeypatch.setenv("POD_NAMESPACE", "n")
+    key = tmp_path / "key"
+    key.write_text("target-key\n")
+    base = settings(url)
+    s = dataclasses.replace(base, target=dataclasses.replace(base.target, api_key_file=str(key)))
+    async with aiohttp.ClientSession() as session:
+        samplers = build_samplers(s, session, time.monotonic, None, PynvmlBackend(), None)
+        assert isinstance(samplers.canary, HttpCanary)
+        assert (await samplers.canary.sample()).ok
+    assert state.requests[-1]["auth"] == "Bearer target-key"

@@ -536,6 +536,32 @@ def test_no_stall_when_idle_or_when_tokens_move() -> None:
     assert decide(settings(), h2, 121.0) == []
 
 
+def test_one_long_request_under_a_counter_of_answers_is_no_stall_while_the_canary_serves() -> None:
+    # A service whose work counter counts answered requests (the agent's `progress_metric`): one
+    # request that runs for minutes leaves it flat while every canary is answered. It serves.
+    h = history()
+    for t in range(0, 180, 5):
+        h.server.append(work(t, progress=12.0, running=1))
+    for t in range(0, 180, 30):
+        h.canaries.append(ok(t + 0.5))
+    assert decide(settings(), h, 176.0) == []
+    # Requests waiting behind it while the counter stays flat: clients starve, whatever the canary's
+    # reserved slot says. That is the stall.
+    h.server.append(work(180, progress=12.0, running=1, waiting=3))
+    for t in range(185, 250, 5):
+        h.server.append(work(t, progress=12.0, running=1, waiting=3))
+    [d] = decide(settings(), h, 245.5)
+    assert (d.reason, d.detail["evidence"]) == (HANG, "stall")
+    # And with nothing waiting, a canary that is no longer answered leaves the stall rule to decide.
+    h2 = history()
+    h2.canaries.append(ok(0.5))
+    for t in range(0, 70, 5):
+        h2.server.append(work(t, progress=12.0, running=1))
+    h2.canaries.append(failed(40.0, "timeout"))
+    [d2] = decide(settings(), h2, 65.5)
+    assert (d2.reason, d2.detail["evidence"]) == (HANG, "stall")
+
+
 def test_confirm_fast_after_a_timeout_and_only_then() -> None:
     s = Settings()
     h = history()

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 import aiohttp
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.config import Settings
 from gpu_watchdog.watchdog.control_client import ControlClient
 from gpu_watchdog.watchdog.samplers.allocator import AllocatorSampler
 from gpu_watchdog.watchdog.samplers.canary import Canary, CanarySampler, OpenAICanary
@@ -18,6 +17,7 @@ from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, NvmlSampler
 from gpu_watchdog.watchdog.samplers.server_metrics import ServerMetricsSampler
 from gpu_watchdog.watchdog.samplers.workers import WorkersSampler
 from gpu_watchdog.watchdog.selector import parse as parse_selector
+from gpu_watchdog.watchdog.settings import Settings
 
 log = logs.get("watchdog")
 
@@ -43,7 +43,7 @@ def build_samplers(settings: Settings, session: aiohttp.ClientSession, clock: Ca
     allocator: AllocatorSampler | None = None
     canary: Canary
     if s.target.http is not None:
-        canary = HttpCanary(s.target.http, session, clock, s.canary.timeout)
+        canary = HttpCanary(s.target.http, session, clock, s.canary.timeout, s.target.api_key_file)
     elif s.target.openai_url is None:
         control = ControlClient(s.target.control_url, token, session)
         allocator = AllocatorSampler(control, clock)
