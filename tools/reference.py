@@ -66,6 +66,8 @@ def _config_type(tp: Any, meta: Mapping[str, Any]) -> str:
         return "ratio"
     if kind == "share":
         return "count or share"
+    if kind == "size":
+        return "size"
     if kind == "json":
         return "any JSON value"
     if origin is dict:
@@ -80,6 +82,8 @@ def _config_default(value: Any, meta: Mapping[str, Any]) -> str:
         return "`null`"
     if meta.get("kind") == "duration":
         return f"`{_duration(float(value))}`"
+    if meta.get("kind") == "size":
+        return f"`{settings.size_text(value)}`"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, str):
@@ -146,7 +150,8 @@ def configuration_page() -> str:
         "and what it means. How to write and check the file: [Configuration](../configuration.md).",
         "",
         "Types: a *duration* is `250ms`, `30s`, `10m`, `24h`, `7d` or a number of seconds; a *ratio* is",
-        "`0.12` or `12%`; a *count or share* is a number of replicas (`2`) or a share of them (`25%`).",
+        "`0.12` or `12%`; a *count or share* is a number of replicas (`2`) or a share of them (`25%`); a",
+        "*size* is `64MiB`, `1GiB` or a number of bytes.",
         "`${VAR}` in a string is replaced from the environment. A key the chart sets itself is marked so:",
         "under the chart, setting it in `watchdog.config` is refused.",
         "",

@@ -20,7 +20,7 @@ from aiohttp import web
 
 from gpu_watchdog import logs
 from gpu_watchdog.token import read_token
-from gpu_watchdog.watchdog import ladder, policy, views
+from gpu_watchdog.watchdog import ladder, policy, recording, views
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.episodes import Episodes
@@ -30,6 +30,7 @@ from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
 from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
+from gpu_watchdog.watchdog.recorder import FlightRecorder
 from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
 from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
@@ -107,6 +108,7 @@ class Watchdog:
         self._actions: set[asyncio.Task[Any]] = set()
         self._eval_lock = asyncio.Lock()
         self._run: Running | None = None
+        self.recorder: FlightRecorder | None = None
 
     @property
     def running(self) -> Running:
@@ -133,6 +135,12 @@ class Watchdog:
         self.history = History(started_at=now, epoch=now, jitter=self._jitter(), pod=k.pod_name,
                                node=k.node_name or None, worker_count=s.target.workers)
         self._last_tick = now
+        if s.recorder.path is not None:
+            self.recorder = FlightRecorder(s.recorder.path, s.recorder.max_bytes, self._recording_header,
+                                           lambda why: self.metrics.recorder_failures.labels(why=why).inc())
+            self.recorder.start()
+            log.info("recorder_started", path=s.recorder.path, max_bytes=s.recorder.max_bytes,
+                     replay=f"gpu-watchdog replay {s.recorder.path}")
         session = aiohttp.ClientSession()
         token = self._token or self._read_token() if s.target.http is None and s.target.openai_url is None else None
         samplers = build_samplers(s, session, self.clock, token, self._nvml_backend, self.server_metrics_url)
@@ -164,7 +172,8 @@ class Watchdog:
         if samplers.workers is not None:
             periodic("workers", lambda: s.sampling.torch_interval, self._sample_workers)
             rung = WorkerRung(s, samplers.workers, executor, self.metrics, self._fold, self._record, self.clock,
-                              self._read_budget if self.restart_events is not None else None)
+                              self._read_budget if self.restart_events is not None else None,
+                              decided=lambda now, decisions: self._decided(now, decisions, recording.WORKERS))
             periodic("worker_canaries", lambda: s.canary.interval, lambda: rung.sample(lambda: self.history))
         if samplers.device_health is not None:
             periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
@@ -202,6 +211,8 @@ class Watchdog:
             await run.runner.cleanup()
         await run.session.close()
         await asyncio.to_thread(run.samplers.nvml.close)
+        if self.recorder is not None:
+            await asyncio.to_thread(self.recorder.stop)
         log.info("watchdog_stopped")
 
     def _jitter(self) -> float:
@@ -229,7 +240,17 @@ class Watchdog:
             await asyncio.sleep(max(0.0, interval() - elapsed))
 
     def _fold(self, outcome: Outcome) -> None:
+        if self.recorder is not None:
+            self.recorder.record(recording.input_line(outcome))
         reduce(self.history, outcome, self.settings.policy.admission)
+
+    def _decided(self, now: float, decisions: list[Decision], core: str = recording.POD) -> None:
+        if self.recorder is not None:
+            self.recorder.record(recording.tick_line(now, decisions, core))
+
+    def _recording_header(self) -> dict[str, Any]:
+        return recording.start_line(recording.settings_json(self.settings), self.history,
+                                    self.restart_events is not None, self.clock(), self.wall_clock())
 
     def _spawn(self, coro: Any) -> None:
         # Keep a reference: the loop holds tasks weakly, and an action must not vanish mid-way.
@@ -397,7 +418,9 @@ class Watchdog:
     async def _evaluate(self) -> None:
         async with self._eval_lock:
             now = self.clock()
-            for decision in policy.decide(self.settings.policy, self.history, now, self.restart_events is not None):
+            decisions = policy.decide(self.settings.policy, self.history, now, self.restart_events is not None)
+            self._decided(now, decisions)
+            for decision in decisions:
                 self._act(decision, now)
             executor = self.executor
             # Held for the watched target or for another worker: over once neither wants a restart.

@@ -1,4 +1,4 @@
-"""The sidecar's commands: run, check-config, fleet, quarantine (the console script adds them)."""
+"""The sidecar's commands: run, check-config, fleet, quarantine, replay (the console script adds them)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,18 @@ def add_commands(sub: Any) -> None:
     """`sub`: the console script's subparsers; each command's function is its `run_command` default."""
     run = sub.add_parser("run", help="run the watchdog sidecar")
     run.add_argument("--config", required=True, metavar="FILE")
+    run.add_argument("--record", metavar="FILE", default=None,
+                     help="append every input the core sees to FILE (recorder.path), for `gpu-watchdog replay`")
     run.set_defaults(run_command=_cmd_run)
+
+    replay = sub.add_parser("replay", help="print a flight recording's decisions again, or what other settings"
+                                           " would have decided")
+    replay.add_argument("files", nargs="+", metavar="FILE", help="the recording (FILE.1, then FILE, after a rotation)")
+    replay.add_argument("--config", metavar="FILE", default=None,
+                        help="decide with this config instead of the one recorded")
+    replay.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                        help="decide with this setting changed (repeatable): --set policy.hang.consecutive_timeouts=5")
+    replay.set_defaults(run_command=_cmd_replay)
 
     fleet = sub.add_parser("fleet", help="the workload's restart ledger: who is restarting, the breaker")
     fleet.add_argument("action", choices=("status", "reset-breaker"),
@@ -37,7 +48,13 @@ def add_commands(sub: Any) -> None:
 def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from gpu_watchdog.watchdog.wiring import run_main
 
-    return run_main(args.config)
+    return run_main(args.config, args.record)
+
+
+def _cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    from gpu_watchdog.watchdog.replay_cli import replay_main
+
+    return replay_main(args.files, args.config, args.sets)
 
 
 def _cmd_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

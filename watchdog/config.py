@@ -37,6 +37,7 @@ from gpu_watchdog.watchdog.settings import (
     MemoryPressureSettings,
     PolicySettings,
     QuarantineSettings,
+    RecorderSettings,
     RestartBudgetSettings,
     RestartSettings,
     SamplingSettings,
@@ -54,7 +55,8 @@ __all__ = [
     "BUNDLED_METRICS_URL", "HTTP_METHODS", "METRICS_AUTO", "STRATEGIES", "VERDICT_FILE", "AdmissionSettings",
     "CanarySettings", "ConfigError", "EscalationSettings", "FleetSettings", "FragmentationSettings", "HangSettings",
     "HttpTargetSettings", "InPlaceSettings", "KubernetesSettings", "MemoryPressureSettings", "PolicySettings",
-    "QuarantineSettings", "RestartBudgetSettings", "RestartSettings", "SamplingSettings", "ServerSettings",
+    "QuarantineSettings", "RecorderSettings", "RestartBudgetSettings", "RestartSettings", "SamplingSettings",
+    "ServerSettings",
     "Settings", "StallSettings", "TargetSettings", "UnservableSettings", "check_config_main", "from_mapping",
     "load", "metrics_url", "read_yaml", "replace", "workload_of",
 ]
@@ -255,6 +257,19 @@ def from_mapping(data: Any) -> Settings:
     settings = _build(Settings, data, "", errors)
     if not errors:
         _check(settings, errors)
+    if errors:
+        raise ConfigError(errors)
+    return typing.cast(Settings, settings)
+
+
+def build(data: Any) -> Settings:
+    """Settings from a mapping, its keys, types and bounds checked, and nothing that needs this
+    machine (the environment, a file named in it): for settings written down elsewhere, as a
+    flight recording holds them."""
+    errors: list[str] = []
+    settings = _build(Settings, data, "", errors)
+    if not errors:
+        _check_bounds(settings, "", errors)
     if errors:
         raise ConfigError(errors)
     return typing.cast(Settings, settings)

@@ -36,6 +36,7 @@ CHART_OWNED = frozenset({
     "kubernetes.pod_name", "kubernetes.namespace", "kubernetes.node_name", "kubernetes.kubeconfig",
     "kubernetes.pod_resources_socket", "kubernetes.workload", "policy.escalation.node_event",
     "target.control_url", "target.token_file", "target.openai_url", "target.metrics_url", "target.api_key_file",
+    "recorder.path",
 })
 # Choices that cannot work in a pod: `local` restarts a child process only `gpu-watchdog up` owns.
 CHART_EXCLUDED_CHOICES: Mapping[str, frozenset[str]] = {"restart.strategy": frozenset({"local"})}
@@ -65,6 +66,9 @@ def _scalar(tp: Any, meta: Mapping[str, Any], path: str, excluded: Mapping[str, 
         return {"$ref": f"#/definitions/{'configPositiveDuration' if meta.get('positive') else 'configDuration'}"}
     if kind == "ratio":
         return {"$ref": "#/definitions/configRatio"}
+    if kind == "size":
+        return {"anyOf": [{"type": "integer", "minimum": meta.get("min", 0)},
+                          {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*([KkMmGgTt]i?[Bb]|[Bb])?\s*$"}]}
     if kind == "share":
         return {"anyOf": [{"type": "integer", "minimum": 1},
                           {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*%?\s*$"}],
@@ -155,8 +159,8 @@ def chart_schema() -> dict[str, Any]:
     schema = dataclass_schema(settings.Settings, excluded=CHART_EXCLUDED_CHOICES, omit=CHART_OWNED)
     schema["$comment"] = f"Generated from watchdog/settings.py by {REGENERATE}; do not edit by hand."
     schema["description"] = ("the sidecar's config (docs/reference/configuration.md), checked against this schema,"
-                             " generated from its settings; the chart fills in `server` and the URLs, paths and"
-                             " names under `target` and `kubernetes` itself")
+                             " generated from its settings; the chart fills in `server`, `recorder.path` and the URLs,"
+                             " paths and names under `target` and `kubernetes` itself")
     return schema
 
 

@@ -214,6 +214,9 @@ class WatchdogMetrics:
                                    " policy.quarantine.failures failures of the workload)", registry=r)
         self.quarantined = Gauge(P + "quarantined", "Request fingerprints the workload refuses now, as pushed to"
                                  " this pod's server", ["workload"], registry=r)
+        # The flight recorder's losses, by why: queue_full (lines dropped), open, write, rotate.
+        self.recorder_failures = Counter(P + "recorder_failures", "Flight recorder lines lost, by why",
+                                         ["why"], registry=r)
         r.register(SnapshotCollector(snapshot))
 
 

@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from gpu_watchdog.units import parse_duration, parse_ratio, parse_share
+from gpu_watchdog.units import parse_duration, parse_ratio, parse_share, parse_size
 
 STRATEGIES = ("evict", "delete", "container", "local", "none")
 # Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness
@@ -295,6 +295,17 @@ class ServerSettings:
 
 
 @dataclass(frozen=True)
+class RecorderSettings:
+    """The flight recorder: every input the core sees, one JSON line each, for `gpu-watchdog replay`."""
+
+    path: str | None = field(default=None, metadata=_about(
+        "The file it appends to (FILE and FILE.1 after a rotation); null: nothing is recorded."))
+    max_bytes: int = field(default=64 * 2**20, metadata=_about(
+        "The two files together stay within this (`64MiB`, `1GiB` or a number of bytes).", parse=parse_size,
+        kind="size", min=2**20))
+
+
+@dataclass(frozen=True)
 class Settings:
     target: TargetSettings = TargetSettings()
     sampling: SamplingSettings = SamplingSettings()
@@ -303,24 +314,39 @@ class Settings:
     restart: RestartSettings = RestartSettings()
     kubernetes: KubernetesSettings = KubernetesSettings()
     server: ServerSettings = ServerSettings()
+    recorder: RecorderSettings = RecorderSettings()
 
 
 def bounds(meta: Mapping[str, Any]) -> str:
     """A setting's bounds in words (`at least 1`, `between 0 and 1 (exclusive)`), empty when it has none."""
-    lo, hi, gt, lt = meta.get("min"), meta.get("max"), meta.get("gt"), meta.get("lt")
+    lo, hi, gt, lt = (_said(meta, meta.get(k)) for k in ("min", "max", "gt", "lt"))
     if lo is not None and hi is not None:
-        return f"between {lo:g} and {hi:g}"
+        return f"between {lo} and {hi}"
     if gt is not None and lt is not None:
-        return f"between {gt:g} and {lt:g} (exclusive)"
+        return f"between {gt} and {lt} (exclusive)"
     if lo is not None:
-        return f"at least {lo:g}"
+        return f"at least {lo}"
     if hi is not None:
-        return f"at most {hi:g}"
+        return f"at most {hi}"
     if gt is not None:
-        return f"greater than {gt:g}"
+        return f"greater than {gt}"
     if lt is not None:
-        return f"less than {lt:g}"
+        return f"less than {lt}"
     return ""
+
+
+def size_text(n: float) -> str:
+    """A size as it is written in a config: `64MiB`, `1GiB`, `512KiB`, else bytes."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= scale and n % scale == 0:
+            return f"{int(n // scale)}{unit}"
+    return f"{int(n)}"
+
+
+def _said(meta: Mapping[str, Any], value: float | None) -> str | None:
+    if value is None:
+        return None
+    return size_text(value) if meta.get("kind") == "size" else f"{value:g}"
 
 
 

@@ -13,7 +13,7 @@ from gpu_watchdog import logs
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import ConfigError, Settings, load, workload_of
+from gpu_watchdog.watchdog.config import ConfigError, Settings, load, replace, workload_of
 from gpu_watchdog.watchdog.executor import FleetLedger
 
 log = logs.get("watchdog")
@@ -223,10 +223,12 @@ async def run_until_signal(watchdog: Watchdog) -> None:
     await watchdog.stop()
 
 
-def run_main(config_path: str) -> int:
+def run_main(config_path: str, record: str | None = None) -> int:
     logs.configure("watchdog")
     try:
         settings = load(config_path)
+        if record is not None:
+            settings = replace(settings, "recorder", path=record)
         workload = resolve_workload(settings)
         restarter = build_restarter(settings, workload)
         node = build_node_reporter(settings)

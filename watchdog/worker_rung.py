@@ -27,8 +27,10 @@ log = logs.get("watchdog.workers")
 class WorkerRung:
     def __init__(self, settings: Settings, sampler: WorkersSampler, executor: Executor, metrics: WatchdogMetrics,
                  fold: Callable[[Any], None], record: Callable[[Decision, str, float], None],
-                 clock: Callable[[], float], read_budget: Callable[[], Awaitable[None]] | None) -> None:
+                 clock: Callable[[], float], read_budget: Callable[[], Awaitable[None]] | None,
+                 decided: Callable[[float, list[Decision]], None] = lambda now, decisions: None) -> None:
         self.settings = settings
+        self.decided = decided  # each evaluation and what it decided, for the flight recorder
         self.sampler = sampler
         self.executor = executor
         self.metrics = metrics
@@ -50,7 +52,10 @@ class WorkerRung:
                 await ex.push_quarantine_to(k, newest.instance_id)
             if newest.served and k in ex.restarting_workers():
                 await ex.served(k, newest.instance_id)
-        for decision in policy.other_workers(self.settings.policy, h, self.clock(), self.read_budget is not None):
+        now = self.clock()
+        decisions = policy.other_workers(self.settings.policy, h, now, self.read_budget is not None)
+        self.decided(now, decisions)
+        for decision in decisions:
             await self._restart(decision, history)
 
     async def _restart(self, decision: Decision, history: Callable[[], History]) -> None:

@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import requests
@@ -59,7 +63,8 @@ class Stack:
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     tmp = tmp_path_factory.mktemp("up")
     config = tmp / "watchdog.yaml"
-    config.write_text(SHORT)
+    recording = tmp / "flight.jsonl"
+    config.write_text(SHORT + f"recorder: {{path: {recording}}}\n")
     port, control_port, watchdog_port = free_port(), free_port(), free_port()
     token = "e2e-token"
     proc = spawn(["up", "--fault-injection", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
@@ -75,6 +80,19 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         # Ctrl-C / SIGTERM stops both processes cleanly.
         assert code == 0, proc.log()[-3000:]
         assert any(e.get("event") == "shutdown" for e in json_lines(proc.log()))
+        replayed_identically(recording)
+
+
+def replayed_identically(recording: Path) -> None:
+    """The stack's flight recording, through `gpu-watchdog replay`, gives every decision it took again."""
+    done = subprocess.run([sys.executable, "-m", "gpu_watchdog", "replay", str(recording)], capture_output=True,
+                          text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    printed = [json.loads(line) for line in done.stdout.splitlines()]
+    summary = printed[-1]
+    assert summary["kind"] == "summary" and summary["identical"], summary
+    restarts = {p["reason"] for p in printed if p["kind"] == "decision" and p["action"] == "restart"}
+    assert summary["ticks"] > 100 and restarts, (summary, restarts)
 
 
 def test_both_processes_come_up_and_serve(stack: Stack) -> None:

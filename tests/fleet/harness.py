@@ -18,6 +18,8 @@ import asyncio
 import contextlib
 import copy
 import inspect
+import io
+import json
 import random
 import sys
 import time
@@ -30,6 +32,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from gpu_watchdog.watchdog.replay_cli import replay_main
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster, PodRemoval, Write
 from tests.helpers import ROOT, Proc, free_port, json_lines, spawn, spawn_python
@@ -257,6 +260,22 @@ class Fleet:
             self._http = None
         if failed:
             self.print_logs()
+        else:
+            self.check_recordings()
+
+    def check_recordings(self) -> None:
+        """Every sidecar's flight recording, folded through the same core by `gpu-watchdog replay`,
+        gives the decisions that sidecar took, evaluation for evaluation."""
+        for pod in self.all_pods.values():
+            path = self.dir / f"{pod.name}.flight.jsonl"
+            if not path.exists():
+                continue
+            out, err = io.StringIO(), io.StringIO()
+            code = replay_main([str(path)], None, [], out=out, err=err)
+            summary = json.loads(out.getvalue().splitlines()[-1])
+            # A sidecar killed at the end may leave its last line cut: what came before still counts.
+            assert code == 0 or "cut short" in err.getvalue(), (pod.name, err.getvalue())
+            assert summary["identical"] and summary["ticks"] > 0, (pod.name, summary)
 
     def print_logs(self, lines: int = 30) -> None:
         """The tail of every sidecar's log and the timeline, for a failed test's report."""
@@ -301,6 +320,7 @@ class Fleet:
         if self.model == "serve":
             base["target"] = {"control_url": pod.control_url, "token_file": None, "openai_url": None,
                               "metrics_url": f"{pod.model_url}/metrics"}
+        base["recorder"] = {"path": str(self.dir / f"{pod.name}.flight.jsonl")}
         return deep_merge(base, self.sidecar_config)
 
     def _model_argv(self, pod: FleetPod) -> list[str]:

@@ -164,6 +164,52 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- end -}}
 {{- end -}}
 
+{{/*
+Bytes from a size: (list VALUE "quantity") reads a Kubernetes quantity (128Mi, 1Gi, 500M),
+(list VALUE "config") a size as the sidecar's config writes it (64MiB, 1GB, or a number of bytes).
+*/}}
+{{- define "gpu-watchdog.bytes" -}}
+{{- $value := index . 0 -}}{{- $kind := index . 1 -}}
+{{- if or (kindIs "float64" $value) (kindIs "int" $value) (kindIs "int64" $value) -}}
+{{- float64 $value -}}
+{{- else -}}
+{{- $v := toString $value | trim -}}
+{{- $re := "^([0-9]+(\\.[0-9]+)?)\\s*([A-Za-z]*)$" -}}
+{{- $units := dict "" 1.0 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 -}}
+{{- if eq $kind "config" -}}
+{{- $units = dict "" 1.0 "b" 1.0 "kib" 1024.0 "mib" 1048576.0 "gib" 1073741824.0 "tib" 1099511627776.0 "kb" 1e3 "mb" 1e6 "gb" 1e9 "tb" 1e12 -}}
+{{- end -}}
+{{- $unit := regexReplaceAll $re $v "${3}" -}}
+{{- if eq $kind "config" -}}{{- $unit = lower $unit -}}{{- end -}}
+{{- if or (not (regexMatch $re $v)) (not (hasKey $units $unit)) -}}
+{{- fail (printf "not a size: %q (expected %s)" $v (ternary "64MiB, 1GiB or a number of bytes" "128Mi, 1Gi or a number of bytes" (eq $kind "config"))) -}}
+{{- end -}}
+{{- mulf (regexReplaceAll $re $v "${1}" | float64) (get $units $unit) -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+"true" when the flight recorder is on (watchdog.recorder.enabled): the sidecar appends every input
+its core sees to /var/lib/gpu-watchdog/flight.jsonl, on an emptyDir the watchdog container alone
+mounts. The recording and its rotated .1 together stay within watchdog.config.recorder.max_bytes,
+which must fit under the emptyDir's sizeLimit: the kubelet evicts a pod whose emptyDir outgrows it.
+*/}}
+{{- define "gpu-watchdog.recorder" -}}
+{{- $rec := .Values.watchdog.recorder | default dict -}}
+{{- if $rec.enabled -}}
+{{- $max := dig "recorder" "max_bytes" "64MiB" .Values.watchdog.config -}}
+{{- $limit := $rec.sizeLimit | default "128Mi" -}}
+{{- if le (include "gpu-watchdog.bytes" (list $limit "quantity") | float64) (include "gpu-watchdog.bytes" (list $max "config") | float64) -}}
+{{- $said := ternary (toString $max) (printf "%d" (int64 $max)) (kindIs "string" $max) -}}
+{{- fail (printf "watchdog.recorder.sizeLimit=%v is not above watchdog.config.recorder.max_bytes=%s: the recording and its rotated .1 together fill up to max_bytes, and the kubelet evicts a pod whose emptyDir outgrows its sizeLimit; raise watchdog.recorder.sizeLimit or lower watchdog.config.recorder.max_bytes" $limit $said) -}}
+{{- end -}}
+true
+{{- end -}}
+{{- end -}}
+
+{{/* Where the sidecar writes its flight recording when watchdog.recorder.enabled. */}}
+{{- define "gpu-watchdog.recorderDir" -}}/var/lib/gpu-watchdog{{- end -}}
+
 {{- define "gpu-watchdog.watchdogConfig" -}}
 {{- $cfg := deepCopy .Values.watchdog.config -}}
 {{- $engine := include "gpu-watchdog.engine" . -}}
@@ -208,6 +254,10 @@ on only where both are allowed, and true where they are not stops the install wi
 {{- $_ := set $policy "fleet" $fleet -}}
 {{- end -}}
 {{- $_ := set $cfg "policy" $policy -}}
+{{- /* The flight recording goes to the recorder's emptyDir, or nowhere; max_bytes stays the user's. */ -}}
+{{- $recorder := deepCopy ($cfg.recorder | default dict) -}}
+{{- $_ := set $recorder "path" (ternary (printf "%s/flight.jsonl" (include "gpu-watchdog.recorderDir" .)) nil (eq (include "gpu-watchdog.recorder" .) "true")) -}}
+{{- $_ := set $cfg "recorder" $recorder -}}
 {{- toYaml $cfg -}}
 {{- end -}}
 

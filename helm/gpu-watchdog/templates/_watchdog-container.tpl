@@ -78,4 +78,8 @@ container. Probes, mounts, securityContext and env are the same text in both.
     {{- if eq $strategy "container" }}
     - {name: verdict, mountPath: /var/run/gpu-watchdog-verdict}
     {{- end }}
+    {{- if include "gpu-watchdog.recorder" . }}
+    # The flight recording (watchdog.recorder): the one place this container writes to disk.
+    - {name: recorder, mountPath: {{ include "gpu-watchdog.recorderDir" . }}}
+    {{- end }}
 {{- end -}}
