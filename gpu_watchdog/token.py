@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import os
 import secrets
+import stat
 import tempfile
 from pathlib import Path
 
@@ -32,12 +33,37 @@ def read_token(token_file: str | None) -> str | None:
     if not path.exists():
         return None
     try:
+        _check_trusted(path)
         token = path.read_text(encoding="utf-8").strip()
     except OSError as exc:
         raise TokenError(f"cannot read token file {path}: {exc.strerror}") from None
     if not token:
         raise TokenError(f"token file {path} is empty")
     return token
+
+
+def _check_trusted(path: Path) -> None:
+    """A token file someone else may have written chooses who may drive the control API: one that
+    group or others can write, or that belongs to another user (root's aside: a Secret mounted by
+    the kubelet is root's), is refused. Readable by others is allowed: a Secret's default mode."""
+    st = path.stat()  # through a link, as a mounted Secret is one
+    uid = os.getuid()
+    if st.st_mode & 0o022:
+        raise TokenError(f"token file {path} can be written by others (mode {st.st_mode & 0o777:o}): whoever writes"
+                         f" it chooses the control API's token; make it 600 (chmod 600 {path}) or set {ENV_VAR}")
+    if uid != 0 and st.st_uid not in (uid, 0):
+        raise TokenError(f"token file {path} belongs to uid {st.st_uid}, not to this user (uid {uid}) or root:"
+                         f" remove it, or give a token file of your own, or set {ENV_VAR}")
+
+
+def _check_private_folder(folder: Path) -> None:
+    """The default token's folder lies in a shared temp folder, where anyone may have made it first."""
+    st = folder.lstat()
+    uid = os.getuid()
+    if not stat.S_ISDIR(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise TokenError(f"the token folder {folder} is not private to this user (owner uid {st.st_uid}, mode"
+                         f" {st.st_mode & 0o777:o}{', a link' if stat.S_ISLNK(st.st_mode) else ''}): someone else"
+                         f" may read or replace the token there; remove it, or give a token file, or set {ENV_VAR}")
 
 
 def ensure_token(token_file: str | None) -> tuple[str, str | None]:
@@ -53,6 +79,8 @@ def ensure_token(token_file: str | None) -> tuple[str, str | None]:
     token = secrets.token_urlsafe(32)
     try:
         path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        if token_file is None:
+            _check_private_folder(path.parent)
         fd, tmp_name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.")  # 0600, a name of its own
     except OSError as exc:
         raise TokenError(f"cannot write token file {path}: {exc.strerror}") from None
