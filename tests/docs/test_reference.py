@@ -94,3 +94,26 @@ def test_a_setting_without_a_meaning_is_refused() -> None:
 
     with pytest.raises(SystemExit, match=r"bare\.knob: its field has no meaning"):
         reference._config_rows(Bare, "bare")
+
+
+def test_the_defaults_block_of_the_configuration_page_is_the_settings_own(monkeypatch: pytest.MonkeyPatch) -> None:
+    """docs/configuration.md shows every key at its default: loaded, it is the settings' defaults, and
+    it leaves no key out."""
+    from tests.docs import pages
+
+    page = ROOT / "docs" / "configuration.md"
+    text = page.read_text()
+    heading_line = text[: text.index("## The defaults")].count("\n") + 1
+    block = next(b for b in pages.blocks(page) if b.lang == "yaml" and b.line > heading_line)
+    shown = yaml.safe_load(block.text)
+    for var in ("POD_NAME", "POD_NAMESPACE", "NODE_NAME", "GPU_WATCHDOG_WORKLOAD"):
+        monkeypatch.setenv(var, f"<{var}>")
+    assert config.from_mapping(shown) == config.from_mapping({})
+
+    def keys(d: Any, prefix: str = "") -> set[str]:
+        return {k for name, v in d.items() for k in (keys(v, f"{prefix}{name}.") if isinstance(v, dict) and v
+                                                     else {prefix + name})}
+
+    # A section that is null by default (`target.http`) is shown as null, its keys with it.
+    expected = {k for k in _keys(config.Settings) if not k.startswith("target.http.")} | {"target.http"}
+    assert keys(shown) >= expected, sorted(expected - keys(shown))
