@@ -158,12 +158,12 @@ def _convert(value: Any, tp: Any, meta: Mapping[str, Any], path: str, errors: li
     return None
 
 
-_PLAIN_KEY = re.compile(r"^[A-Za-z0-9_-]+$")
+_PLAIN_KEY = re.compile(r"[A-Za-z0-9_-]+")
 
 
 def _join(path: str, key: object) -> str:
     """A readable key path even for odd keys: `canary.interval`, `canary['a b']`, `[1]`."""
-    if isinstance(key, str) and _PLAIN_KEY.match(key):
+    if isinstance(key, str) and _PLAIN_KEY.fullmatch(key):  # fullmatch: a key ending in a newline is not plain
         return f"{path}.{key}" if path else key
     return f"{path}[{key!r}]"
 

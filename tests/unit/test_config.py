@@ -166,3 +166,10 @@ def test_load_reads_a_file(tmp_path: Path) -> None:
     f = tmp_path / "c.yaml"
     f.write_text("restart: {strategy: none}\npolicy: {max_age: 0s}\n")
     assert load(str(f)).policy.max_age == 0.0
+
+
+def test_a_key_ending_in_a_newline_is_named_quoted() -> None:
+    # `$` matches before a trailing newline: such a key once printed as a bare path split over two lines.
+    with pytest.raises(ConfigError) as err:
+        from_mapping({"0\n": 1, "restart": {"strategy": "none"}})
+    assert err.value.errors[0].startswith("['0\\n']: unknown key")
