@@ -23,7 +23,7 @@ from typing import Any
 import structlog
 
 from gpu_watchdog.inference.faults import FaultInjector
-from gpu_watchdog.inference.fingerprint import fingerprint
+from gpu_watchdog.inference.fingerprint import digest, fingerprint
 from gpu_watchdog.inference.validation import BadRequest
 
 log = structlog.get_logger(__name__)
@@ -259,8 +259,8 @@ class Screen:
         self.on_refused: Callable[[], None] | None = None  # the metrics' counter
 
     def of_raw(self, raw: bytes, describe: Callable[[bytes], object] | None = None) -> str | None:
-        """A raw body's fingerprint (the agent's: it sees bytes): over what `describe` (the app's
-        function) says determines the work, else the body's computation fields (JSON) or bytes.
+        """A raw body's fingerprint (the agent's: it sees bytes): over all of what `describe` (the app's
+        function) says determines the work, else as `of_body` (JSON) or over its text.
         None: nothing to fingerprint (no body, or `describe` said None)."""
         if not raw.strip():
             return None
@@ -274,14 +274,14 @@ class Screen:
             if self.faults is not None:
                 MARKED.set(self.faults.marks(prompt_text(body)))
             work = describe(raw)
-            return None if work is None else fingerprint(self.key, work)
+            return None if work is None else digest(self.key, work)
         except Exception as exc:  # a body nested past the parser, an app's function that raises:
             log.warning("fingerprint_failed", error=repr(exc)[:200])  # no fingerprint, the request goes on
             return None
 
     def of_body(self, body: Any) -> str | None:
-        """A parsed JSON body's fingerprint (its computation fields), and the faults its prompt
-        triggers set for the request (`MARKED`)."""
+        """A parsed JSON body's fingerprint (the computation it asks for, `fingerprint.fingerprint`),
+        and the faults its prompt triggers set for the request (`MARKED`)."""
         try:
             if self.faults is not None:
                 MARKED.set(self.faults.marks(prompt_text(body)))

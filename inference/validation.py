@@ -39,6 +39,8 @@ MAX_N = 16
 # vLLM's default --max-logprobs.
 MAX_LOGPROBS = 20
 MAX_STOP_TOKEN_IDS = 64
+# The fields that set a chat answer's length (max_completion_tokens where both are sent).
+CHAT_TOKEN_FIELDS = ("max_tokens", "max_completion_tokens")
 
 
 class BadRequest(Exception):
@@ -147,6 +149,11 @@ def _check_fields(data: dict[str, Any], allowed: frozenset[str]) -> None:
             raise BadRequest(400, name, f"{name}: not a supported field")
         if name in _NEUTRAL and not _neutral(name, value):
             raise BadRequest(400, name, f"{name}: not supported (only {_NEUTRAL[name][0]!r} or absent)")
+
+
+def neutral(name: str, value: object) -> bool:
+    """Whether `value` of OpenAI's field `name` is one that changes nothing (see `_NEUTRAL`)."""
+    return name in _NEUTRAL and _neutral(name, value)
 
 
 def _neutral(name: str, value: object) -> bool:
@@ -322,6 +329,12 @@ def _logprobs_k(value: object, name: str) -> int:
     return value
 
 
+def completion_logprobs(data: dict[str, Any]) -> tuple[int | None, bool]:
+    """A completions body's `logprobs` (alternatives per token; None: no log-probabilities) and `echo`."""
+    logprobs = data.get("logprobs")
+    return None if logprobs is None else _logprobs_k(logprobs, "logprobs"), _flag(data, "echo", False)
+
+
 def completion_params(data: dict[str, Any], limits: Limits, *, vocab_size: int, allow_stream: bool = True,
                       strict: bool = True) -> CompletionParams:
     """`strict`: OpenAI's route refuses fields it does not know; the plain routes take what they use."""
@@ -337,9 +350,7 @@ def completion_params(data: dict[str, Any], limits: Limits, *, vocab_size: int, 
                       vocab_size=vocab_size)
     if not strict:
         return CompletionParams(prompts, replace(params, n=1))
-    logprobs = data.get("logprobs")
-    k = None if logprobs is None else _logprobs_k(logprobs, "logprobs")
-    echo = _flag(data, "echo", False)
+    k, echo = completion_logprobs(data)
     if len(prompts) * params.n > MAX_PROMPTS:
         raise BadRequest(400, "n", f"prompts x n must be at most {MAX_PROMPTS}")
     return CompletionParams(prompts, replace(params, logprobs=k, echo=echo))
@@ -378,7 +389,13 @@ def _prompts(prompt: object, vocab_size: int) -> tuple[str | tuple[int, ...], ..
 
 def chat_params(data: dict[str, Any], limits: Limits, *, vocab_size: int | None = None) -> ChatParams:
     _check_fields(data, CHAT_FIELDS)
-    raw = data.get("messages")
+    messages = chat_messages(data.get("messages"))
+    params = sampling(data, limits, default_max_tokens=None, token_fields=CHAT_TOKEN_FIELDS, vocab_size=vocab_size)
+    return ChatParams(messages, replace(params, logprobs=chat_top_logprobs(data)))
+
+
+def chat_messages(raw: object) -> tuple[Message, ...]:
+    """A chat body's `messages`: each one's role and its content's text (what the chat template sees)."""
     if not isinstance(raw, list) or not raw:
         raise BadRequest(400, "messages", "messages must be a non-empty list")
     messages: list[Message] = []
@@ -398,15 +415,18 @@ def chat_params(data: dict[str, Any], limits: Limits, *, vocab_size: int | None 
         if m.get("tool_calls") not in (None, []):
             raise BadRequest(400, f"{where}.tool_calls", f"{where}.tool_calls: tools are not supported")
         messages.append(Message(str(role), _content(m.get("content"), where)))
-    params = sampling(data, limits, default_max_tokens=None, token_fields=("max_tokens", "max_completion_tokens"),
-                      vocab_size=vocab_size)
+    return tuple(messages)
+
+
+def chat_top_logprobs(data: dict[str, Any]) -> int | None:
+    """A chat body's alternatives per token (`logprobs` and `top_logprobs`); None: no log-probabilities."""
     wanted = _flag(data, "logprobs", False)
     top = data.get("top_logprobs")
     if top is not None:
         top = _logprobs_k(top, "top_logprobs")
         if top and not wanted:
             raise BadRequest(400, "top_logprobs", "top_logprobs needs logprobs: true")
-    return ChatParams(tuple(messages), replace(params, logprobs=int(top or 0) if wanted else None))
+    return int(top or 0) if wanted else None
 
 
 def _content(content: object, where: str) -> str:

@@ -437,6 +437,10 @@ class Watchdog:
 
     def _act(self, decision: Decision, now: float) -> None:
         if decision.action == "restart" and not decision.allowed:
+            if decision.reason in CURING_REASONS:
+                # Nothing restarts, but a request may be what kills or wedges the engine: what was in
+                # flight is the query of death's evidence all the same (recorded once per process).
+                self._spawn(self.executor.record_failure(decision))
             if self.history.blocked_reported != decision.reason:
                 self._record(decision, BLOCKED_BY_BUDGET, now)
                 log.error("restart_blocked", reason=decision.reason, blocked_by=decision.blocked_by,

@@ -192,6 +192,9 @@ class Executor:
         self.records_error: str | None = None
         self.records_read_at: float | None = None
         self._failures_seen: dict[tuple[str, str | None], tuple[str, ...] | None] = {}
+        # Those being read or written now: asked again meanwhile (a blocked restart, at every
+        # evaluation), the first ask's fingerprints, and no second read or record.
+        self._failures_pending: dict[tuple[str, str | None], asyncio.Future[tuple[str, ...] | None]] = {}
         self._pushed: list[dict[str, Any]] | None = None
         self.quarantine_pushed_to: str | None = None  # the server process the list last reached
         self.worker_pushed_to: dict[int, str] = {}  # the same, for each other worker
@@ -228,9 +231,9 @@ class Executor:
 
     async def record_failure(self, decision: Decision, control: ControlClient | None = None
                              ) -> tuple[str, ...] | None:
-        """Before a restart for a hang or a lost context: what the server (or the worker `control`
-        answers for) had in flight, added to the workload's failures, and the quarantine decided
-        again (pushed to our server's workers).
+        """Before a restart for a hang or a lost context (or where the budget holds it back): what
+        the server (or the worker `control` answers for) had in flight, added to the workload's
+        failures, and the quarantine decided again (pushed to our server's workers).
         The fingerprints for the restart's Event; None where none could be read. Nothing here holds
         the restart: an unreadable server is said at once, and the records' write is waited for
         RECORD_WAIT_S at most (it goes on beside the restart after that)."""
@@ -240,7 +243,14 @@ class Executor:
             return None
         key = (decision.reason, decision.instance_id)
         if key in self._failures_seen:
-            return self._failures_seen[key]  # asked again (held): recorded once
+            return self._failures_seen[key]  # asked again (held, blocked): recorded once
+        pending = self._failures_pending.get(key)
+        if pending is not None:
+            return await asyncio.shield(pending)  # asked again while it is read or written
+        loop = asyncio.get_running_loop()
+        read: asyncio.Future[tuple[str, ...] | None] = loop.create_future()
+        self._failures_pending[key] = read
+        failure: quarantine.Failure | None = None
         try:
             failure = quarantine.failure_from(await control.requests(), self.settings.kubernetes.pod_name
                                               or "local", decision.reason, self.wall_clock())
@@ -248,10 +258,16 @@ class Executor:
             log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
                         action="restarting without them")
             self._failures_seen[key] = None  # said once: a restart asked again does not ask again
+        finally:
+            read.set_result(None if failure is None else failure.inflight)
+            if failure is None:
+                del self._failures_pending[key]
+        if failure is None:
             return None
-        write = asyncio.get_running_loop().create_task(self._record(decision, key, failure))
+        write = loop.create_task(self._record(decision, key, failure))
         self._reports.add(write)
         write.add_done_callback(self._reports.discard)
+        write.add_done_callback(lambda _: self._failures_pending.pop(key, None))  # written, or to be asked again
         try:
             await asyncio.wait_for(asyncio.shield(write), RECORD_WAIT_S)
         except TimeoutError:

@@ -12,7 +12,8 @@ A fingerprint is quarantined when it was in flight at `failures` (2) failures of
   the culprit: the culprit is in every failure's set and is often the newest arrival before the
   fault; where several fingerprints qualify, those that were the newest before a fault come first,
   and at most `MAX_PER_EPISODE` are quarantined from one set of failures;
-- every quarantine lasts `ttl` and is listed and liftable by an operator.
+- every quarantine lasts `ttl` and is listed and liftable by an operator; a lift holds until new
+  evidence after it, whatever the TTL: it is kept as long as the failures it covers can count.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ MAX_PER_EPISODE = 3  # a bound on the damage: one set of failures quarantines th
 ANNOTATION = "gpu-watchdog.io/quarantine"  # on the workload's Lease, beside the fleet's ledger
 VERSION = 1
 FAILURES_KEPT = 64  # failures within the window, newest kept: the annotation stays small
+LIFTS_KEPT = 64  # lifted entries kept past their TTL (the fingerprint and the lift's time), newest kept
 INFLIGHT_KEPT = 32  # fingerprints of one failure (the server reports this many at most)
 COMPLETED_KEPT = 32  # of a failing process's completions, those that clear a suspect
 FUTURE_S = 60.0  # a failure dated this far ahead (another sidecar's clock) is still believed
@@ -112,13 +114,24 @@ def _after_lifts(failures: list[Failure], lifted: dict[str, float]) -> list[Fail
     return out
 
 
+def _kept(settings: QuarantineSettings, current: list[Quarantined], now: float) -> list[Quarantined]:
+    """The entries until their TTL; a lifted one after it too, for as long as a failure its lift
+    covers can count (`window` after the lift), without its evidence and the newest LIFTS_KEPT of them."""
+    lifts = sorted((q for q in current if q.until <= now and q.lifted_at is not None
+                    and now < q.lifted_at + settings.window), key=lambda q: q.lifted_at or 0.0)[-LIFTS_KEPT:]
+    kept_lifts = {id(q) for q in lifts}
+    return [q if now < q.until else dataclasses.replace(q, failures=()) for q in current
+            if now < q.until or id(q) in kept_lifts]
+
+
 def decide(settings: QuarantineSettings, failures: list[Failure], current: list[Quarantined],
            now: float) -> list[Quarantined]:
-    """The quarantine list after these failures: the current entries until their TTL (a lifted one
-    stays, lifted, so that only failures after its lift count against it), plus new ones."""
+    """The quarantine list after these failures: the current entries until their TTL, plus new ones.
+    A lifted entry stays, lifted, past its TTL as long as the failures before its lift can count, so
+    that only failures after the lift count against it."""
     if not settings.enabled:
         return []
-    kept = [q for q in current if now < q.until]
+    kept = _kept(settings, current, now)
     known = {q.fingerprint: q for q in kept}
     lifted = {q.fingerprint: q.lifted_at for q in kept if q.lifted_at is not None}
     out = list(kept)
@@ -164,8 +177,9 @@ def record(settings: QuarantineSettings, records: Records, failure: Failure, now
 
 
 def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Records, bool]:
-    """An operator's lift: the entry stays (lifted) until its TTL, so the same evidence does not
-    quarantine it again; True when it was active."""
+    """An operator's lift: the entry stays (lifted) until its TTL and, past it, for as long as the
+    failures before the lift count (see `decide`), so the same evidence does not quarantine it again;
+    True when it was active."""
     was = any(q.fingerprint == fingerprint and q.active(now) for q in records.quarantined)
     return Records(records.failures, tuple(lift(list(records.quarantined), fingerprint, now))), was
 

@@ -10,8 +10,21 @@ from pathlib import Path
 from typing import Any
 
 import requests
+import yaml
 
-from tests.helpers import ROOT, Server, json_lines, metric, start_app, start_server, wait_for
+from tests.helpers import (
+    ROOT,
+    Proc,
+    Server,
+    free_port,
+    json_lines,
+    metric,
+    spawn,
+    start_app,
+    start_server,
+    wait_for,
+    wait_http,
+)
 
 COMPLETIONS = "/v1/completions"
 
@@ -72,10 +85,11 @@ def test_a_quarantined_request_is_refused_with_422_and_nothing_else_is(tmp_path:
         error = refused.json()["error"]
         assert error["code"] == "request_quarantined" and error["fingerprint"] == fp
         assert "in flight at 2 failures of this service and is refused until" in error["message"]
-        # Knobs that change only which tokens are drawn are the same computation: refused too.
-        assert post(srv, {**body, "temperature": 0.7, "user": "someone else"}).status_code == 422
-        # Anything that changes the work is another request.
+        # The same computation spelt otherwise (fields at their defaults, another user): refused too.
+        assert post(srv, {**body, "n": 1, "stop": None, "user": "someone else"}).status_code == 422
+        # Anything that changes the work is another request: a longer answer, another sampler.
         assert post(srv, {**body, "max_tokens": 5}).status_code == 200
+        assert post(srv, {**body, "temperature": 0.7}).status_code == 200
         assert post(srv, {"prompt": "another question", "max_tokens": 4}).status_code == 200
         assert metric(srv.url + "/metrics", "gpu_inference_quarantined_total") == 2.0
         refusals = [e for e in json_lines(srv.proc.log()) if e.get("event") == "request_quarantined"]
@@ -123,3 +137,110 @@ def test_the_agent_fingerprints_refuses_and_reports_what_hangs(tmp_path: Path) -
         assert app.ctl("GET", "/control/requests").json()["inflight"] == []
     finally:
         app.proc.stop()
+
+
+def serve_on(tmp_path: Path, port: int, control_port: int, token: str, name: str) -> Server:
+    """The bundled server on the same ports again: the container restarted in place."""
+    proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--control-port",
+                  str(control_port), "--fault-injection"], tmp_path / f"{name}.log", env={"GPU_WATCHDOG_TOKEN": token})
+    server = Server(port, control_port, token, proc)
+    try:
+        wait_http(server.url + "/readyz", proc)
+    except BaseException:
+        proc.stop()
+        raise
+    return server
+
+
+def test_a_failure_the_budget_blocks_the_restart_of_is_still_recorded_and_quarantines(tmp_path: Path) -> None:
+    """The restart budget spent, a request that kills each new process of the container (restarted in
+    place by the kubelet, not by the sidecar) is still recorded at every failure, and quarantined."""
+    port, control_port, token = free_port(), free_port(), "qod-budget-token"
+    verdict = tmp_path / "verdict" / "restart"
+    verdict.parent.mkdir()
+    wport = free_port()
+    config = tmp_path / "watchdog.yaml"
+    config.write_text(yaml.safe_dump({
+        "target": {"control_url": f"http://127.0.0.1:{control_port}", "metrics_url": f"http://127.0.0.1:{port}/metrics"},
+        "sampling": {"torch_interval": "300ms", "server_interval": "1s"},
+        "canary": {"interval": "500ms", "timeout": "2s"},
+        "policy": {"restart_budget": {"max_restarts": 1, "window": "1h"},
+                   "quarantine": {"enabled": True, "failures": 2, "window": "1h", "ttl": "1h"}},
+        "restart": {"strategy": "container", "verdict_file": str(verdict)},
+        "kubernetes": {"pod_name": "", "namespace": ""},
+        "server": {"host": "127.0.0.1", "port": wport},
+    }))
+    wd_url = f"http://127.0.0.1:{wport}"
+    servers: list[Server] = [serve_on(tmp_path, port, control_port, token, "serve-1")]
+    wd: Proc = spawn(["run", "--config", str(config)], tmp_path / "watchdog.log", env={"GPU_WATCHDOG_TOKEN": token})
+
+    def status() -> dict[str, Any]:
+        doc: dict[str, Any] = requests.get(wd_url + "/status", timeout=5).json()
+        return doc
+
+    def recorded() -> list[dict[str, Any]]:
+        return [e for e in json_lines(wd.log()) if e.get("event") == "failure_recorded"]
+
+    def crash(srv: Server, marker: str) -> str:
+        """A request whose prompt has `marker` loses the process's context; its fingerprint, once the
+        process has left (as a poisoned server does)."""
+        srv.fault("context_loss", when_prompt_contains=marker)
+        bad = post(srv, {"prompt": f"please run the {marker} shape", "max_tokens": 3})
+        assert bad.status_code == 500 and bad.json()["error"]["type"] == "fatal_cuda"
+        assert srv.proc.proc.wait(timeout=30) == 3
+        [fp] = {e["fingerprint"] for e in json_lines(srv.proc.log()) if e.get("event") == "request"
+                and e.get("status") == 500}
+        assert isinstance(fp, str)
+        return fp
+
+    try:
+        wait_http(wd_url + "/readyz", wd, timeout=60)
+        # The budget's one restart, spent on another request's failure: recorded, and restarted.
+        first = servers[0]
+        first_process = first.ctl("GET", "/control/requests").json()["instance_id"]
+        other = crash(first, "FIRST")
+        wait_for(verdict.exists, 30, "the restart's verdict")
+        assert [r["reason"] for r in status()["restarts"]] == ["context_loss"]
+        servers.append(serve_on(tmp_path, port, control_port, token, "serve-2"))
+        wait_for(lambda: not verdict.exists(), 30, "the verdict cleared once the new container serves")
+        assert status()["restart_budget_remaining"] == 0
+
+        # Now the budget holds every restart back: the kubelet restarts the crashed container, the
+        # same request kills it again, and each failure is recorded all the same.
+        processes = []
+        culprit = None
+        for n in (2, 3):
+            srv = servers[-1]
+            processes.append(srv.ctl("GET", "/control/requests").json()["instance_id"])
+            culprit = crash(srv, "KILLER")
+            wait_for(lambda: any(e["process"] == processes[-1] for e in recorded()), 30,
+                     f"the failure of process {n} recorded although its restart is blocked")
+            if n == 2:
+                assert status()["quarantine"]["entries"] == []  # one process: not enough
+            servers.append(serve_on(tmp_path, port, control_port, token, f"serve-{n + 1}"))
+
+        lines = recorded()
+        assert [e["process"] for e in lines] == [first_process, *processes]  # once per failing process
+        assert other in lines[0]["inflight"] and all(culprit in e["inflight"] for e in lines[1:])
+        log = json_lines(wd.log())
+        assert [e["reason"] for e in log if e.get("event") == "restart_blocked"] == ["context_loss"]
+        doc = status()
+        assert [q["fingerprint"] for q in doc["quarantine"]["entries"]] == [culprit]
+        [entry] = doc["quarantine"]["entries"]
+        assert entry["active"] and sorted(f["process"] for f in entry["failures"]) == sorted(processes)
+        assert [e["fingerprint"] for e in log if e.get("event") == "request_quarantined"] == [culprit]
+        # The next process is told before it serves it: refused, and nothing else is.
+        last = servers[-1]
+        wait_for(lambda: [e["fingerprint"] for e in last.ctl("GET", "/control/quarantine").json()["entries"]]
+                 == [culprit], 30, "the quarantine pushed to the new process")
+        assert post(last, {"prompt": "please run the KILLER shape", "max_tokens": 3}).status_code == 422
+        assert post(last, {"prompt": "an ordinary question", "max_tokens": 3}).status_code == 200
+        # Nothing restarted after the first: no verdict, one restart, the blocked ones said as such.
+        doc = status()
+        assert not verdict.exists() and [r["reason"] for r in doc["restarts"]] == ["context_loss"]
+        assert any(d["outcome"] == "blocked_by_budget" and d["reason"] == "context_loss"
+                   for d in doc["last_decisions"])
+    finally:
+        wd.stop()
+        for srv in servers:
+            srv.proc.stop()

@@ -7,8 +7,10 @@ import pytest
 from gpu_watchdog.watchdog.config import QuarantineSettings
 from gpu_watchdog.watchdog.quarantine import (
     FAILURES_KEPT,
+    LIFTS_KEPT,
     MAX_PER_EPISODE,
     Failure,
+    Quarantined,
     Records,
     RecordsError,
     active,
@@ -159,3 +161,43 @@ def test_a_failure_from_the_servers_report_prefers_what_was_in_flight_at_the_fai
     entries = server_entries(record(S, record(S, Records(), failure(1, "a", ("q",), "q"), 1.0)[0],
                                     failure(2, "b", ("q",), "q"), 2.0)[0], 3.0)
     assert entries == [{"fingerprint": "q", "until": 2.0 + S.ttl, "failures": 2, "pods": ["a", "b"]}]
+
+
+SHORT_TTL = QuarantineSettings(ttl=600.0, window=3600.0)
+
+
+def test_a_lift_holds_past_the_entrys_ttl_until_new_evidence_after_it() -> None:
+    fs = [failure(100, "a", ("qod",), "qod"), failure(130, "b", ("qod",), "qod")]
+    [q] = decide(SHORT_TTL, fs, [], 131.0)
+    lifted = lift([q], "qod", 200.0)
+    # The entry is past its TTL, the failures it covered still inside the window: no new evidence, no quarantine.
+    later = 131.0 + SHORT_TTL.ttl + 60
+    assert later < 200.0 + SHORT_TTL.window and not any(x.active(later) for x in lifted)
+    again = decide(SHORT_TTL, fs, lifted, later)
+    assert [x for x in again if x.active(later)] == []
+    assert [(x.fingerprint, x.lifted_at) for x in again] == [("qod", 200.0)]  # what the lift needs, kept
+    # Through the records too: a failure of any request decides again, and the lift still holds.
+    records = Records(tuple(fs), tuple(lifted))
+    records, new = record(SHORT_TTL, records, failure(later, "c", ("other",), "other"), later)
+    assert new == [] and active(records, later) == []
+    assert parse(dump(records)) == records
+    # New evidence after the lift: one failure is not enough, a second on another pod is.
+    records, new = record(SHORT_TTL, records, failure(later + 10, "a", ("qod",), "qod", process="p2"), later + 10)
+    assert new == [] and active(records, later + 10) == []
+    records, new = record(SHORT_TTL, records, failure(later + 20, "b", ("qod",), "qod", process="p2"), later + 20)
+    assert [x.fingerprint for x in new] == ["qod"]
+    [back] = active(records, later + 21)
+    assert [f.at for f in back.failures] == [later + 10, later + 20]  # only the evidence after the lift
+    # Once the covered failures have left the window, the lift is no longer kept.
+    gone = 200.0 + SHORT_TTL.window
+    assert decide(SHORT_TTL, fs, lifted, gone) == []
+
+
+def test_lifts_kept_past_their_ttl_are_bounded_and_carry_no_evidence() -> None:
+    current: list[Quarantined] = []
+    for i in range(LIFTS_KEPT + 5):
+        fs = tuple(failure(float(i), pod, (f"fp{i}",), process=f"p{i}") for pod in ("a", "b"))
+        current.append(Quarantined(f"fp{i}", float(i), float(i) + 1, fs, lifted_at=float(i) + 0.5))
+    kept = decide(SHORT_TTL, [], current, 1000.0)
+    assert [q.fingerprint for q in kept] == [f"fp{i}" for i in range(5, LIFTS_KEPT + 5)]  # the newest lifts
+    assert all(q.failures == () for q in kept)

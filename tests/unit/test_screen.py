@@ -82,10 +82,12 @@ def test_a_screen_refuses_what_is_listed_counts_it_and_books_the_rest() -> None:
     screen.done(account.ticket, ok=True)
     screen.quarantine.add(Entry(fp, until=9e12, failures=2))
     with pytest.raises(Quarantined) as refused:
-        screen.request(RequestAccount(), {**body, "temperature": 1.5})
+        # The same computation spelt otherwise: the model named, fields at their defaults, another user.
+        screen.request(RequestAccount(), {**body, "model": "model-a", "n": 1, "stop": None, "user": "u2"})
     assert refused.value.status == 422 and refused.value.body()["error"]["fingerprint"] == fp
     assert counted == [1] and screen.book.report()["inflight"] == []
     screen.request(RequestAccount(), {**body, "max_tokens": 4})  # other work: admitted
+    screen.request(RequestAccount(), {**body, "temperature": 1.5})  # another sampler: another computation
     # The same body fingerprints alike on another replica of the same model, not of another model.
     other = Screen("i2", "model-a")
     assert other.of_body(body) == fp and Screen("i3", "model-b").of_body(body) != fp
