@@ -68,6 +68,9 @@ NOT_RECORDED_HOLD_S = 1800.0
 BUDGET_FRESH_S = 10.0
 # How long a restart waits for its failure's record (the Lease written) before it goes on beside it.
 RECORD_WAIT_S = 5.0
+# A failure whose record could not be written is tried again this long after, not at every
+# evaluation (a restart the budget blocks is decided again at each one).
+RECORD_RETRY_S = 30.0
 
 
 class ServerDrain:
@@ -195,6 +198,7 @@ class Executor:
         # Those being read or written now: asked again meanwhile (a blocked restart, at every
         # evaluation), the first ask's fingerprints, and no second read or record.
         self._failures_pending: dict[tuple[str, str | None], asyncio.Future[tuple[str, ...] | None]] = {}
+        self._failures_failed_at: dict[tuple[str, str | None], float] = {}  # a write refused: not before RECORD_RETRY_S
         self._pushed: list[dict[str, Any]] | None = None
         self.quarantine_pushed_to: str | None = None  # the server process the list last reached
         self.worker_pushed_to: dict[int, str] = {}  # the same, for each other worker
@@ -247,6 +251,8 @@ class Executor:
         pending = self._failures_pending.get(key)
         if pending is not None:
             return await asyncio.shield(pending)  # asked again while it is read or written
+        if self.clock() - self._failures_failed_at.get(key, float("-inf")) < RECORD_RETRY_S:
+            return None  # its record was refused a moment ago: tried again later, not at every evaluation
         loop = asyncio.get_running_loop()
         read: asyncio.Future[tuple[str, ...] | None] = loop.create_future()
         self._failures_pending[key] = read
@@ -293,9 +299,12 @@ class Executor:
             self.records_error = None
         except Exception as exc:
             self.records_error = str(exc)[:300]
+            self._failures_failed_at[key] = self.clock()
             log.error("failure_not_recorded", reason=decision.reason, error=self.records_error,
-                      action="restarting; this failure does not count toward a quarantine")
+                      action=f"this failure does not count toward a quarantine yet; tried again in {RECORD_RETRY_S:g}s"
+                             " if it is asked again")
             return
+        self._failures_failed_at.pop(key, None)
         # Recorded once: a restart asked again while held neither reads nor writes again.
         self._failures_seen[key] = self._failures_seen[(decision.reason, failure.process)] = failure.inflight
         log.warning("failure_recorded", reason=decision.reason, process=failure.process,
