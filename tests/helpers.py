@@ -80,9 +80,11 @@ class Server(Endpoints):
         assert r.status_code == 200, r.text
 
 
-def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None, name: str = "serve") -> Server:
-    port, control_port = free_port(), free_port()
-    token = f"test-token-{port}"
+def start_server(tmp_path: Path, *flags: str, env: dict[str, str] | None = None, name: str = "serve",
+                 ports: tuple[int, int] | None = None, token: str | None = None) -> Server:
+    """`serve` on free ports (or `ports` again: a container restarted in place), ready."""
+    port, control_port = ports or (free_port(), free_port())
+    token = token or f"test-token-{port}"
     proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port),
                   "--control-port", str(control_port), *flags], tmp_path / f"{name}-{port}.log",
                  env={"GPU_WATCHDOG_TOKEN": token, **(env or {})})

@@ -141,15 +141,7 @@ def test_the_agent_fingerprints_refuses_and_reports_what_hangs(tmp_path: Path) -
 
 def serve_on(tmp_path: Path, port: int, control_port: int, token: str, name: str) -> Server:
     """The bundled server on the same ports again: the container restarted in place."""
-    proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--control-port",
-                  str(control_port), "--fault-injection"], tmp_path / f"{name}.log", env={"GPU_WATCHDOG_TOKEN": token})
-    server = Server(port, control_port, token, proc)
-    try:
-        wait_http(server.url + "/readyz", proc)
-    except BaseException:
-        proc.stop()
-        raise
-    return server
+    return start_server(tmp_path, "--fault-injection", name=name, ports=(port, control_port), token=token)
 
 
 def test_a_failure_the_budget_blocks_the_restart_of_is_still_recorded_and_quarantines(tmp_path: Path) -> None:
