@@ -128,7 +128,7 @@ class FleetLedger(Protocol):
     def read(self) -> Ledger: ...
     def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T: ...
     def replicas(self) -> int | None: ...
-    def pod_created_at(self) -> float | None: ...
+    def own_pod(self) -> fleet.OwnPod: ...
     def report_breaker(self, breaker: fleet.Breaker) -> None: ...
     def read_records(self) -> quarantine.Records: ...
     def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T: ...
@@ -171,7 +171,7 @@ class Executor:
         self.fleet_on = ledger is not None and settings.policy.fleet.enabled
         self.replicas: int | None = None
         self.replicas_error: str | None = None
-        self.pod_created_at: float | None = None
+        self.own_pod: fleet.OwnPod | None = None  # read once: a pod's creation and template never change
         self.fleet = FleetView(lease=ledger.name if ledger is not None else "")
         self._fleet_held_since = 0.0
         self._breakers_seen: set[float] = set()
@@ -577,8 +577,13 @@ class Executor:
         # restart is the worker's whatever the strategy.
         rung = decision.rung if self.restarter.strategy == "container" or decision.rung == RUNG_WORKER else RUNG_POD
         try:
+            template = (await self._own_pod()).template
+        except Exception as exc:  # the slot is still taken: unknown matches any replacement, as before
+            template = None
+            log.warning("own_pod_unknown", error=str(exc)[:300], action="the slot is taken without its template")
+        try:
             ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
-                                                                        rung, now))
+                                                                        rung, now, template))
         except Exception as exc:
             self.fleet = fleet_view(self.fleet, self.settings, replicas, None, error=str(exc))
             self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)})
@@ -736,12 +741,15 @@ class Executor:
             return True
         pod = self.settings.kubernetes.pod_name
         try:
-            if self.pod_created_at is None:
-                self.pod_created_at = await asyncio.to_thread(self.ledger.pod_created_at)
-            created = self.pod_created_at
-            if created is None:
+            own = await self._own_pod()
+            if own.created_at is None:
                 return True
-            slot = await self._update(lambda led, now: fleet.replaced(led, pod, created))
+            created = own.created_at
+            # The count wanted now, not the last periodic read: a scale-up's pods are growth, not
+            # replacements, and this read is what tells them apart.
+            replicas = await asyncio.to_thread(self.ledger.replicas)
+            slot = await self._update(lambda led, now: fleet.replaced(led, pod, created, template=own.template,
+                                                                      replicas=replicas))
         except Exception as exc:
             if not self._came_back_failed:
                 log.warning("fleet_replacement_not_recorded", error=str(exc)[:300],
@@ -752,6 +760,12 @@ class Executor:
             log.info("fleet_replica_back", replaced=slot.pod, reason=slot.reason,
                      restarting_s=round(self.wall_clock() - slot.at, 3))
         return True
+
+    async def _own_pod(self) -> fleet.OwnPod:
+        if self.own_pod is None:
+            assert self.ledger is not None
+            self.own_pod = await asyncio.to_thread(self.ledger.own_pod)
+        return self.own_pod
 
     def _believable(self, records: list[RestartRecord], wall_now: float) -> list[RestartRecord]:
         kept, ignored = escalation.believable(records, wall_now)
@@ -841,9 +855,9 @@ class Executor:
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-          now: float) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
+          now: float, template: str | None) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
     """`fleet.take`, also handing back the ledger as written (for the view)."""
-    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now)
+    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template)
     return new, (new, verdict)
 
 

@@ -7,9 +7,12 @@ optimistic concurrency, so a verdict is only true once the ledger it came with i
 can never both take the last slot.
 
 Slot: taken before a restart (either rung), given back when the restarted target serves again (the
-same sidecar, after an in-place restart), when a replacement pod's target serves for the first time
-(the oldest pod-rung slot taken before that pod started), when the restart did not happen, or after
-`slot_timeout`.
+same sidecar, after an in-place restart), when the pod that replaced it serves for the first time
+(see `replaced`), when the restart did not happen, or after `slot_timeout`. A pod that serves for the
+first time is not always a replacement: a scale-up or a rollout creates pods too, and one of those
+giving back a slot whose replacement is still loading would let a second replica go down. So a slot
+remembers the pod template it was taken from and the replicas wanted then: a pod of another template
+returns nothing, and each pod beyond the replicas wanted at the slot is counted as growth first.
 
 Breaker: a restart for a reason is a *comeback* when the pod asking is one a restart for that reason
 brought back (the same pod, or the replacement that gave back the slot): the restart did not cure.
@@ -41,6 +44,9 @@ CLOCK_SKEW_S = 2.0
 # annotation): they would hold a slot or the breaker until they expired.
 FUTURE_S = 60.0
 
+# A pod's template, as its controller labels it: a Deployment's ReplicaSet, a StatefulSet's revision.
+TEMPLATE_LABELS = ("pod-template-hash", "controller-revision-hash")
+
 GRANTED, UNAVAILABLE_LIMIT, BREAKER_OPEN = "granted", FLEET_UNAVAILABLE_LIMIT, FLEET_BREAKER_OPEN
 
 
@@ -54,6 +60,19 @@ class Slot:
     reason: str
     rung: str
     at: float
+    # The pod's template (`pod-template-hash`, a StatefulSet's `controller-revision-hash`): only a pod
+    # of the same template replaces it. None: not known (a ledger written before it was kept).
+    template: str | None = None
+    # The workload's replicas wanted when it was taken, plus the new pods counted as growth since.
+    replicas: int | None = None
+
+
+@dataclass(frozen=True)
+class OwnPod:
+    """What a sidecar knows of its own pod for the ledger: when it was created, from which template."""
+
+    created_at: float | None
+    template: str | None
 
 
 @dataclass(frozen=True)
@@ -139,6 +158,14 @@ def _dicts(data: dict[str, Any], key: str) -> list[dict[str, Any]]:
     return v
 
 
+def _slot(s: dict[str, Any]) -> Slot:
+    replicas = s.get("replicas")
+    if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
+        raise LedgerError(f"replicas: expected a count, got {replicas!r}")
+    return Slot(_str(s, "pod"), _str(s, "reason"), _str(s, "rung"), _num(s, "at"),
+                _str(s, "template", optional=True), replicas)
+
+
 def parse(text: str | None) -> Ledger:
     """The ledger in a Lease's annotation; an absent one is empty. Raises LedgerError on anything else."""
     if text is None or text == "":
@@ -149,10 +176,8 @@ def parse(text: str | None) -> Ledger:
         raise LedgerError(f"not JSON: {exc}") from None
     if not isinstance(data, dict) or data.get("v") != LEDGER_VERSION:
         raise LedgerError(f"expected a ledger of version {LEDGER_VERSION}")
-    slots = tuple(Slot(_str(s, "pod"), _str(s, "reason"), _str(s, "rung"), _num(s, "at"))
-                  for s in _dicts(data, "slots"))
-    waiting = tuple(Slot(_str(s, "pod"), _str(s, "reason"), _str(s, "rung"), _num(s, "at"))
-                    for s in _dicts(data, "waiting"))
+    slots = tuple(_slot(s) for s in _dicts(data, "slots"))
+    waiting = tuple(_slot(s) for s in _dicts(data, "waiting"))
     restarts = tuple(FleetRestart(_str(r, "pod"), _str(r, "reason"), _num(r, "at"), bool(r.get("comeback")),
                                   _str(r, "returned_as", optional=True)) for r in _dicts(data, "restarts"))
     b = data.get("breaker")
@@ -251,7 +276,7 @@ def breaker_holds(breaker: Breaker, reason: str) -> bool:
 
 
 def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-         now: float) -> tuple[Ledger, Verdict]:
+         now: float, *, template: str | None = None) -> tuple[Ledger, Verdict]:
     """Ask for a slot to restart `pod` for `reason`: granted (and the restart recorded), held for want
     of a slot, or held by the breaker (which this ask may open)."""
     ledger = prune(settings, ledger, now)
@@ -281,10 +306,10 @@ def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str
         if comeback:
             pass  # a lineage already counted: its waiting adds nothing to the breaker's count
         elif not any(w.pod == pod and now - w.at < settings.slot_timeout / 2 for w in ledger.waiting):
-            waiting = (*(w for w in ledger.waiting if w.pod != pod), Slot(pod, reason, rung, now))
+            waiting = (*(w for w in ledger.waiting if w.pod != pod), Slot(pod, reason, rung, now, template, replicas))
             ledger = replace(ledger, waiting=waiting)
         return ledger, Verdict(UNAVAILABLE_LIMIT, {**figures, "restarting": sorted(s.pod for s in ledger.slots)})
-    ledger = replace(ledger, slots=(*ledger.slots, Slot(pod, reason, rung, now)),
+    ledger = replace(ledger, slots=(*ledger.slots, Slot(pod, reason, rung, now, template, replicas)),
                      waiting=tuple(w for w in ledger.waiting if w.pod != pod),
                      restarts=(*ledger.restarts, FleetRestart(pod, reason, now, comeback))[-MAX_RESTARTS_KEPT:])
     return ledger, Verdict(GRANTED, {**figures, "unavailable": len(ledger.slots), "comeback": comeback})
@@ -314,15 +339,30 @@ def give_back(ledger: Ledger, pod: str, restarted: bool) -> Ledger:
     return replace(ledger, slots=slots, restarts=restarts, waiting=waiting)
 
 
-def replaced(ledger: Ledger, pod: str, started_at: float) -> tuple[Ledger, Slot | None]:
-    """A pod whose target serves for the first time gives back the newest pod-rung slot taken before
-    the pod was created (`started_at`): a replica that was restarting is back. A StatefulSet's
-    replacement has its predecessor's name: a slot of that name counts where it was taken before the
-    pod was created. None when there is none."""
+def replaced(ledger: Ledger, pod: str, started_at: float, *, template: str | None = None,
+             replicas: int | None = None) -> tuple[Ledger, Slot | None]:
+    """A pod whose target serves for the first time (created at `started_at`, of pod template
+    `template`, the workload wanting `replicas` now): the pod-rung slot it replaced given back, the
+    newest of those taken before the pod was created from its template. A StatefulSet's replacement
+    has its predecessor's name: a slot of that name counts where it was taken before the pod was created.
+
+    Not every new pod is a replacement. One of another template (a rollout's) returns nothing. Where
+    more replicas are wanted now than when a slot was taken, the pod may be one of the new ones: it
+    is counted as growth by every such slot (each then waits for one pod more) and returns nothing;
+    the pods beyond the growth return the slots. Counted in either order, a slot goes back only once
+    as many pods served as were created since it was taken. Unknown on either side (None) matches.
+    None when there is none."""
     candidates = sorted((s for s in ledger.slots if s.rung == RUNG_POD and s.at <= started_at + CLOCK_SKEW_S
-                         and (s.pod != pod or s.at < started_at)), key=lambda s: s.at)
+                         and (s.pod != pod or s.at < started_at)
+                         and (template is None or s.template is None or s.template == template)),
+                        key=lambda s: s.at)
     if not candidates:
         return ledger, None
+    growth = [s for s in candidates if replicas is not None and s.replicas is not None and replicas > s.replicas]
+    if growth:
+        grown = {id(s) for s in growth}
+        slots = tuple(replace(s, replicas=(s.replicas or 0) + 1) if id(s) in grown else s for s in ledger.slots)
+        return replace(ledger, slots=slots), None
     slot = candidates[-1]
     restarts = tuple(replace(r, returned_as=pod) if r.pod == slot.pod and r.at == slot.at else r
                      for r in ledger.restarts)

@@ -154,6 +154,7 @@ class Fleet:
     - `sidecar_config`: deep-merged over the base config (see `base_sidecar_config`).
     - `hang_after` / `replacement_hang_after`: how the first pods' / the replacements' model servers
       start (`--hang-after N`; None: healthy). `set_replacement_hang_after` changes the latter mid-test.
+    - `replacement_delay`: seconds a replacement's processes take to start (a model still loading).
     - `replacement_node`: "fresh" (a node no pod has used yet: node-<N>, node-<N+1>, ...) or "same"
       (the node of the pod it replaces).
     - `min_available`: a PodDisruptionBudget over the Deployment's pods (None: none).
@@ -167,7 +168,7 @@ class Fleet:
     def __init__(self, cluster: Any, tmp_path: Path, replicas: int = 8,
                  sidecar_config: dict[str, Any] | None = None, *, namespace: str = "serving",
                  deployment: str = "llm", hang_after: int | None = None, replacement_hang_after: int | None = None,
-                 replacement_node: str = "fresh", min_available: int | None = None, ready_timeout: float = 90.0,
+                 replacement_node: str = "fresh", replacement_delay: float = 0.0, min_available: int | None = None, ready_timeout: float = 90.0,
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
                  serve_faults: list[dict[str, Any]] | None = None) -> None:
@@ -190,6 +191,7 @@ class Fleet:
         self.hang_after = hang_after
         self.replacement_hang_after = replacement_hang_after
         self.replacement_node = replacement_node
+        self.replacement_delay = replacement_delay
         self.min_available = min_available
         self.ready_timeout = ready_timeout
         self.probe_interval = probe_interval
@@ -363,6 +365,10 @@ class Fleet:
             await asyncio.sleep(0.1)
 
     async def _start(self, pod: FleetPod) -> None:
+        if pod.replaces is not None and self.replacement_delay > 0:
+            await asyncio.sleep(self.replacement_delay)
+            if not pod.alive:
+                return
         pod.config_path.write_text(yaml.safe_dump(self._config(pod)))
         env = {"POD_NAME": pod.name, "POD_NAMESPACE": self.namespace, "NODE_NAME": pod.node,
                # Not the runner's: the sidecar learns its workload from its pod, as in the cluster.
@@ -436,6 +442,15 @@ class Fleet:
             self._restarting.add(replacement.name)
             self._spawn_task(self._start(replacement))
         self._restarting_series.append((self.clock(), len(self._restarting)))
+
+    async def scale(self, replicas: int) -> list[FleetPod]:
+        """`kubectl scale` and the ReplicaSet's reaction: the pods beyond those alive created (growth,
+        not replacements: none of them stands for a restart) and started; the new pods."""
+        self.cluster.scale(self.namespace, self.deployment, replicas)
+        self.cluster.scale(self.namespace, self.replica_set_name, replicas, plural="replicasets")
+        grown = [self._create_pod(replaces=None, ready=False) for _ in range(max(0, replicas - len(self.pods())))]
+        await asyncio.gather(*(self._start(pod) for pod in grown))
+        return grown
 
     def _desired(self) -> int:
         found = self.cluster.read("deployments", self.namespace, self.deployment)

@@ -194,3 +194,29 @@ async def test_an_operator_reads_the_ledger_and_resets_the_breaker_with_the_cli(
     assert fleet.breaker_open(after) is None and [s.pod for s in after.slots] == ["p7"]  # nothing else touched
     code, out = await cli("status")
     assert code == 0 and json.loads(out[out.index("{\n"):])["breaker"] is None
+
+
+async def test_a_scale_up_during_a_restart_never_puts_two_replicas_down(kmock: Any, tmp_path: Path) -> None:
+    """`max_unavailable: 1` over 4 replicas. A hangs and is replaced by a pod that takes 10 s to
+    start; meanwhile the Deployment is scaled to 5 and the new pod serves at once. That pod is
+    growth, not A's replacement: B, hanging next, waits for A's replacement to serve before its own
+    restart (before, the new pod gave A's slot back and B went down beside A: two of five out)."""
+    config = {"policy": {"fleet": {"max_unavailable": "1"}}}
+    async with Fleet(kmock, tmp_path, replicas=4, sidecar_config=config, replacement_delay=10.0) as f:
+        a, b = f.pods()[0], f.pods()[1]
+        await f.hang(a)
+        await f.wait_until(lambda: len(f.deletions()) == 1, 30, "A restarted")
+        grown = await f.scale(5)
+        assert len(grown) == 1
+        await f.wait_until(lambda: grown[0].ready_at is not None, 30, "the scale-up's pod serving")
+        replacement = next(p for p in f.pods() if p.replaces == a.name)
+        assert replacement.ready_at is None  # still starting: A is still out
+        await f.hang(b)
+        await f.wait_until(lambda: b.name in held_lines(f, FLEET_UNAVAILABLE_LIMIT), 30, "B held for want of a slot")
+        assert len(f.deletions()) == 1
+        await f.wait_until(lambda: len(f.deletions()) == 2, 60, "B restarted once A's replacement serves")
+        b_out = f.deletions()[1].at
+        assert replacement.ready_at is not None and replacement.ready_at <= b_out
+        assert [m.pod for m in f.deletions()] == [a.name, b.name]
+        assert f.max_restarting() == 1, f.restarting_series()
+        figures("scale_up_during_restart", restarts=len(f.deletions()), held_s=round(b_out - grown[0].ready_at, 1))

@@ -345,3 +345,51 @@ def test_entries_dated_in_the_future_are_not_believed() -> None:
 def test_percentages_are_rounded_as_written() -> None:
     assert fleet.unavailable_slots(FleetSettings(max_unavailable="29%"), 100) == 29
     assert workload_allowance(policy(per_replica=0.07), 100) == 7
+
+
+def test_a_scale_up_pod_that_serves_first_is_growth_not_the_replacement() -> None:
+    """4 replicas wanted when a's slot was taken; scaled to 5 while a's replacement loads. The new pod
+    serves first: it returns nothing (counted as growth), the next replica's hang is held, and the
+    slot goes back when a's replacement serves, in either order of the two."""
+    for order in (("grown", "a2"), ("a2", "grown")):
+        ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1")
+        assert ledger.slots[0].replicas == 4 and ledger.slots[0].template == "h1"
+        ledger, slot = fleet.replaced(ledger, order[0], 110.0, template="h1", replicas=5)
+        assert slot is None and ledger.slots[0].replicas == 5
+        ledger, verdict = fleet.take(FleetSettings(max_unavailable="1"), ledger, 5, "b", HANG, RUNG_POD, 120.0,
+                                     template="h1")
+        assert verdict.outcome == UNAVAILABLE_LIMIT
+        ledger, slot = fleet.replaced(ledger, order[1], 111.0, template="h1", replicas=5)
+        assert slot is not None and slot.pod == "a" and ledger.slots == ()
+        assert [r.returned_as for r in ledger.restarts] == [order[1]]
+
+
+def test_a_scale_up_by_two_needs_three_pods_serving_before_the_slot_goes_back() -> None:
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1")
+    for n, pod in enumerate(("g1", "g2")):
+        ledger, slot = fleet.replaced(ledger, pod, 110.0 + n, template="h1", replicas=6)
+        assert slot is None
+    ledger, slot = fleet.replaced(ledger, "a2", 112.0, template="h1", replicas=6)
+    assert slot is not None and slot.pod == "a"
+
+
+def test_a_pod_of_another_template_never_returns_a_slot() -> None:
+    """A rollout's new pods replace the pods the rollout removes, not ours."""
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="old")
+    ledger, slot = fleet.replaced(ledger, "new-1", 110.0, template="new", replicas=4)
+    assert slot is None and len(ledger.slots) == 1
+    ledger, slot = fleet.replaced(ledger, "a2", 111.0, template="old", replicas=4)
+    assert slot is not None and slot.pod == "a"
+
+
+def test_a_slot_of_a_ledger_written_before_templates_were_kept_still_goes_back() -> None:
+    old = json.dumps({"v": 1, "slots": [{"pod": "a", "reason": HANG, "rung": RUNG_POD, "at": 100.0}],
+                      "restarts": [], "waiting": [], "breaker": None, "reset_at": None})
+    ledger = fleet.parse(old)
+    assert ledger.slots[0].template is None and ledger.slots[0].replicas is None
+    _, slot = fleet.replaced(ledger, "a2", 110.0, template="h1", replicas=5)
+    assert slot is not None and slot.pod == "a"
+    assert fleet.parse(fleet.dump(fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 1.0, template="h")[0])) \
+        .slots[0] == fleet.Slot("a", HANG, RUNG_POD, 1.0, "h", 4)
+    with pytest.raises(LedgerError, match="replicas"):
+        fleet.parse(old.replace('"at": 100.0', '"at": 100.0, "replicas": -1'))

@@ -149,11 +149,15 @@ class LeaseLedger:
             return replicas if isinstance(replicas, int) and replicas >= 0 else None
         return None
 
-    def pod_created_at(self) -> float | None:
-        """When our pod was created (wall clock): a replacement is a pod created after a slot was taken."""
+    def own_pod(self) -> fleet.OwnPod:
+        """Our pod's creation (wall clock) and template: a replacement is a pod of the slot's template
+        created after the slot was taken."""
         found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
-        created = found.metadata.creation_timestamp if found.metadata is not None else None
-        return created.timestamp() if created is not None else None
+        meta = found.metadata
+        created = meta.creation_timestamp if meta is not None else None
+        labels = (meta.labels if meta is not None else None) or {}
+        template = next((labels[k] for k in fleet.TEMPLATE_LABELS if labels.get(k)), None)
+        return fleet.OwnPod(created.timestamp() if created is not None else None, template)
 
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None:
         """A Warning Event on the workload (its Deployment): a request fingerprint quarantined, or lifted."""
