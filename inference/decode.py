@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -137,22 +138,33 @@ class DecodeLoop(PrefillSteps, LoopThread):
     def reset_peak(self) -> None:
         self._peak = len(self._rows)
 
-    def poison(self, reason: str) -> None:
-        """A sticky error was seen (or injected from outside): every later kernel would fail."""
+    def poison(self, reason: str, in_flight: Sequence[Seq] = ()) -> None:
+        """A sticky error was seen (or injected from outside): every later kernel would fail.
+
+        `in_flight`: the loop thread's sequences of the failed step, answered `FatalCudaError` here."""
         with self._cond:
-            if self.poisoned is not None:
-                return
-            self.poisoned = reason
+            first = self.poisoned is None
+            if first:
+                self.poisoned = reason
             queued = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
-        for seq in queued:
-            # Never started: another worker or replica can take them. One put back after an OOM
-            # (it ran, may have streamed) was in flight like the rest.
-            started = seq.retried or seq.admitted or bool(seq.generated)
-            self._finish(seq, FatalCudaError(reason) if started else context_lost(reason))
-        if self.on_fatal is not None:
+        if first and self.on_fatal is not None:
+            # Before any answer: what was in flight at the failure is frozen while it still is.
             self.on_fatal(reason)
+        # One put back after an OOM (it ran, may have streamed) was in flight like the rest.
+        started = [s for s in queued if _started(s)]
+        fresh = [s for s in queued if not _started(s)]
+        # A request of several sequences (n, best_of, a list of prompts) is one engine sequence
+        # each, and answers with the first of them to fail: were a queued sibling of the request
+        # whose kernel poisoned the context told `context_lost` before its rows are told the error,
+        # the request would answer a retriable 503, and the front would send the killer on to the
+        # next engine. Every sequence that ran is answered first, on this one thread, so its
+        # request's first failure is the fatal one; only then may the never-started go elsewhere.
+        for seq in (*in_flight, *started):
+            self._finish(seq, FatalCudaError(reason))
+        for seq in fresh:
+            self._finish(seq, context_lost(reason))
 
     # -- the loop thread --------------------------------------------------------------------
 
@@ -447,10 +459,8 @@ class DecodeLoop(PrefillSteps, LoopThread):
             if self._partial is not None:  # its cache is on the same dead context
                 involved.append(self._partial.seq)
                 self._partial = None
-            rows, self._rows, self._kv = involved, [], None
-            self.poison(reason)
-            for seq in rows:
-                self._finish(seq, FatalCudaError(reason))
+            self._rows, self._kv = [], None
+            self.poison(reason, in_flight=involved)
             return
         # Anything else fails the sequences of the failed forward and only them; the engine goes on.
         failed = pending if pending else involved
@@ -484,6 +494,10 @@ class DecodeLoop(PrefillSteps, LoopThread):
 
 def _marks(seqs: list[Seq]) -> frozenset[str]:
     return frozenset().union(*(s.marks for s in seqs)) if seqs else frozenset()
+
+
+def _started(seq: Seq) -> bool:
+    return seq.retried or seq.admitted or bool(seq.generated)
 
 
 def _cancelled(seq: Seq) -> GenResult:

@@ -14,7 +14,7 @@ import itertools
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
 
@@ -44,6 +44,7 @@ class Job:
         self.future: Future[Any] = Future()
         self.grant: Grant | None = None
         self.marks = MARKED.get()  # the per-request faults its request triggers (fault injection)
+        self.request = self.order  # the items enqueued together share it (`BatchLoop.enqueue`)
 
 
 class BatchLoop(LoopThread):
@@ -78,7 +79,10 @@ class BatchLoop(LoopThread):
         with self._cond:
             if self.poisoned is not None:
                 raise context_lost(self.poisoned)
+            # One call is one request's items: a poisoning tells them apart from bystanders by it.
+            request = next(_order)
             for job in jobs:
+                job.request = request
                 if job.canary:
                     self._waiting.appendleft(job)
                 else:
@@ -109,18 +113,27 @@ class BatchLoop(LoopThread):
     def reset_peak(self) -> None:
         self._peak = len(self._batch)
 
-    def poison(self, reason: str) -> None:
+    def poison(self, reason: str, in_flight: Sequence[Job] = ()) -> None:
+        """`in_flight`: the loop thread's items of the failed pass, answered `FatalCudaError` here."""
         with self._cond:
-            if self.poisoned is not None:
-                return
-            self.poisoned = reason
+            first = self.poisoned is None
+            if first:
+                self.poisoned = reason
             queued = list(self._waiting)
             self._waiting.clear()
+            ran = {j.request for j in (*self._batch, *in_flight)}
             self._cond.notify_all()
-        for job in queued:  # never started: another worker or replica can take them
-            _settle(job, context_lost(reason))
-        if self.on_fatal is not None:
+        if first and self.on_fatal is not None:
+            # Before any answer: what was in flight at the failure is frozen while it still is.
             self.on_fatal(reason)
+        for job in in_flight:
+            _settle(job, FatalCudaError(reason))
+        # A request answers with the first of its items to fail: a queued item of one whose items
+        # ran (the killer's, perhaps) is told the fatal error too, or the request would answer a
+        # retriable 503 and be sent on to the next engine. Only a request that never started
+        # anywhere may go elsewhere.
+        for job in queued:
+            _settle(job, FatalCudaError(reason) if job.request in ran else context_lost(reason))
 
     # -- the loop thread --------------------------------------------------------------------
 
@@ -212,10 +225,7 @@ class BatchLoop(LoopThread):
                 self._forward(jobs[start:stop], retried=True)
             return
         if is_fatal_cuda(exc):
-            reason = str(exc) or type(exc).__name__
-            self.poison(reason)
-            for job in jobs:
-                _settle(job, FatalCudaError(reason))
+            self.poison(str(exc) or type(exc).__name__, in_flight=jobs)
             return
         # Anything else fails this pass's items and only them; the loop goes on.
         for job in jobs:
