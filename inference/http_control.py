@@ -127,7 +127,8 @@ class ControlAPI:
 
     async def requests(self, request: web.Request) -> web.Response:
         """The fingerprints in flight, the newest admitted, those answered lately, and what was in
-        flight when the context was lost (`at_failure`); read by the sidecar before a restart."""
+        flight when the context was lost (`at_failure`) or when the engine's loop stopped advancing
+        (`at_stall`); read by the sidecar before a restart."""
         return web.json_response(self.service.guard.screen.book.report())
 
     async def quarantine(self, request: web.Request) -> web.Response:

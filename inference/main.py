@@ -55,6 +55,8 @@ async def _serve(settings: ServeSettings) -> int:
         exc = start_task.exception()
         log.error("start_failed", error=str(exc))
         return 2
+    # Started: what is in flight when the engine's loop stops advancing is frozen for the sidecar.
+    watch_task = asyncio.create_task(service.watch_progress()) if start_task in done else None
     if not stop.is_set():
         await asyncio.wait({stop_task, fatal_task}, return_when=asyncio.FIRST_COMPLETED)
 
@@ -71,6 +73,8 @@ async def _serve(settings: ServeSettings) -> int:
         while (sched.inflight or sched.queued) and loop.time() < deadline:
             await asyncio.sleep(0.05)
         log.info("shutdown", inflight_left=sched.inflight)
+    if watch_task is not None:
+        watch_task.cancel()
     await public.cleanup()
     await control.cleanup()
     return 0

@@ -1,7 +1,8 @@
 """What the server knows of its requests for the query of death: the fingerprints in flight, the
-newest admitted, those answered lately, what was in flight when the context was lost, and the
-quarantine list it refuses by. Shared by `serve` and the in-process agent (`RequestBook`,
-`QuarantineList`, `Screen`), so the sidecar reads one shape from either through the control API.
+newest admitted, those answered lately, what was in flight when the context was lost or when the
+engine's loop stopped advancing, and the quarantine list it refuses by. Shared by `serve` and the
+in-process agent (`RequestBook`, `QuarantineList`, `Screen`), so the sidecar reads one shape from
+either through the control API.
 
 Thread-safe: the agent's requests run in worker threads, `serve`'s failure comes from its decode
 thread.
@@ -37,6 +38,12 @@ REPORTED = 32  # fingerprints in flight reported (and written to the termination
 COMPLETED_KEPT = 256  # fingerprints answered successfully, kept for the sidecar's bystander evidence
 UNTIL_MAX = 32503680000.0  # the year 3000: a time, not an overflow
 QUARANTINE_MAX = 256  # entries a server holds; the sidecar's rule quarantines a few per episode
+# Work in flight and the engine's forward-pass counter flat this long: the server freezes what is in
+# flight (`RequestBook.stalled`), the evidence of a hang. Well under the sidecar's canary timeout
+# (10 s by default; a hang is decided after several, 30-60 s), so the snapshot precedes any hang
+# decision and is taken before a client that gives up has left; well over a normal step (a decode
+# step takes milliseconds, a prefill chunk well under a second), so a busy server does not take one.
+STALL_AFTER_S = 5.0
 
 # Whether the request being handled matches an injected fault's `when_prompt_contains`: set by the
 # HTTP layer for the request's task (and the threads it hands its work to), read where work starts.
@@ -65,6 +72,7 @@ class RequestBook:
         self._newest: str | None = None
         self._completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
         self._at_failure: dict[str, Any] | None = None
+        self._at_stall: dict[str, Any] | None = None
         self.failure_read = threading.Event()  # the watchdog read `at_failure`
 
     def begin(self, fp: str) -> int:
@@ -96,6 +104,20 @@ class RequestBook:
                 self._at_failure = {**self._now(), "completed": list(self._completed)}
             return dict(self._at_failure)
 
+    def stalled(self) -> dict[str, Any]:
+        """Freeze what is in flight now, and what had completed: the engine's loop stopped advancing
+        (the first call of a stall wins; a request that ends afterwards stays in it)."""
+        with self._lock:
+            if self._at_stall is None:
+                self._at_stall = {**self._now(), "completed": list(self._completed)}
+            return dict(self._at_stall)
+
+    def resumed(self) -> bool:
+        """The loop advanced again: the stall's snapshot is no evidence and goes. Whether there was one."""
+        with self._lock:
+            had, self._at_stall = self._at_stall is not None, None
+            return had
+
     def wait_read(self) -> bool:
         """Block until the watchdog read what was in flight at the failure (bounded); True if it did
         or there was nothing to read."""
@@ -108,7 +130,32 @@ class RequestBook:
             if self._at_failure is not None:
                 self.failure_read.set()
             return {"instance_id": self.instance_id, **self._now(), "completed": list(self._completed),
-                    "at_failure": self._at_failure}
+                    "at_failure": self._at_failure, "at_stall": self._at_stall}
+
+
+class StallRule:
+    """Whether the engine's loop has stalled, from samples of its forward-pass counter and whether
+    work is in flight (running or waiting), on an injected clock: stalled once work has been in
+    flight with the counter flat for `after_s`; over only when the counter advances (a wedged loop's
+    work never leaves it, and a canary that passes advances it)."""
+
+    def __init__(self, now: Callable[[], float] = time.monotonic, after_s: float = STALL_AFTER_S) -> None:
+        self.now = now
+        self.after_s = after_s
+        self.stalled = False
+        self._forwards: int | None = None
+        self._since = 0.0  # since when the counter has been flat with work in flight
+
+    def observe(self, forwards: int, busy: bool) -> bool:
+        """One sample; whether the loop is stalled now."""
+        t = self.now()
+        if forwards != self._forwards:
+            self._forwards, self._since, self.stalled = forwards, t, False
+        elif not busy and not self.stalled:
+            self._since = t  # idle: a flat counter is no stall, and the wait starts with the work
+        elif busy and t - self._since >= self.after_s:
+            self.stalled = True
+        return self.stalled
 
 
 @dataclass(frozen=True)

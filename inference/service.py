@@ -25,9 +25,13 @@ from gpu_watchdog.inference.measure import SHORT_PROMPT, filler, measure, measur
 from gpu_watchdog.inference.metrics import InferenceMetrics
 from gpu_watchdog.inference.model import BUILTIN_NAME
 from gpu_watchdog.inference.planner import CostModel, Plan, plan
+from gpu_watchdog.inference.screen import StallRule
 from gpu_watchdog.inference.settings import CPU_PREFIX_CACHE_MIB, ServeSettings
 
 log = structlog.get_logger(__name__)
+
+# How often `watch_progress` samples the engine's forward-pass counter (the stall rule's grain).
+PROGRESS_CHECK_S = 1.0
 
 
 def _leave_a_core(device: torch.device) -> None:
@@ -271,6 +275,28 @@ class InferenceService:
 
     def is_ready(self) -> bool:
         return self.started and not self.guard.poisoned and not self.guard.drain.active
+
+    async def watch_progress(self, rule: StallRule | None = None, every: float = PROGRESS_CHECK_S) -> None:
+        """Until cancelled (a task of `serve`, once started): freeze what is in flight when the
+        engine's loop stops advancing with work in flight (`screen.StallRule`, `RequestBook.stalled`),
+        the evidence of a hang the sidecar reads later; drop it once the loop advances again."""
+        rule = rule if rule is not None else StallRule()
+        book = self.guard.screen.book
+        while True:
+            try:
+                engine = self.engine
+                forwards = engine.probe().forward_batches
+                was = rule.stalled
+                if rule.observe(forwards, engine.inflight + engine.queued > 0):
+                    if not was:
+                        frozen = book.stalled()
+                        log.warning("engine_stalled", flat_s=rule.after_s, inflight=frozen["inflight_total"],
+                                    fingerprints=frozen["inflight"], forward_batches=forwards)
+                elif book.resumed():
+                    log.info("engine_resumed", forward_batches=forwards)
+            except Exception as exc:  # a sample that fails costs this sample, never the watch
+                log.warning("progress_watch_failed", error=repr(exc)[:200])
+            await asyncio.sleep(every)
 
     # -- what the control API drives (inference.http_control.ControlTarget) -------------------
 
