@@ -71,6 +71,8 @@ RECORD_WAIT_S = 5.0
 # A failure whose record could not be written is tried again this long after, not at every
 # evaluation (a restart the budget blocks is decided again at each one).
 RECORD_RETRY_S = 30.0
+# A stopping sidecar says what its server answered within this (a pod's grace period is 30 s by default).
+LEAVING_WAIT_S = 3.0
 
 
 class ServerDrain:
@@ -340,7 +342,61 @@ class Executor:
                     log.warning("quarantine_records_unknown", error=str(exc)[:300],
                                 action="the list last read stays in force")
                 self.records_error = str(exc)[:300]
+        await self._clear_answered()
         await self.push_quarantine()
+
+    async def leaving(self) -> None:
+        """The sidecar stops (its pod is removed): the suspects our server answered are cleared in the
+        records once more, within LEAVING_WAIT_S, so that the evidence of a success leaves no sooner
+        than the pod's grace period allows."""
+        try:
+            await asyncio.wait_for(self._clear_answered(), LEAVING_WAIT_S)
+        except Exception as exc:  # stopping goes on whatever the API says
+            log.warning("quarantine_clear_not_recorded", error=repr(exc)[:300], action="stopping")
+
+    async def _clear_answered(self) -> None:
+        """Of the fingerprints the records hold against, those our server (and its workers) answered
+        lately are cleared in the records, fleet-wide: a request answered anywhere is no killer, and
+        an entry of one is removed. Asked only while the records hold against some."""
+        s = self.settings.policy.quarantine
+        against = quarantine.held_against(s, self.records, self.wall_clock())
+        if self.control is None or not against:
+            return
+        answered: set[str] = set()
+        for control in (self.control, *self.worker_controls.values()):
+            try:
+                answered |= quarantine.answered_in(await control.requests())
+            except (ControlError, quarantine.RecordsError):
+                continue  # a server starting, gone or garbled answers at the next sync
+        new = answered & against
+        if not new:
+            return
+        pod = self.settings.kubernetes.pod_name or "local"
+
+        def add(records: quarantine.Records, now: float
+                ) -> tuple[quarantine.Records, tuple[quarantine.Records, list[quarantine.Quarantined]]]:
+            out, removed = quarantine.clear(s, records, new, pod, now)
+            return out, (out, removed)
+
+        ledger = self.ledger
+        try:
+            if ledger is None:
+                self.records, removed = add(self.records, self.wall_clock())[1]
+            else:
+                async with self._ledger_lock:
+                    self.records, removed = await asyncio.to_thread(ledger.update_records, add)
+        except Exception as exc:
+            log.warning("quarantine_clear_not_recorded", fingerprints=sorted(new), error=str(exc)[:300],
+                        action="tried again at the next sync")
+            return
+        log.info("quarantine_cleared", fingerprints=sorted(new), pod=pod,
+                 why="answered successfully here: no longer a suspect anywhere in the workload")
+        for q in removed:
+            log.warning("quarantine_removed", fingerprint=q.fingerprint, pod=pod,
+                        why="a replica answered it successfully: it is no killer",
+                        action="served again by every replica")
+            if ledger is not None:
+                self._report(functools.partial(ledger.report_quarantine, q, True), "quarantine_event_failed")
 
     async def push_quarantine(self, instance_id: str | None = None) -> None:
         """The workload's active quarantine to our server (`instance_id`: the process it reached) and
@@ -455,11 +511,12 @@ class Executor:
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id), record
 
-    async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None
-                          ) -> RestartOutcome | None:
+    async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None,
+                          untold: Callable[[str], None] = lambda why: None) -> RestartOutcome | None:
         """Worker `worker` leaves and its server starts it again, its Event written first as for any
-        restart (refused: nothing done, `not_recorded`); None when it cannot be told (for the
-        watched worker the container's rung then, as for one worker).
+        restart (refused: nothing done, `not_recorded`); None when it cannot be told, `untold` hearing
+        why (the watched worker gets the container's rung then, as for one worker; another, once
+        `worker_rung.EXIT_TRIES` such tries ran for its process).
 
         A poisoned worker exits by itself once its in-flight requests were read: telling it would
         only race the new process that replaces it, and its Event is written all the same. A hung
@@ -471,6 +528,7 @@ class Executor:
                                   + ("" if error is None else f" (its Event was not written: {error})"),
                                   rung=RUNG_WORKER, recorded=error is None)
         if control is None:
+            untold("no control API")
             return None
         error = await self.restarter.record(decision, WORKER_ACTION, WORKER_PREFIX)
         if error is not None:
@@ -483,6 +541,7 @@ class Executor:
                 return RestartOutcome(True, f"the worker is gone already ({exc})", rung=RUNG_WORKER, recorded=True)
             # Its Event stands: the container's rung that follows counts once more (spent sooner, never later).
             log.warning("worker_exit_failed", reason=decision.reason, worker=worker, error=str(exc))
+            untold(str(exc))
             return None
         return RestartOutcome(True, "the worker was told to exit; its server starts it again", rung=RUNG_WORKER,
                               recorded=True)

@@ -180,7 +180,8 @@ def other_workers(settings: PolicySettings, h: History, now: float, budget_from_
         actions = h.worker_actions.get(k, ())
         done = [a.at for a in actions if a.action == "restart"]
         served = [c.at for c in h.worker_canaries.get(k, ()) if c.served]
-        if _held_back_in(actions, served, done[-1] if done else float("-inf"), decision.reason, now):
+        epoch = max(done[-1] if done else float("-inf"), whole_restart_at(h))
+        if _held_back_in(actions, served, epoch, decision.reason, now):
             continue
         if budget_remaining(settings, h, now, budget_from_events) <= 0:
             decision = replace(decision, allowed=False,
@@ -196,8 +197,10 @@ def hung_workers(settings: PolicySettings, h: History) -> list[Decision]:
     each worker keeps for them, so a worker that is only busy still answers one. A poisoned worker
     is not decided for: it exits by itself once its state was read, and its server replaces it."""
     n = settings.hang.consecutive_timeouts
+    since = whole_restart_at(h)
     out: list[Decision] = []
-    for k, canaries in sorted(h.worker_canaries.items()):
+    for k, kept in sorted(h.worker_canaries.items()):
+        canaries = [c for c in kept if c.at >= since]
         run: list[CanarySample] = []
         for c in reversed(canaries):
             if c.error_class != "timeout":
@@ -216,6 +219,12 @@ def hung_workers(settings: PolicySettings, h: History) -> list[Decision]:
         out.append(Decision("restart", HANG, detail, drain=False, instance_id=served or run[0].instance_id,
                             rung=RUNG_WORKER))
     return out
+
+
+def whole_restart_at(h: History) -> float:
+    """The last restart of every worker at once (the container, the pod, the child process): what the
+    other workers said before it, and the restarts of theirs that failed, are about processes gone."""
+    return max((a.at for a in h.actions if a.action == "restart" and a.rung != RUNG_WORKER), default=float("-inf"))
 
 
 def _worker_gpu(h: History, k: int) -> str | None:

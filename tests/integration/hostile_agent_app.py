@@ -5,6 +5,9 @@
 `GET /names/{name}` looks a name up inside `agent.admit()` and raises `KeyError(f"no such name: {name}")`
 for an unknown one; `POST /raise {"kind", "message"}` raises the app's exception of that kind inside
 `admit()` (thread or coroutine) or `agent.guard()`; `GET /ok` is served normally.
+
+`--fault-injection` turns on the agent's `POST /control/fault`; `--exit-never-answers` makes its
+`POST /control/exit` never answer (a worker wedged past its control API).
 """
 
 from __future__ import annotations
@@ -103,11 +106,23 @@ def main() -> None:
     p.add_argument("--framework", choices=("fastapi", "aiohttp"), default="fastapi")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--control-port", type=int, required=True)
+    p.add_argument("--fault-injection", action="store_true")
+    p.add_argument("--exit-never-answers", action="store_true")
     args = p.parse_args()
 
     from gpu_watchdog.inference.agent import Agent, AgentSettings
 
-    agent = Agent(AgentSettings(limit=2, control_port=args.control_port, device="cpu"))
+    if args.exit_never_answers:
+        import asyncio
+
+        from gpu_watchdog.inference.http_control import ControlAPI
+
+        async def never(self: Any, request: Any) -> Any:
+            await asyncio.Event().wait()
+
+        ControlAPI.exit = never  # type: ignore[method-assign]
+    agent = Agent(AgentSettings(limit=2, control_port=args.control_port, device="cpu",
+                                fault_injection=args.fault_injection))
     agent.register_canary(lambda: None)
     if args.framework == "fastapi":
         import uvicorn
