@@ -7,11 +7,17 @@ records come from many pods.
 
 A fingerprint is quarantined when it was in flight at `failures` (2) failures of the workload within
 `window`, on two different pods or processes, and nothing clears it:
-- it completed successfully somewhere (a culprit never does);
+- it completed successfully somewhere (a culprit never does): in a failing process's last answers, or
+  on any replica of the workload, whose sidecar says so in the records (`Cleared`) when its server
+  answered a fingerprint the records hold against. An entry whose fingerprint is cleared so is
+  removed: a request answered anywhere is no killer;
 - a bystander (a retried innocent request that happened to be in flight twice) is told apart from
-  the culprit: the culprit is in every failure's set and is often the newest arrival before the
-  fault; where several fingerprints qualify, those that were the newest before a fault come first,
-  and at most `MAX_PER_EPISODE` are quarantined from one set of failures;
+  the culprit: the culprit is in every failure it caused and bystanders come and go. The
+  fingerprints at the most failures are taken when one stands alone; where several tie, one
+  failure more than `failures` is waited for (it tells a bystander apart), and then all that still
+  tie are taken, at most MAX_TIED: a client that sends the killer with decoys of its own in flight
+  each time has them refused too, and being newest before a fault counts for nothing (a popular
+  request sent right after the killer would be framed);
 - every quarantine lasts `ttl` and is listed and liftable by an operator; a lift holds until new
   evidence after it, whatever the TTL: it is kept as long as the failures it covers can count.
 """
@@ -25,9 +31,13 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_watchdog.watchdog.names import HANG
 from gpu_watchdog.watchdog.settings import QuarantineSettings
 
-MAX_PER_EPISODE = 3  # a bound on the damage: one set of failures quarantines this many at most
+# A bound on the damage: fingerprints that tie are all taken up to this many (a killer with up to 15
+# decoys of its own); more alike than that is no one request's doing, and none is taken.
+MAX_TIED = 16
+CLEARED_KEPT = 256  # fingerprints answered somewhere in the window, newest kept
 ANNOTATION = "gpu-watchdog.io/quarantine"  # on the workload's Lease, beside the fleet's ledger
 VERSION = 1
 FAILURES_KEPT = 64  # failures within the window, newest kept: the annotation stays small
@@ -52,11 +62,22 @@ class Failure:
 
 
 @dataclass(frozen=True)
+class Cleared:
+    """A fingerprint the records hold against that a replica answered successfully."""
+
+    fingerprint: str
+    at: float
+    pod: str
+
+
+@dataclass(frozen=True)
 class Records:
-    """What the workload knows: its failures (with their fingerprints) and its quarantine list."""
+    """What the workload knows: its failures (with their fingerprints), its quarantine list, and the
+    suspects answered somewhere."""
 
     failures: tuple[Failure, ...] = ()
     quarantined: tuple[Quarantined, ...] = ()
+    cleared: tuple[Cleared, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -79,29 +100,60 @@ def _distinct(failures: Iterable[Failure]) -> int:
     return len({(f.pod, f.process) for f in failures})
 
 
-def suspects(settings: QuarantineSettings, failures: list[Failure], now: float) -> list[tuple[str, list[Failure]]]:
+def suspects(settings: QuarantineSettings, failures: list[Failure], now: float,
+             cleared: Iterable[str] = (), refused: Iterable[str] = ()) -> list[tuple[str, list[Failure]]]:
     """The fingerprints to quarantine, with the failures each was in flight at.
 
-    The culprit is in every failure it caused; bystanders come and go. So of the fingerprints in
-    flight at enough failures (none of which completed), those at the most failures are taken;
-    among them, the newest arrival before a fault is the culprit and the others were in flight
-    beside it. More alike than MAX_PER_EPISODE: none yet, the next failure tells them apart."""
+    Of the fingerprints in flight at enough failures (none of which completed, here or anywhere
+    `cleared` says, and none `refused` already), those at the most failures: one alone is taken;
+    several that tie are taken all (MAX_TIED at most) once they tie at one failure more than
+    needed, which a bystander rarely survives; before that, none. Those refused already compete
+    with nothing: decoys refused beside a killer whose entry was lifted would otherwise outnumber
+    its new failures and hide it."""
     recent = [f for f in failures if now - settings.window < f.at <= now + FUTURE_S]
-    cleared = {fp for f in recent for fp in f.completed}
+    answered = {fp for f in recent for fp in f.completed} | set(cleared)
     at: dict[str, list[Failure]] = {}
     for f in recent:
         for fp in set(f.inflight):
             at.setdefault(fp, []).append(f)
     need = max(2, settings.failures)
-    qualified = [(fp, fs) for fp, fs in at.items() if fp not in cleared and _distinct(fs) >= need]
+    skip = answered | set(refused)
+    qualified = [(fp, fs) for fp, fs in at.items() if fp not in skip and _distinct(fs) >= need]
     if not qualified:
         return []
     top = max(_distinct(fs) for _, fs in qualified)
     best = [(fp, fs) for fp, fs in qualified if _distinct(fs) == top]
-    chosen = [(fp, fs) for fp, fs in best if any(f.newest == fp for f in fs)] or best
-    if len(chosen) > MAX_PER_EPISODE:
+    if len(best) > 1 and (top < need + 1 or len(best) > MAX_TIED):
         return []
-    return sorted(chosen, key=lambda item: (-max(f.at for f in item[1]), item[0]))
+    return sorted(best, key=lambda item: (-max(f.at for f in item[1]), item[0]))
+
+
+def cleared_in(settings: QuarantineSettings, records: Records, now: float) -> set[str]:
+    """The fingerprints answered somewhere within the window."""
+    return {c.fingerprint for c in records.cleared if now - settings.window < c.at <= now + FUTURE_S}
+
+
+def held_against(settings: QuarantineSettings, records: Records, now: float) -> set[str]:
+    """The fingerprints a replica's answers could clear: in flight at a failure within the window,
+    or quarantined now, and not cleared yet."""
+    recent = {fp for f in records.failures if now - settings.window < f.at <= now + FUTURE_S for fp in f.inflight}
+    return (recent | {q.fingerprint for q in active(records, now)}) - cleared_in(settings, records, now)
+
+
+def clear(settings: QuarantineSettings, records: Records, answered: Iterable[str], pod: str, now: float
+          ) -> tuple[Records, list[Quarantined]]:
+    """`pod`'s server answered these fingerprints successfully: those the records hold against are
+    cleared (never quarantined within the window) and their active entries removed; the new records
+    and the entries removed."""
+    against = held_against(settings, records, now)
+    new = sorted(set(answered) & against)
+    if not new:
+        return records, []
+    kept = tuple(c for c in records.cleared if now - settings.window < c.at <= now + FUTURE_S)
+    cleared = (*kept, *(Cleared(fp, now, pod) for fp in new))[-CLEARED_KEPT:]
+    removed = [q for q in records.quarantined if q.fingerprint in new and q.active(now)]
+    quarantined = tuple(q for q in records.quarantined if q.fingerprint not in new)
+    return Records(records.failures, quarantined, cleared), removed
 
 
 def _after_lifts(failures: list[Failure], lifted: dict[str, float]) -> list[Failure]:
@@ -125,7 +177,7 @@ def _kept(settings: QuarantineSettings, current: list[Quarantined], now: float) 
 
 
 def decide(settings: QuarantineSettings, failures: list[Failure], current: list[Quarantined],
-           now: float) -> list[Quarantined]:
+           now: float, cleared: Iterable[str] = ()) -> list[Quarantined]:
     """The quarantine list after these failures: the current entries until their TTL, plus new ones.
     A lifted entry stays, lifted, past its TTL as long as the failures before its lift can count, so
     that only failures after the lift count against it."""
@@ -135,7 +187,8 @@ def decide(settings: QuarantineSettings, failures: list[Failure], current: list[
     known = {q.fingerprint: q for q in kept}
     lifted = {q.fingerprint: q.lifted_at for q in kept if q.lifted_at is not None}
     out = list(kept)
-    for fp, fs in suspects(settings, _after_lifts(failures, lifted), now):
+    refused = {q.fingerprint for q in kept if q.active(now)}
+    for fp, fs in suspects(settings, _after_lifts(failures, lifted), now, cleared, refused):
         old = known.get(fp)
         if old is not None and old.lifted_at is None:
             continue  # already quarantined
@@ -168,11 +221,11 @@ def record(settings: QuarantineSettings, records: Records, failure: Failure, now
     failures = [f for f in records.failures if now - settings.window < f.at <= now + FUTURE_S] + [kept]
     failures = failures[-FAILURES_KEPT:]
     before = {q.fingerprint for q in active(records, now)}
-    quarantined = decide(settings, failures, list(records.quarantined), now)
+    quarantined = decide(settings, failures, list(records.quarantined), now, cleared_in(settings, records, now))
     new = [q for q in quarantined if q.active(now) and q.fingerprint not in before]
-    out = Records(tuple(failures), tuple(quarantined))
+    out = Records(tuple(failures), tuple(quarantined), records.cleared)
     while len(out.failures) > 1 and len(dump(out)) > ANNOTATION_BUDGET:
-        out = Records(out.failures[1:], out.quarantined)  # the oldest evidence goes first
+        out = Records(out.failures[1:], out.quarantined, out.cleared)  # the oldest evidence goes first
     return out, new
 
 
@@ -181,7 +234,7 @@ def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Record
     failures before the lift count (see `decide`), so the same evidence does not quarantine it again;
     True when it was active."""
     was = any(q.fingerprint == fingerprint and q.active(now) for q in records.quarantined)
-    return Records(records.failures, tuple(lift(list(records.quarantined), fingerprint, now))), was
+    return Records(records.failures, tuple(lift(list(records.quarantined), fingerprint, now)), records.cleared), was
 
 
 # -- the Lease annotation ------------------------------------------------------------------------
@@ -200,7 +253,8 @@ def dump(records: Records) -> str:
     return json.dumps({"v": VERSION, "failures": [_failure_json(f) for f in records.failures],
                        "quarantined": [{"fingerprint": q.fingerprint, "since": q.since, "until": q.until,
                                         "lifted_at": q.lifted_at, "failures": [_failure_json(f) for f in q.failures]}
-                                       for q in records.quarantined]},
+                                       for q in records.quarantined],
+                       "cleared": [{"fingerprint": c.fingerprint, "at": c.at, "pod": c.pod} for c in records.cleared]},
                       sort_keys=True, separators=(",", ":"))
 
 
@@ -261,7 +315,12 @@ def parse(text: str | None) -> Records:
         quarantined.append(Quarantined(_str(q, "fingerprint"), _num(q, "since"), _num(q, "until"),
                                        tuple(_failure(f) for f in _list(q, "failures")),
                                        _num(q, "lifted_at", optional=True)))
-    return Records(failures, tuple(quarantined))
+    cleared = []
+    for c in _list(data, "cleared"):
+        if not isinstance(c, dict):
+            raise RecordsError("cleared: expected objects")
+        cleared.append(Cleared(_str(c, "fingerprint"), _num(c, "at"), _str(c, "pod")))
+    return Records(failures, tuple(quarantined), tuple(cleared))
 
 
 def describe(q: Quarantined, now: float) -> dict[str, Any]:
@@ -275,16 +334,27 @@ def describe(q: Quarantined, now: float) -> dict[str, Any]:
 
 def failure_from(report: Any, pod: str, reason: str, at: float) -> Failure:
     """A failure from the server's `GET /control/requests`: what was in flight when its context was
-    lost where it says, else what is in flight now (a hang: those requests are still running).
-    Raises RecordsError on an answer that is not one."""
+    lost where it says; for a hang, what was in flight when its loop stopped advancing where it says
+    (`at_stall`: the server froze it then, before a client that gave up had left); else what is in
+    flight now. Raises RecordsError on an answer that is not one."""
     if not isinstance(report, dict):
         raise RecordsError("expected an object")
     frozen = report.get("at_failure")
+    if not isinstance(frozen, dict) and reason == HANG:
+        frozen = report.get("at_stall")
     source = frozen if isinstance(frozen, dict) else report
     inflight = _strs(source, "inflight")
     completed = _strs(source, "completed") if "completed" in source else _strs(report, "completed")
     return Failure(at, pod, _str(report, "instance_id"), reason, inflight[:INFLIGHT_KEPT],
                    _str(source, "newest", optional=True), completed)
+
+
+def answered_in(report: Any) -> set[str]:
+    """The fingerprints a server's `GET /control/requests` says it answered successfully lately.
+    Raises RecordsError on an answer that is not one."""
+    if not isinstance(report, dict):
+        raise RecordsError("expected an object")
+    return set(_strs(report, "completed"))
 
 
 def server_entries(records: Records, now: float) -> list[dict[str, Any]]:

@@ -219,7 +219,9 @@ async def run_until_signal(watchdog: Watchdog) -> None:
         loop.add_signal_handler(sig, stop.set)
     await watchdog.start()
     await stop.wait()
-    # Stopping never acts: no drain, no restart, just leave.
+    # Stopping never acts: no drain, no restart, just leave; what our server answered is said first
+    # (a scale-down or a rollout removes the pod, and with it the only word that a suspect was answered).
+    await watchdog.executor.leaving()
     await watchdog.stop()
 
 

@@ -168,7 +168,8 @@ class Fleet:
     def __init__(self, cluster: Any, tmp_path: Path, replicas: int = 8,
                  sidecar_config: dict[str, Any] | None = None, *, namespace: str = "serving",
                  deployment: str = "llm", hang_after: int | None = None, replacement_hang_after: int | None = None,
-                 replacement_node: str = "fresh", replacement_delay: float = 0.0, min_available: int | None = None, ready_timeout: float = 90.0,
+                 replacement_node: str = "fresh", replacement_delay: float = 0.0,
+                 min_available: int | None = None, ready_timeout: float = 90.0,
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
                  serve_faults: list[dict[str, Any]] | None = None) -> None:

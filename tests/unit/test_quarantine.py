@@ -8,15 +8,17 @@ from gpu_watchdog.watchdog.config import QuarantineSettings
 from gpu_watchdog.watchdog.quarantine import (
     FAILURES_KEPT,
     LIFTS_KEPT,
-    MAX_PER_EPISODE,
+    MAX_TIED,
     Failure,
     Quarantined,
     Records,
     RecordsError,
     active,
+    clear,
     decide,
     dump,
     failure_from,
+    held_against,
     lift,
     lift_records,
     parse,
@@ -48,10 +50,14 @@ def test_one_failure_or_one_process_twice_is_not_enough() -> None:
     assert [q.fingerprint for q in decide(S, again, [], 111.0)] == ["qod"]  # restarted in place, killed again
 
 
-def test_a_bystander_in_flight_at_both_failures_is_not_quarantined_with_the_newest_culprit() -> None:
-    # A long request retried by its client was in flight at both failures too.
+def test_a_bystander_in_flight_at_both_failures_waits_with_the_culprit_for_the_failure_that_tells_them_apart() -> None:
+    # A long request retried by its client was in flight at both failures too: being the newest
+    # arrival counts for nothing, so at two failures neither is taken...
     fs = [failure(100, "a", ("long", "qod"), newest="qod"), failure(130, "b", ("long", "qod"), newest="qod")]
-    assert [fp for fp, _ in suspects(S, fs, 131.0)] == ["qod"]
+    assert suspects(S, fs, 131.0) == []
+    # ...and the third, which the bystander is not at, takes the culprit alone.
+    fs.append(failure(160, "c", ("qod", "other"), newest="other"))
+    assert [fp for fp, _ in suspects(S, fs, 161.0)] == ["qod"]
 
 
 def test_a_bystander_in_flight_at_one_failure_only_is_never_quarantined() -> None:
@@ -70,25 +76,47 @@ def test_failures_outside_the_window_are_not_evidence() -> None:
     assert decide(S, fs, [], 100 + S.window + 2) == []
 
 
-def test_at_most_a_few_are_quarantined_and_more_alike_wait_for_the_failure_that_tells_them_apart() -> None:
-    few = tuple(f"fp{i}" for i in range(MAX_PER_EPISODE))
-    assert len(decide(S, [failure(100, "a", few), failure(130, "b", few)], [], 131.0)) == MAX_PER_EPISODE
-    many = tuple(f"fp{i}" for i in range(10))
-    fs = [failure(100, "a", many), failure(130, "b", many)]
-    assert decide(S, fs, [], 131.0) == []  # ten alike: none is picked by its spelling
+def test_a_killer_with_decoys_of_its_own_is_refused_with_them_at_the_third_failure() -> None:
+    """Eight long decoys in flight beside the killer at every failure, a fresh one-off sent after it
+    as the newest each time: they tie, one failure more is waited for, then all that tie are taken."""
+    decoys = tuple(f"decoy{i}" for i in range(8))
+    fs = [failure(100 + 30 * n, pod, ("qod", *decoys, f"one-off-{n}"), newest=f"one-off-{n}")
+          for n, pod in enumerate("ab")]
+    assert decide(S, fs, [], 131.0) == []
+    fs.append(failure(160, "c", ("qod", *decoys, "one-off-2"), newest="one-off-2"))
+    assert sorted(q.fingerprint for q in decide(S, fs, [], 161.0)) == sorted(("qod", *decoys))
+
+
+def test_more_alike_than_max_tied_are_none_of_them_taken() -> None:
+    many = tuple(f"fp{i}" for i in range(MAX_TIED + 1))
+    fs = [failure(100 + 30 * n, pod, many) for n, pod in enumerate("abc")]
+    assert decide(S, fs, [], 161.0) == []
     # Bystanders come and go: the next failure has the culprit alone of them.
-    fs.append(failure(160, "c", ("fp7", "new-bystander")))
-    assert [q.fingerprint for q in decide(S, fs, [], 161.0)] == ["fp7"]
+    fs.append(failure(190, "d", ("fp7", "new-bystander")))
+    assert [q.fingerprint for q in decide(S, fs, [], 191.0)] == ["fp7"]
 
 
-def test_a_bystander_quarantined_by_a_tie_does_not_hide_the_culprit_at_the_next_failure() -> None:
-    # A retried bystander was the newest arrival at both failures: it is taken (bounded damage)...
-    fs = [failure(100, "a", ("culprit", "x"), newest="x"), failure(130, "b", ("culprit", "x"), newest="x")]
-    first = decide(S, fs, [], 131.0)
-    assert [q.fingerprint for q in first] == ["x"]
-    # ...and the culprit, in flight at one more failure than anything else, is taken at the next one.
-    fs.append(failure(160, "c", ("culprit", "y"), newest="y"))
-    assert sorted(q.fingerprint for q in decide(S, fs, first, 161.0)) == ["culprit", "x"]
+def test_a_popular_request_sent_right_after_the_killer_is_never_framed() -> None:
+    """The newest arrival before each fault is the popular request the killer's client sends after
+    it. At two failures nothing is taken; by the third, a replica that answered the popular request
+    cleared it, and the killer is taken alone."""
+    fs = [failure(100 + 30 * n, pod, ("qod", "popular"), newest="popular") for n, pod in enumerate("abc")]
+    assert decide(S, fs[:2], [], 131.0) == []
+    records = Records(tuple(fs[:2]))
+    records, removed = clear(S, records, ["popular", "unrelated"], "d", 140.0)
+    assert removed == [] and [(c.fingerprint, c.pod) for c in records.cleared] == [("popular", "d")]
+    records, new = record(S, records, fs[2], 161.0)
+    assert [q.fingerprint for q in new] == ["qod"]
+    # Not cleared, the two tie and both are taken at the third failure: cleared afterwards (answered
+    # by a replica that had not the list yet), its entry is removed.
+    both, _ = record(S, Records(tuple(fs[:2])), fs[2], 161.0)
+    assert sorted(q.fingerprint for q in active(both, 161.0)) == ["popular", "qod"]
+    after, removed = clear(S, both, ["popular"], "d", 170.0)
+    assert [q.fingerprint for q in removed] == ["popular"]
+    assert [q.fingerprint for q in active(after, 170.0)] == ["qod"]
+    assert parse(dump(after)) == after
+    # A clear is for the window: a later failure of the popular request alone cannot count against it.
+    assert "popular" not in held_against(S, after, 171.0)
 
 
 def test_a_failure_dated_a_little_ahead_by_another_clock_still_counts() -> None:

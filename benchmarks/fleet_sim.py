@@ -1,0 +1,85 @@
+"""The fleet's simulation at length: many more runs than CI's fixed seeds, each checked after every
+move against the invariants (`tests/sim/invariants.py`), and the figures: runs (seeds) explored,
+simulated seconds (one a tick) and how many a second of real time, and F (the killer's failures in the records when it
+was refused) at 0, 4 and 8 decoys.
+
+    python -m gpu_watchdog.benchmarks.fleet_sim [--runs N] [--steps N] [--seed S]
+
+Run from the repository's root (it imports the simulation from tests/). Exits non-zero when an
+invariant broke, after printing the shrunk moves that broke it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+from hypothesis import HealthCheck, settings
+from hypothesis.stateful import run_state_machine_as_test
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.sim.machine import machine
+from tests.sim.world import Knobs
+
+CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
+           Knobs(replicas=5, max_unavailable="1", decoys=8), Knobs(replicas=8, max_unavailable="2", decoys=8,
+                                                                   api_error_rate=0.1))
+
+
+def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
+    figures: dict[str, Any] = {"runs": 0, "ticks": 0, "evictions": 0, "killer_failures": 0,
+                               "lost_races": 0, "api_errors": 0, "F": Counter()}
+    base = machine(knobs)
+
+    class Counted(base):  # type: ignore[misc, valid-type]
+        def teardown(self) -> None:
+            super().teardown()
+            w = self.world
+            figures["runs"] += 1
+            figures["ticks"] += w.steps
+            figures["evictions"] += sum(1 for r in w.removals if r.by_us)
+            figures["killer_failures"] += w.killer_failures
+            figures["lost_races"] += w.lost_races
+            figures["api_errors"] += w.api_errors
+            figures["F"].update(w.killer_f)
+
+    started = time.perf_counter()
+    run_state_machine_as_test(Counted, settings=settings(
+        max_examples=runs, stateful_step_count=steps, deadline=None, database=None,
+        suppress_health_check=list(HealthCheck), derandomize=False))
+    elapsed = time.perf_counter() - started
+    f = figures.pop("F")
+    return {**figures, "seconds": round(elapsed, 1), "simulated_s_per_s": round(figures["ticks"] / elapsed),
+            "F": {str(k): v for k, v in sorted(f.items())}, "F_max": max(f, default=None)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="fleet_sim", description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=2000, help="runs (seeds) per configuration")
+    parser.add_argument("--steps", type=int, default=100, help="moves per run at most")
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.runs < 1 or args.steps < 1:
+        parser.error("--runs and --steps must be at least 1")
+    failed = False
+    for knobs in CONFIGS:
+        name = f"{knobs.replicas}x max_unavailable={knobs.max_unavailable} decoys={knobs.decoys}" \
+               f" api_errors={knobs.api_error_rate}"
+        try:
+            out = explore(knobs, args.runs, args.steps, args.seed)
+        except AssertionError as exc:  # Hypothesis printed the shrunk moves above
+            failed = True
+            print(json.dumps({"config": name, "broken": str(exc).splitlines()[0]}), flush=True)
+            continue
+        print(json.dumps({"config": name, **out}), flush=True)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,94 @@
+"""The fleet's invariants, each a function of the simulated world that raises `Broken` naming what
+broke. Checked after every step of every run (`test_invariants.py`) and of the benchmark's."""
+
+from __future__ import annotations
+
+from gpu_watchdog.watchdog import fleet, quarantine
+from gpu_watchdog.watchdog.names import FLEET_HOLDS
+from tests.sim.world import World
+
+# A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
+KILLER_FAILURES = 3
+
+
+class Broken(AssertionError):
+    pass
+
+
+def out_because_of_us(world: World) -> list[str]:
+    """The replicas we restarted that do not serve again yet: removed by a sidecar, and the pod that
+    stands in for each (ground truth: the ReplicaSet made it for that removal) never served."""
+    return sorted(p.replaces for p in world.alive() if p.replaces is not None and p.first_served_at is None)
+
+
+def i1_max_unavailable(world: World) -> None:
+    """I1: never more than `max_unavailable` of the replicas out because of us, through rollouts,
+    surges, scale-ups and -downs and lost races."""
+    out = out_because_of_us(world)
+    limit = fleet.unavailable_slots(world.fleet_settings, world.desired)
+    if len(out) > limit:
+        raise Broken(f"I1: {len(out)} replicas out because of us ({', '.join(out)}) with max_unavailable {limit}")
+
+
+def i4_no_zombie(world: World) -> None:
+    """I4, once the world has settled (no new faults, every sidecar stepped): a replica that cannot
+    serve is restarted, or held by a documented holder that says so."""
+    for pod in world.alive():
+        car = world.sidecars.get(pod.name)
+        # One its sidecar never saw serve is still starting (`policy.startup_timeout` bounds that).
+        hung = pod.server.hung_since is not None and pod.served_once
+        if hung and (car is None or car.held not in FLEET_HOLDS):
+            raise Broken(f"I4: {pod.name} hung since {pod.server.hung_since:.0f}, neither restarted nor held"
+                         f" ({None if car is None else car.held})")
+
+
+def i6_answered_is_never_quarantined(world: World) -> None:
+    """I6: a fingerprint answered successfully by a replica (its sidecar said so in the records, or
+    the failing process had answered it) is never in force."""
+    records = world.records()
+    cleared = quarantine.cleared_in(world.q_settings, records, world.now)
+    for q in quarantine.active(records, world.now):
+        if q.fingerprint in cleared:
+            raise Broken(f"I6: {q.fingerprint} is refused though a replica answered it")
+
+
+def i6_settled(world: World) -> None:
+    """I6 once settled: the popular request, answered all along, is refused nowhere."""
+    if world.popular in world.answered_at:
+        refusing = [p.name for p in world.alive() if world.popular in p.server.refuses]
+        active = [q.fingerprint for q in quarantine.active(world.records(), world.now)]
+        if world.popular in active or refusing:
+            raise Broken(f"I6: the popular request is refused (active: {active}, by {refusing})")
+
+
+def i7_killer_refused(world: World) -> None:
+    """I7: a request in flight at KILLER_FAILURES failures (on as many processes) of the workload, that
+    no replica ever answered, is in force (or lifted since), whatever decoys came with it."""
+    records = world.records()
+    k = world.killer
+    at = {(f.pod, f.process) for f in records.failures if k in f.inflight and f.at > world.lifted.get(k, -1e18)}
+    if len(at) >= KILLER_FAILURES and k not in {q.fingerprint for q in quarantine.active(records, world.now)}:
+        raise Broken(f"I7: the killer was in flight at {len(at)} recorded failures with {len(world.decoys)}"
+                     " decoys and is not refused")
+
+
+def i8_lift_holds(world: World) -> None:
+    """I8: an operator's lift holds until new evidence after it (two failures after the lift)."""
+    records = world.records()
+    for q in quarantine.active(records, world.now):
+        lifted = world.lifted.get(q.fingerprint)
+        if lifted is None:
+            continue
+        after = {(f.pod, f.process) for f in records.failures if q.fingerprint in f.inflight and f.at > lifted}
+        if len(after) < 2:
+            raise Broken(f"I8: {q.fingerprint} in force again after its lift at {lifted:.0f}"
+                         f" with {len(after)} failures after it")
+
+
+EVERY_STEP = (i1_max_unavailable, i6_answered_is_never_quarantined, i7_killer_refused, i8_lift_holds)
+SETTLED = (i4_no_zombie, i6_settled)
+
+
+def check(world: World) -> None:
+    for invariant in EVERY_STEP:
+        invariant(world)

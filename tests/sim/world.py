@@ -1,0 +1,439 @@
+"""A deterministic simulation of one workload: its Deployment and ReplicaSet controller, its pods
+with their servers, its Lease with `resourceVersion` compare-and-swap, Events, a request mix and a
+simulated clock; each pod's sidecar decides with the real fleet and quarantine rules
+(`watchdog.fleet`, `watchdog.quarantine`): the same functions the sidecar folds its Lease through.
+
+The world is advanced by its scheduler (Hypothesis's stateful testing picks the steps and shrinks a
+failing run to the shortest one). A sidecar's read and its write of the Lease are two steps, so other
+sidecars' writes come in between and are lost races (409), decided again on what the winner wrote,
+as the real `LeaseLedger.update` does. Every invariant is a function of the world (`invariants.py`).
+
+What is simulated, not run: the canary (a hung server is seen after `DETECT_S`), the drain, the
+restart budget's Events count, the kubelet. What is real: which restart takes a slot, when a slot
+goes back, when the breaker opens, what counts as evidence, what is quarantined and when it clears.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from gpu_watchdog.watchdog import fleet, quarantine
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_POD
+from gpu_watchdog.watchdog.settings import FleetSettings, QuarantineSettings
+
+STEP_S = 1.0  # the clock advances this much per tick
+DETECT_S = 3.0  # a hung server is seen by its sidecar's canaries after this long
+LOAD_S = 6.0  # a new pod's model loads for this long before it serves
+RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
+SYNC_S = 5.0  # each sidecar reads the quarantine and pushes it to its server this often
+COMPLETED_KEPT = 256
+
+
+@dataclass
+class Server:
+    """A pod's inference process: serving, hung, or down after a crash."""
+
+    process: str
+    started_at: float
+    hung_since: float | None = None
+    down_until: float | None = None  # crashed: started again in place at this time
+    inflight: list[str] = field(default_factory=list)
+    completed: list[str] = field(default_factory=list)
+    refuses: set[str] = field(default_factory=set)  # the quarantine pushed to it
+
+    def serving(self, now: float) -> bool:
+        return self.hung_since is None and self.down_until is None
+
+    def answered(self, fp: str) -> None:
+        if fp in self.completed:
+            self.completed.remove(fp)
+        self.completed.append(fp)
+        del self.completed[:-COMPLETED_KEPT]
+
+
+@dataclass
+class Pod:
+    name: str
+    template: str
+    created_at: float
+    ready_at: float  # its model serves from then
+    server: Server
+    starts: int = 1
+    served_once: bool = False  # its sidecar saw it serve (and told the ledger, `fleet.replaced`)
+    removed_at: float | None = None
+    replaces: str | None = None  # ground truth: the pod removed by us that this one stands in for
+    growth: bool = False  # ground truth: created by a scale-up or a rollout's surge, not a replacement
+    first_served_at: float | None = None  # ground truth: when it first could serve
+
+    @property
+    def alive(self) -> bool:
+        return self.removed_at is None
+
+    def serves(self, now: float) -> bool:
+        return self.alive and now >= self.ready_at and self.server.serving(now)
+
+
+@dataclass
+class Lease:
+    annotations: dict[str, str] = field(default_factory=dict)
+    version: int = 1
+
+
+@dataclass
+class Pending:
+    """A sidecar's read of the Lease, to be written back if no one wrote in between."""
+
+    what: str  # "take" | "replaced" | "give_back" | "record" | "clear"
+    version: int
+    ledger: fleet.Ledger | None = None
+    records: quarantine.Records | None = None
+    verdict: fleet.Verdict | None = None
+    reason: str = HANG
+    failure: quarantine.Failure | None = None
+    new_quarantine: list[quarantine.Quarantined] = field(default_factory=list)
+
+
+@dataclass
+class Sidecar:
+    pod: str
+    pending: Pending | None = None
+    slot: bool = False  # holds a slot (granted, the eviction not yet done)
+    held: str | None = None  # why its restart is held (a FLEET_HOLDS name)
+    held_since: float | None = None
+    synced_at: float = -1e9
+    recorded: set[tuple[str, str]] = field(default_factory=set)  # (process, reason) recorded
+    unrecorded: list[quarantine.Failure] = field(default_factory=list)  # a write the API refused
+
+
+@dataclass
+class Removal:
+    pod: str
+    at: float
+    reason: str
+    by_us: bool
+
+
+@dataclass
+class Event:
+    pod: str
+    at: float
+    reason: str
+
+
+@dataclass(frozen=True)
+class Knobs:
+    replicas: int = 4
+    max_unavailable: str = "1"
+    decoys: int = 0
+    api_error_rate: float = 0.0
+
+
+class World:
+    def __init__(self, knobs: Knobs, seed: int = 0) -> None:
+        self.knobs = knobs
+        self.random = random.Random(seed)
+        self.now = 1000.0
+        self.fleet_settings = FleetSettings(max_unavailable=knobs.max_unavailable)
+        self.q_settings = QuarantineSettings()
+        self.lease = Lease()
+        self._parsed: tuple[int, fleet.Ledger, quarantine.Records] | None = None
+        self.desired = knobs.replicas
+        self.template = "t1"
+        self.rs: dict[str, int] = {"t1": knobs.replicas}  # each template's ReplicaSet's replicas
+        self.pods: dict[str, Pod] = {}
+        self.sidecars: dict[str, Sidecar] = {}
+        self.removals: list[Removal] = []
+        self.events: list[Event] = []
+        self.steps = 0
+        self.names = 0
+        self.lost_races = 0
+        self.api_errors = 0
+        # The request mix's ground truth.
+        self.killer = "killer"
+        self.decoys = tuple(f"decoy{i}" for i in range(knobs.decoys))
+        self.popular = "popular"
+        self.tries = 0
+        self.killer_failures = 0  # failures the killer caused
+        # F: the killer's failures in the records when it was quarantined (each time, lifts between).
+        self.killer_f: list[int] = []
+        self.answered_at: dict[str, float] = {}  # fingerprint -> last success anywhere
+        self.lifted: dict[str, float] = {}  # an operator's lifts
+        self.trace: list[str] = []
+        for _ in range(knobs.replicas):
+            pod = self._create(growth=False, ready_now=True)
+            pod.served_once, pod.first_served_at = True, self.now
+
+    # -- the cluster -------------------------------------------------------------------------------
+
+    def _create(self, growth: bool, replaces: str | None = None, ready_now: bool = False,
+                template: str | None = None) -> Pod:
+        self.names += 1
+        name = f"p{self.names}"
+        server = Server(f"{name}-1", self.now)
+        pod = Pod(name, template or self.template, self.now, self.now if ready_now else self.now + LOAD_S, server,
+                  replaces=replaces, growth=growth)
+        self.pods[name] = pod
+        self.sidecars[name] = Sidecar(name)
+        return pod
+
+    def alive(self) -> list[Pod]:
+        return [p for p in self.pods.values() if p.alive]
+
+    def _controller(self) -> None:
+        """The Deployment and its ReplicaSets: each template's ReplicaSet keeps its count of pods (a
+        removed one is replaced at once, of its own template); a rollout moves one replica at a time
+        to the new template, surge 1: a new pod first, an old one removed once every new pod serves;
+        on a scale-down, pods not serving go first."""
+        old = [t for t, n in self.rs.items() if t != self.template and n > 0]
+        total = sum(self.rs.values())
+        if old:
+            if total <= self.desired:
+                self._set_rs(self.template, self.rs.get(self.template, 0) + 1, growth=True)
+            elif all(p.serves(self.now) for p in self.alive() if p.template == self.template):
+                self._set_rs(old[0], self.rs[old[0]] - 1, growth=True)
+        else:
+            self._set_rs(self.template, self.desired, growth=True)
+
+    def _set_rs(self, template: str, count: int, growth: bool) -> None:
+        self.rs[template] = count
+        mine = [p for p in self.alive() if p.template == template]
+        for _ in range(count - len(mine)):
+            self._create(growth=growth, template=template)
+        if len(mine) > count:
+            for victim in sorted(mine, key=lambda p: (p.serves(self.now), -p.created_at))[:len(mine) - count]:
+                self._remove(victim, "scaled down", by_us=False)
+
+    def _remove(self, pod: Pod, reason: str, by_us: bool) -> None:
+        car = self.sidecars.get(pod.name)
+        if car is not None:
+            self._leaving(car, pod)
+        pod.removed_at = self.now
+        self.removals.append(Removal(pod.name, self.now, reason, by_us))
+        self.sidecars.pop(pod.name, None)
+        if len([p for p in self.alive() if p.template == pod.template]) < self.rs.get(pod.template, 0):
+            self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template)
+
+    def scale(self, replicas: int) -> None:
+        self.desired = replicas
+        self._controller()
+        self.trace.append(f"{self.now:.0f} scale {replicas}")
+
+    def rollout(self) -> None:
+        self.template = f"t{int(self.template[1:]) + 1}"
+        self.trace.append(f"{self.now:.0f} rollout {self.template}")
+
+    # -- the Lease, compare-and-swap ---------------------------------------------------------------
+
+    def _read(self) -> tuple[int, fleet.Ledger, quarantine.Records]:
+        """What a GET returns: parsed from the stored text, as the sidecar parses it (once per version)."""
+        if self._parsed is None or self._parsed[0] != self.lease.version:
+            self._parsed = (self.lease.version, fleet.parse(self.lease.annotations.get(fleet.LEDGER_ANNOTATION)),
+                            quarantine.parse(self.lease.annotations.get(quarantine.ANNOTATION)))
+        return self._parsed
+
+    def _write(self, version: int, ledger: fleet.Ledger | None = None,
+               records: quarantine.Records | None = None) -> str:
+        """"ok", "conflict" (409: someone wrote since `version`), or "error" (the API refused)."""
+        if self.random.random() < self.knobs.api_error_rate:
+            self.api_errors += 1
+            return "error"
+        if version != self.lease.version:
+            self.lost_races += 1
+            return "conflict"
+        same = (ledger is None or fleet.dump(ledger) == self.lease.annotations.get(fleet.LEDGER_ANNOTATION,
+                                                                                    fleet.dump(fleet.Ledger())))
+        same = same and (records is None or quarantine.dump(records) == self.lease.annotations.get(
+            quarantine.ANNOTATION, quarantine.dump(quarantine.Records())))
+        if same:
+            return "ok"  # nothing changed: nothing written (as LeaseLedger.update)
+        if ledger is not None:
+            self.lease.annotations[fleet.LEDGER_ANNOTATION] = fleet.dump(ledger)
+        if records is not None:
+            self.lease.annotations[quarantine.ANNOTATION] = quarantine.dump(records)
+        self.lease.version += 1
+        return "ok"
+
+    def ledger(self) -> fleet.Ledger:
+        return self._read()[1]
+
+    def records(self) -> quarantine.Records:
+        return self._read()[2]
+
+    # -- faults and requests -----------------------------------------------------------------------
+
+    def hang(self, pod: Pod) -> None:
+        if pod.serves(self.now):
+            pod.server.hung_since = self.now
+            self.trace.append(f"{self.now:.0f} hang {pod.name}")
+
+    def popular_traffic(self) -> None:
+        """The popular request and one-offs answered by every serving replica that does not refuse them."""
+        for pod in self.alive():
+            if pod.serves(self.now) and self.popular not in pod.server.refuses:
+                pod.server.answered(self.popular)
+                self.answered_at[self.popular] = self.now
+
+    def killer_try(self) -> None:
+        """The killer's client: the killer, its decoys in flight beside it, a fresh one-off after it
+        (the newest arrival), to one replica that serves; it crashes that replica's server unless refused."""
+        serving = [p for p in self.alive() if p.serves(self.now)]
+        if not serving:
+            return
+        pod = self.random.choice(serving)
+        if self.killer in pod.server.refuses:
+            return
+        self.tries += 1
+        one_off = f"one-off-{self.tries}"
+        inflight = [self.killer, *self.decoys, self.popular, one_off]
+        server = pod.server
+        server.inflight = inflight
+        server.down_until = self.now + RESTART_IN_PLACE_S
+        self.killer_failures += 1
+        failure = quarantine.Failure(self.now, pod.name, server.process, CONTEXT_LOSS,
+                                     tuple(reversed(inflight)), one_off, tuple(reversed(server.completed)))
+        self.trace.append(f"{self.now:.0f} killer crashes {pod.name} ({self.killer_failures})")
+        self._begin_record(self.sidecars[pod.name], failure)
+
+    def lift(self, fingerprint: str) -> None:
+        version, _, records = self._read()
+        new, was = quarantine.lift_records(records, fingerprint, self.now)
+        if was and self._write(version, records=new) == "ok":
+            self.lifted[fingerprint] = self.now
+            self.trace.append(f"{self.now:.0f} lift {fingerprint}")
+
+    # -- the sidecars ------------------------------------------------------------------------------
+
+    def _begin_record(self, car: Sidecar, failure: quarantine.Failure) -> None:
+        if (failure.process, failure.reason) in car.recorded:
+            return
+        version, _, records = self._read()
+        new, quarantined = quarantine.record(self.q_settings, records, failure, self.now)
+        car.pending = Pending("record", version, records=new, failure=failure, new_quarantine=quarantined)
+
+    def sidecar_step(self, name: str) -> None:
+        """One sidecar does its next thing: write what it decided (if nothing was written since it
+        read), else look at its target and decide."""
+        car = self.sidecars.get(name)
+        pod = self.pods[name]
+        if car is None or not pod.alive:
+            return
+        if car.pending is not None:
+            self._commit(car, pod)
+            return
+        if car.unrecorded:
+            self._begin_record(car, car.unrecorded.pop(0))
+            return
+        server = pod.server
+        if server.down_until is not None and self.now >= server.down_until:
+            pod.starts += 1
+            pod.server = Server(f"{name}-{pod.starts}", self.now, refuses=set(server.refuses))
+        if pod.serves(self.now):
+            if not pod.served_once:
+                version, ledger, _ = self._read()
+                new, _slot = fleet.replaced(ledger, name, pod.created_at, template=pod.template,
+                                            replicas=self.desired)
+                car.pending = Pending("replaced", version, ledger=new)
+                return
+            if car.held is not None:
+                version, ledger, _ = self._read()
+                car.pending = Pending("give_back", version, ledger=fleet.leave_waiting(ledger, name))
+                return
+        if self.now - car.synced_at >= SYNC_S:
+            self._sync(car, pod)
+            return
+        hung = server.hung_since is not None and self.now - server.hung_since >= DETECT_S
+        if hung and pod.served_once:
+            if car.slot:
+                self._evict(car, pod)
+                return
+            failure = quarantine.Failure(self.now, name, server.process, HANG, tuple(server.inflight), None,
+                                         tuple(server.completed))
+            if (server.process, HANG) not in car.recorded:
+                self._begin_record(car, failure)  # evidence first, whatever the slot says
+                return
+            version, ledger, _ = self._read()
+            new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, name, HANG, RUNG_POD, self.now,
+                                      template=pod.template)
+            car.pending = Pending("take", version, ledger=new, verdict=verdict)
+
+    def _sync(self, car: Sidecar, pod: Pod) -> None:
+        version, _, records = self._read()
+        car.synced_at = self.now
+        pod.server.refuses = {q.fingerprint for q in quarantine.active(records, self.now)}
+        new, _removed = quarantine.clear(self.q_settings, records, pod.server.completed, pod.name, self.now)
+        if new != records:
+            car.pending = Pending("clear", version, records=new)
+
+    def _leaving(self, car: Sidecar, pod: Pod) -> None:
+        """A stopping sidecar clears what its server answered (`Executor.leaving`): one read and one
+        write, lost to a race or an API error like any other."""
+        version, _, records = self._read()
+        new, _removed = quarantine.clear(self.q_settings, records, pod.server.completed, pod.name, self.now)
+        if new != records:
+            self._write(version, records=new)
+
+    def _commit(self, car: Sidecar, pod: Pod) -> None:
+        p = car.pending
+        assert p is not None
+        car.pending = None
+        result = self._write(p.version, ledger=p.ledger, records=p.records)
+        if result == "conflict" and p.what == "record":
+            assert p.failure is not None
+            self._begin_record(car, p.failure)  # decided again on what the winner wrote
+            return
+        if result != "ok":
+            if p.what == "record":
+                assert p.failure is not None
+                car.unrecorded.append(p.failure)  # tried again at its next step
+            return  # the others are decided again at its next step, on what the winner wrote
+        if p.what == "record":
+            assert p.failure is not None
+            car.recorded.add((p.failure.process, p.failure.reason))
+            if p.failure.reason == CONTEXT_LOSS or any(q.fingerprint == self.killer for q in p.new_quarantine):
+                pod.server.refuses |= {q.fingerprint for q in quarantine.active(self.records(), self.now)}
+            if any(q.fingerprint == self.killer for q in p.new_quarantine):
+                records = self.records()
+                lifted = self.lifted.get(self.killer, -1e18)
+                self.killer_f.append(len({(f.pod, f.process) for f in records.failures
+                                          if self.killer in f.inflight and f.at > lifted}))
+        elif p.what == "replaced":
+            pod.served_once = True
+        elif p.what == "give_back":
+            car.held, car.held_since = None, None
+        elif p.what == "take":
+            assert p.verdict is not None
+            if p.verdict.granted:
+                car.slot, car.held, car.held_since = True, None, None
+            else:
+                if car.held is None:
+                    car.held_since = self.now
+                car.held = p.verdict.outcome
+
+    def _evict(self, car: Sidecar, pod: Pod) -> None:
+        """The Event first, then the eviction: no restart without its record."""
+        if self.random.random() < self.knobs.api_error_rate:
+            self.api_errors += 1
+            return  # the Event refused: nothing done, tried again
+        self.events.append(Event(pod.name, self.now, HANG))
+        self._remove(pod, HANG, by_us=True)
+        self.trace.append(f"{self.now:.0f} evict {pod.name}")
+
+    # -- time --------------------------------------------------------------------------------------
+
+    def settle(self, rounds: int = 120) -> None:
+        """No new faults; time passes and every sidecar acts until nothing is left to do."""
+        for _ in range(rounds):
+            self.tick()
+            self.popular_traffic()
+            for _ in range(3):
+                for name in list(self.sidecars):
+                    self.sidecar_step(name)
+
+    def tick(self) -> None:
+        self.now += STEP_S
+        self.steps += 1
+        self._controller()
+        for pod in self.alive():
+            if pod.first_served_at is None and pod.serves(self.now):
+                pod.first_served_at = self.now
