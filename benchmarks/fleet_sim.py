@@ -29,7 +29,8 @@ from tests.sim.world import Knobs
 
 CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
            Knobs(replicas=5, max_unavailable="1", decoys=8), Knobs(replicas=8, max_unavailable="2", decoys=8,
-                                                                   api_error_rate=0.1))
+                                                                   api_error_rate=0.1),
+           Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False))
 
 
 def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> int:
     failed = False
     for knobs in CONFIGS:
         name = f"{knobs.replicas}x max_unavailable={knobs.max_unavailable} decoys={knobs.decoys}" \
-               f" api_errors={knobs.api_error_rate}"
+               f" api_errors={knobs.api_error_rate} popular_every_tick={knobs.popular_every_tick}"
         try:
             out = explore(knobs, args.runs, args.steps, args.seed)
         except AssertionError as exc:  # Hypothesis printed the shrunk moves above

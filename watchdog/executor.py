@@ -176,6 +176,7 @@ class Executor:
         self.own_pod: fleet.OwnPod | None = None  # read once: a pod's creation and template never change
         self.fleet = FleetView(lease=ledger.name if ledger is not None else "")
         self._fleet_held_since = 0.0
+        self._slot_taken_at = float("-inf")
         self._breakers_seen: set[float] = set()
         self._reports: set[asyncio.Task[None]] = set()
         self._held_new = False
@@ -286,18 +287,19 @@ class Executor:
     async def _record(self, decision: Decision, key: tuple[str, str | None], failure: quarantine.Failure) -> None:
         s = self.settings.policy.quarantine
 
-        def add(records: quarantine.Records, now: float
-                ) -> tuple[quarantine.Records, tuple[quarantine.Records, list[quarantine.Quarantined]]]:
-            new, quarantined = quarantine.record(s, records, failure, now)
-            return new, (new, quarantined)
+        def add(records: quarantine.Records, now: float) -> tuple[quarantine.Records, tuple[
+                quarantine.Records, list[quarantine.Quarantined], list[quarantine.Quarantined]]]:
+            out, quarantined = quarantine.record(s, records, failure, now)
+            still = {q.fingerprint for q in quarantine.active(out, now)}
+            return out, (out, quarantined, [q for q in quarantine.active(records, now) if q.fingerprint not in still])
 
         ledger = self.ledger
         try:
             if ledger is None:
-                self.records, new = add(self.records, self.wall_clock())[1]
+                self.records, new, removed = add(self.records, self.wall_clock())[1]
             else:
                 async with self._ledger_lock:
-                    self.records, new = await asyncio.to_thread(ledger.update_records, add)
+                    self.records, new, removed = await asyncio.to_thread(ledger.update_records, add)
             self.records_error = None
         except Exception as exc:
             self.records_error = str(exc)[:300]
@@ -320,7 +322,8 @@ class Executor:
             self.metrics.quarantines.inc()
             if ledger is not None:
                 self._report(functools.partial(ledger.report_quarantine, q), "quarantine_event_failed")
-        if new:
+        self._removed(removed, self.settings.kubernetes.pod_name or "local")
+        if new or removed:
             await self.push_quarantine()
 
     async def sync_quarantine(self) -> None:
@@ -391,12 +394,15 @@ class Executor:
             return
         log.info("quarantine_cleared", fingerprints=sorted(new), pod=pod,
                  why="answered successfully here: no longer a suspect anywhere in the workload")
+        self._removed(removed, pod)
+
+    def _removed(self, removed: list[quarantine.Quarantined], pod: str) -> None:
         for q in removed:
             log.warning("quarantine_removed", fingerprint=q.fingerprint, pod=pod,
                         why="a replica answered it successfully: it is no killer",
                         action="served again by every replica")
-            if ledger is not None:
-                self._report(functools.partial(ledger.report_quarantine, q, True), "quarantine_event_failed")
+            if self.ledger is not None:
+                self._report(functools.partial(self.ledger.report_quarantine, q, True), "quarantine_event_failed")
 
     async def push_quarantine(self, instance_id: str | None = None) -> None:
         """The workload's active quarantine to our server (`instance_id`: the process it reached) and
@@ -476,6 +482,9 @@ class Executor:
         try:
             outcome = await self.worker_exit(decision, 0, self.control) \
                 if decision.rung == RUNG_WORKER and not reported_only else None
+            if outcome is None and self.fleet.slot_held and self.restarter.strategy in ("evict", "delete"):
+                # The pod's replacement must be created after the slot by either clock (`fleet.replaced`).
+                await asyncio.sleep(max(0.0, fleet.SLOT_WAIT_S - (self.clock() - self._slot_taken_at)))
             if outcome is None:
                 if decision.rung == RUNG_WORKER:
                     decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)
@@ -653,6 +662,7 @@ class Executor:
                 log.info("fleet_slot_taken", reason=decision.reason,
                          waited_s=round(self.clock() - self._fleet_held_since, 3), **verdict.detail)
             self._fleet_held_since = 0.0
+            self._slot_taken_at = self.clock()
             self._in_place.pop(int(decision.detail.get("worker", 0)), None)  # its restart begins again
             self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={}, slot_held=True)
             return None

@@ -37,9 +37,14 @@ LEDGER_ANNOTATION = "gpu-watchdog.io/ledger"
 LEDGER_VERSION = 1
 MAX_RESTARTS_KEPT = 256  # the ledger is one annotation (256 KiB for all of them together)
 HELD_NOTE_EVERY_S = 60.0  # a sidecar held by an open breaker says so in the ledger this often at most
-# The API server stamps a pod's creation, a node's clock stamps a slot: a replacement created this
-# much "before" the slot it replaces still counts (clocks of one cluster agree within NTP's error).
+# The API server stamps a pod's creation (in whole seconds), a node's clock stamps a slot (clocks of
+# one cluster agree within NTP's error, CLOCK_SKEW_S). A sidecar that took a slot waits SLOT_WAIT_S
+# before it replaces its pod, so that its replacement's creation is stamped after the slot by either
+# clock: a pod stamped at or before a slot never replaced it (a scale-up's pod created just before
+# would otherwise pass for the replacement). A slot of a ledger written before that wait (no
+# template kept) still counts a pod created CLOCK_SKEW_S before it.
 CLOCK_SKEW_S = 2.0
+SLOT_WAIT_S = CLOCK_SKEW_S + 1.5
 # Entries dated further ahead than this are not believed (a node's clock far off, or a forged
 # annotation): they would hold a slot or the breaker until they expired.
 FUTURE_S = 60.0
@@ -352,7 +357,8 @@ def replaced(ledger: Ledger, pod: str, started_at: float, *, template: str | Non
     the pods beyond the growth return the slots. Counted in either order, a slot goes back only once
     as many pods served as were created since it was taken. Unknown on either side (None) matches.
     None when there is none."""
-    candidates = sorted((s for s in ledger.slots if s.rung == RUNG_POD and s.at <= started_at + CLOCK_SKEW_S
+    candidates = sorted((s for s in ledger.slots if s.rung == RUNG_POD
+                         and (s.at <= started_at + CLOCK_SKEW_S if s.template is None else s.at < started_at)
                          and (s.pod != pod or s.at < started_at)
                          and (template is None or s.template is None or s.template == template)),
                         key=lambda s: s.at)

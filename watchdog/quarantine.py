@@ -183,7 +183,11 @@ def decide(settings: QuarantineSettings, failures: list[Failure], current: list[
     that only failures after the lift count against it."""
     if not settings.enabled:
         return []
-    kept = _kept(settings, current, now)
+    # A fingerprint answered somewhere is no killer: its entry goes, whenever that word arrived (a
+    # failure recorded after the entry, whose process had answered it before it failed).
+    recent = [f for f in failures if now - settings.window < f.at <= now + FUTURE_S]
+    answered = set(cleared) | {fp for f in recent for fp in f.completed}
+    kept = [q for q in _kept(settings, current, now) if q.fingerprint not in answered or q.lifted_at is not None]
     known = {q.fingerprint: q for q in kept}
     lifted = {q.fingerprint: q.lifted_at for q in kept if q.lifted_at is not None}
     out = list(kept)

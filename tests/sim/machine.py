@@ -39,6 +39,18 @@ class FleetMachine(RuleBasedStateMachine):
         for name in list(self.world.sidecars):
             self.world.sidecar_step(name)
 
+    @rule(seconds=st.integers(1, 6))
+    def time_passes_with_every_sidecar_acting(self, seconds: int) -> None:
+        for _ in range(seconds):
+            self.world.tick()
+            for _ in range(2):
+                for name in list(self.world.sidecars):
+                    self.world.sidecar_step(name)
+
+    @rule()
+    def scaled_up_by_one(self) -> None:
+        self.world.scale(self.world.desired + 1)
+
     @rule(which=st.integers(0, 63))
     def a_replica_hangs(self, which: int) -> None:
         pods = [p for p in self.world.alive() if p.serves(self.world.now)]

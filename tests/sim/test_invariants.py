@@ -18,7 +18,9 @@ RUNS = settings(max_examples=300, stateful_step_count=60, derandomize=True, dead
     Knobs(replicas=4, max_unavailable="1", decoys=0),
     Knobs(replicas=6, max_unavailable="2", decoys=4),
     Knobs(replicas=5, max_unavailable="1", decoys=8, api_error_rate=0.1),
-], ids=lambda k: f"{k.replicas}x-mu{k.max_unavailable}-d{k.decoys}-err{k.api_error_rate}")
+    Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
+], ids=lambda k: f"{k.replicas}x-mu{k.max_unavailable}-d{k.decoys}-err{k.api_error_rate}"
+                   f"{'' if k.popular_every_tick else '-popular-once'}")
 def test_the_invariants_hold_over_seeded_runs(knobs: Knobs) -> None:
     from hypothesis.stateful import run_state_machine_as_test
     run_state_machine_as_test(machine(knobs), settings=RUNS)

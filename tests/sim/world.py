@@ -24,7 +24,7 @@ from gpu_watchdog.watchdog.settings import FleetSettings, QuarantineSettings
 
 STEP_S = 1.0  # the clock advances this much per tick
 DETECT_S = 3.0  # a hung server is seen by its sidecar's canaries after this long
-LOAD_S = 6.0  # a new pod's model loads for this long before it serves
+LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (seeded, per pod)
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
 SYNC_S = 5.0  # each sidecar reads the quarantine and pushes it to its server this often
 COMPLETED_KEPT = 256
@@ -99,6 +99,7 @@ class Sidecar:
     pod: str
     pending: Pending | None = None
     slot: bool = False  # holds a slot (granted, the eviction not yet done)
+    slot_at: float = 0.0
     held: str | None = None  # why its restart is held (a FLEET_HOLDS name)
     held_since: float | None = None
     synced_at: float = -1e9
@@ -127,6 +128,7 @@ class Knobs:
     max_unavailable: str = "1"
     decoys: int = 0
     api_error_rate: float = 0.0
+    popular_every_tick: bool = True  # False: the popular request only when a move sends it
 
 
 class World:
@@ -171,7 +173,8 @@ class World:
         self.names += 1
         name = f"p{self.names}"
         server = Server(f"{name}-1", self.now)
-        pod = Pod(name, template or self.template, self.now, self.now if ready_now else self.now + LOAD_S, server,
+        load = 0.0 if ready_now else float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
+        pod = Pod(name, template or self.template, self.now, self.now + load, server,
                   replaces=replaces, growth=growth)
         self.pods[name] = pod
         self.sidecars[name] = Sidecar(name)
@@ -345,7 +348,8 @@ class World:
         hung = server.hung_since is not None and self.now - server.hung_since >= DETECT_S
         if hung and pod.served_once:
             if car.slot:
-                self._evict(car, pod)
+                if self.now - car.slot_at >= fleet.SLOT_WAIT_S:  # as `Executor.restart` waits
+                    self._evict(car, pod)
                 return
             failure = quarantine.Failure(self.now, name, server.process, HANG, tuple(server.inflight), None,
                                          tuple(server.completed))
@@ -404,7 +408,7 @@ class World:
         elif p.what == "take":
             assert p.verdict is not None
             if p.verdict.granted:
-                car.slot, car.held, car.held_since = True, None, None
+                car.slot, car.slot_at, car.held, car.held_since = True, self.now, None, None
             else:
                 if car.held is None:
                     car.held_since = self.now
@@ -431,9 +435,13 @@ class World:
                     self.sidecar_step(name)
 
     def tick(self) -> None:
+        """A second passes: the controllers act, and the popular request is answered by every replica
+        that serves and does not refuse it (it is popular: others send it all the time)."""
         self.now += STEP_S
         self.steps += 1
         self._controller()
+        if self.knobs.popular_every_tick:
+            self.popular_traffic()
         for pod in self.alive():
             if pod.first_served_at is None and pod.serves(self.now):
                 pod.first_served_at = self.now

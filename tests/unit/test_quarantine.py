@@ -229,3 +229,17 @@ def test_lifts_kept_past_their_ttl_are_bounded_and_carry_no_evidence() -> None:
     kept = decide(SHORT_TTL, [], current, 1000.0)
     assert [q.fingerprint for q in kept] == [f"fp{i}" for i in range(5, LIFTS_KEPT + 5)]  # the newest lifts
     assert all(q.failures == () for q in kept)
+
+
+def test_an_entry_goes_when_a_failure_recorded_after_it_shows_its_process_had_answered_it() -> None:
+    """Failures are recorded in any order: the third, which took both, came before the fourth,
+    whose process had answered the popular one before the killer reached it."""
+    fs = [failure(100 + 10 * n, pod, ("qod", "popular"), newest="popular", process=f"{pod}-1")
+          for n, pod in enumerate("abc")]
+    records, new = Records(), []
+    for f in fs:
+        records, new = record(S, records, f, 131.0)
+    assert sorted(q.fingerprint for q in new) == ["popular", "qod"]
+    late = failure(125, "d", ("qod", "popular"), completed=("popular",), process="d-1")
+    records, _ = record(S, records, late, 132.0)
+    assert [q.fingerprint for q in active(records, 132.0)] == ["qod"]

@@ -1,0 +1,101 @@
+"""Runs of the simulation that broke an invariant before its fix, kept as they were shrunk: each
+replays its moves through the machine, the invariants checked after every one and once settled."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from tests.sim.machine import machine
+from tests.sim.world import Knobs
+
+Move = tuple[str, dict[str, Any]]
+
+
+def replay(knobs: Knobs, seed: int, moves: list[Move]) -> Any:
+    m = machine(knobs)()
+    m.seeded(seed=seed)
+    m.holds()
+    for name, args in moves:
+        getattr(m, name)(**args)
+        m.holds()
+    m.teardown()
+    return m.world
+
+
+KILLER = ("the_killer_tries", {})
+SIDECARS = ("every_sidecar_steps", {})
+
+
+def test_i1_a_rollouts_pod_never_gives_back_the_slot_of_a_replacement_still_loading() -> None:
+    """Broke I1 (2 of 4 out with max_unavailable 1): the rollout's first new pod served and gave back
+    the slot of an old-template replacement still loading, and the next hang was granted."""
+    world = replay(Knobs(replicas=4, max_unavailable="1"), 380, [
+        ("rolled_out", {}), *[("a_replica_hangs", {"which": 0})] * 4,
+        ("time_passes_with_every_sidecar_acting", {"seconds": 5}), ("time_passes", {"ticks": 4}),
+        ("time_passes_with_every_sidecar_acting", {"seconds": 3})])
+    assert sum(1 for r in world.removals if r.by_us) >= 1
+
+
+def test_i1_a_scale_ups_pod_that_serves_first_is_growth() -> None:
+    """A replacement that loads for 12 s, a scale-up's pod for 2: before, the new pod gave back the
+    slot and the next hang was granted (I1: two of five out with max_unavailable 1)."""
+    m = machine(Knobs(replicas=4, max_unavailable="1"))()
+    m.seeded(seed=1)
+    w = m.world
+    first = w.alive()[0]
+    w.hang(first)
+    for _ in range(12):
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+        if not first.alive:
+            break
+    replacement = next(p for p in w.alive() if p.replaces == first.name)
+    replacement.ready_at = w.now + 12
+    m.scaled_up_by_one()
+    grown = next(p for p in w.alive() if p.growth)
+    grown.ready_at = w.now + 2
+    second = next(p for p in w.alive() if p.first_served_at is not None and p is not grown)
+    w.hang(second)
+    for _ in range(20):
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+    m.teardown()
+    assert not second.alive and replacement.first_served_at is not None
+
+
+@pytest.mark.parametrize("decoys", [4, 8])
+def test_i7_a_killer_with_decoys_is_refused_at_its_third_failure(decoys: int) -> None:
+    """Broke I7 (the killer in flight at 3 recorded failures, not refused): more than 3 tied, none was taken."""
+    world = replay(Knobs(replicas=5, max_unavailable="1", decoys=decoys), 0, [
+        KILLER, KILLER, KILLER, ("time_passes_with_every_sidecar_acting", {"seconds": 2})])
+    assert world.killer_f == [3]
+
+
+def test_i7_decoys_refused_with_a_lifted_killer_do_not_hide_its_new_failures() -> None:
+    """Broke I7 after a lift: the decoys, still refused, were at more failures than the killer's new
+    ones and took the top; the killer was never refused again."""
+    world = replay(Knobs(replicas=6, max_unavailable="2", decoys=4), 0, [
+        KILLER, SIDECARS, KILLER, SIDECARS, KILLER, SIDECARS, ("an_operator_lifts_the_killer", {}),
+        ("time_passes", {"ticks": 1}), KILLER, SIDECARS, KILLER, SIDECARS, KILLER, SIDECARS])
+    assert len(world.killer_f) == 2
+
+
+def test_i6_a_popular_request_answered_before_the_suspicion_is_not_framed() -> None:
+    """The popular request, sent once between the killer's failures, tied with the killer at the third."""
+    world = replay(Knobs(replicas=4, max_unavailable="1", popular_every_tick=False), 0, [
+        KILLER, SIDECARS, KILLER, KILLER, ("popular_traffic", {}), KILLER,
+        ("time_passes_with_every_sidecar_acting", {"seconds": 6})])
+    assert world.popular in world.answered_at
+
+
+def test_i1_a_scale_ups_pod_created_as_the_slot_was_taken_is_not_its_replacement() -> None:
+    """Broke I1 (3 of 8 out with max_unavailable 2): two scale-ups' pods were created in the second
+    the slot was taken (with the replicas wanted counting them already); the first to serve passed
+    for the replacement and gave the slot back."""
+    replay(Knobs(replicas=6, max_unavailable="2", decoys=4), 0, [
+        ("time_passes_with_every_sidecar_acting", {"seconds": 1}), ("a_replica_hangs", {"which": 0}),
+        ("a_replica_hangs", {"which": 0}), ("time_passes_with_every_sidecar_acting", {"seconds": 3}),
+        ("scaled_up_by_one", {}), ("scaled_up_by_one", {}), ("a_replica_hangs", {"which": 0}),
+        ("a_sidecar_steps", {"which": 0}), SIDECARS, ("time_passes_with_every_sidecar_acting", {"seconds": 6})])
