@@ -378,7 +378,8 @@ def control_spec() -> dict[str, Any]:
                               "409": _json(ERROR, "another instance: the one named is gone"), **_errors(400, 401)}}},
             "/control/requests": {"get": {"operationId": "requests", "responses": {
                 "200": _json(obj, "fingerprints in flight, the newest admitted, those answered lately, and those "
-                                  "in flight when the context was lost (`at_failure`)"), **_errors(401)}}},
+                                  "in flight when the context was lost (`at_failure`) or when the loop stopped "
+                                  "advancing (`at_stall`)"), **_errors(401)}}},
             "/control/quarantine": {
                 "get": {"operationId": "quarantine", "responses": {
                     "200": _json(obj, "the fingerprints refused (422) and until when"), **_errors(401)}},
