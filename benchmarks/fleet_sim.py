@@ -74,9 +74,11 @@ def main(argv: list[str] | None = None) -> int:
                f" api_errors={knobs.api_error_rate} popular_every_tick={knobs.popular_every_tick}"
         try:
             out = explore(knobs, args.runs, args.steps, args.seed)
-        except AssertionError as exc:  # Hypothesis printed the shrunk moves above
+        except AssertionError as exc:
             failed = True
-            print(json.dumps({"config": name, "broken": str(exc).splitlines()[0]}), flush=True)
+            # Hypothesis adds the shrunk moves to the exception as notes.
+            moves = [line for line in getattr(exc, "__notes__", []) if "holds()" not in line]
+            print(json.dumps({"config": name, "broken": str(exc).splitlines()[0], "moves": moves}), flush=True)
             continue
         print(json.dumps({"config": name, **out}), flush=True)
     return 1 if failed else 0

@@ -31,13 +31,14 @@ def i1_max_unavailable(world: World) -> None:
 
 
 def i4_no_zombie(world: World) -> None:
-    """I4, once the world has settled (no new faults, every sidecar stepped): a replica that cannot
-    serve is restarted, or held by a documented holder that says so."""
+    """I4, once the world has settled (no new faults, every sidecar stepped, 600 s at most): a
+    replica that cannot serve is restarted (or has its slot and is being), or held by a documented
+    holder that says so."""
     for pod in world.alive():
         car = world.sidecars.get(pod.name)
         # One its sidecar never saw serve is still starting (`policy.startup_timeout` bounds that).
         hung = pod.server.hung_since is not None and pod.served_once
-        if hung and (car is None or car.held not in FLEET_HOLDS):
+        if hung and (car is None or (car.held not in FLEET_HOLDS and not car.slot)):
             raise Broken(f"I4: {pod.name} hung since {pod.server.hung_since:.0f}, neither restarted nor held"
                          f" ({None if car is None else car.held})")
 

@@ -425,9 +425,14 @@ class World:
 
     # -- time --------------------------------------------------------------------------------------
 
-    def settle(self, rounds: int = 120) -> None:
-        """No new faults; time passes and every sidecar acts until nothing is left to do."""
-        for _ in range(rounds):
+    def settle(self, rounds: int = 600) -> None:
+        """No new faults; time passes and every sidecar acts until no replica that served is hung
+        (each restart waits its turn for a slot: a replacement loading, a scale-up's pods serving
+        first), 30 s at least and `rounds` at most."""
+        for n in range(rounds):
+            # Past the first 30 s (every sidecar has synced a few times), until none is left hung.
+            if n >= 30 and not any(p.server.hung_since is not None and p.served_once for p in self.alive()):
+                break
             self.tick()
             self.popular_traffic()
             for _ in range(3):
