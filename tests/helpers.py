@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import json
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -142,3 +144,15 @@ def json_lines(text: str) -> list[dict[str, Any]]:
             except ValueError:
                 continue
     return out
+
+
+def post_raw(srv: Server, path: str, body: Any, headers: dict[str, str] | None = None) -> socket.socket:
+    """A POST written on a socket of its own, its answer not read: the test closes it to disconnect."""
+    raw = json.dumps(body).encode()
+    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
+    extra = "".join(f"{k}: {v}\r\n" for k, v in (headers or {}).items())
+    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n{extra}"
+            f"Content-Length: {len(raw)}\r\n\r\n")
+    sock.sendall(head.encode() + raw)
+    return sock
+

@@ -634,6 +634,11 @@ class Executor:
                                 fleet.prune(self.settings.policy.fleet, ledger, self.wall_clock()))
         self._breaker_seen(self.fleet.breaker, opened_here=False)
 
+    def slot_rung(self, decision: Decision) -> str:
+        """The rung a slot for this restart is taken for: only `container` restarts in place; evict and
+        delete always replace the pod; a worker's restart is the worker's whatever the strategy."""
+        return decision.rung if self.restarter.strategy == "container" or decision.rung == RUNG_WORKER else RUNG_POD
+
     async def take_slot(self, decision: Decision) -> str | None:
         """A slot for this restart from the workload's ledger; None: granted (or no ledger), else why not
         (one of names.FLEET_HOLDS), said once per episode (`fleet_episode` tells when one began)."""
@@ -641,9 +646,7 @@ class Executor:
             return None
         s = self.settings.policy.fleet
         pod, replicas = self.settings.kubernetes.pod_name, self.replicas
-        # Only `container` restarts in place; evict and delete always replace the pod; a worker's
-        # restart is the worker's whatever the strategy.
-        rung = decision.rung if self.restarter.strategy == "container" or decision.rung == RUNG_WORKER else RUNG_POD
+        rung = self.slot_rung(decision)
         try:
             template = (await self._own_pod()).template
         except Exception as exc:  # the slot is still taken: unknown matches any replacement, as before

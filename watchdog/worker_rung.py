@@ -43,6 +43,10 @@ class _Untold:
     tries: int
     error: str
 
+    def same(self, instance_id: str | None) -> bool:
+        """Whether `instance_id` is this process (where either is unknown, the worker's is taken for it)."""
+        return self.instance_id is None or instance_id is None or self.instance_id == instance_id
+
 
 class WorkerRung:
     def __init__(self, settings: Settings, sampler: WorkersSampler, executor: Executor, metrics: WatchdogMetrics,
@@ -145,7 +149,7 @@ class WorkerRung:
                 container = self._container(decision, history, untold)
                 # The slot taken for the worker is kept for a restart in place; a pod's restart needs
                 # a slot of the pod's rung, the one its replacement gives back.
-                if self._slot_rung(container) == RUNG_POD and ex.fleet.slot_held and not ex.restarting_workers():
+                if ex.slot_rung(container) == RUNG_POD and ex.fleet.slot_held and not ex.restarting_workers():
                     await ex.give_back_slot(False, f"worker {k} could not be told: its pod restarts instead")
                     if not await self._slot(container, k):
                         return
@@ -185,14 +189,11 @@ class WorkerRung:
         """Worker k's process, if its control API failed to tell it EXIT_TRIES times running (the same
         process: the same instance id, or the same worker where either is unknown)."""
         u = self._untold.get(k)
-        if u is None or (u.instance_id is not None and instance_id is not None and u.instance_id != instance_id):
-            return None
-        return u if u.tries >= EXIT_TRIES else None
+        return u if u is not None and u.same(instance_id) and u.tries >= EXIT_TRIES else None
 
     def _count_untold(self, k: int, instance_id: str | None, error: str) -> _Untold:
         u = self._untold.get(k)
-        same = u is not None and (u.instance_id is None or instance_id is None or u.instance_id == instance_id)
-        tries = u.tries + 1 if u is not None and same else 1
+        tries = u.tries + 1 if u is not None and u.same(instance_id) else 1
         self._untold[k] = _Untold(instance_id if instance_id is not None or u is None else u.instance_id,
                                   tries, error)
         return self._untold[k]
@@ -205,10 +206,6 @@ class WorkerRung:
         return dataclasses.replace(decision, rung=RUNG_CONTAINER if rung == RUNG_WORKER else rung, drain=True,
                                    detail={**decision.detail, "exit_tries": untold.tries,
                                            "exit_error": untold.error[:200]})
-
-    def _slot_rung(self, decision: Decision) -> str:
-        """The rung `Executor.take_slot` records for this restart: only `container` restarts in place."""
-        return decision.rung if self.executor.restarter.strategy == "container" else RUNG_POD
 
     async def _fall_back(self, container: Decision, k: int, history: Callable[[], History], untold: _Untold) -> None:
         """The watched target's restart (`Executor.restart`) on the container's rung, its slot already

@@ -3,8 +3,6 @@ chat, all `n` of them (the real server on CPU with the built-in model, the clien
 
 from __future__ import annotations
 
-import json
-import socket
 import time
 import uuid
 from collections.abc import Iterator
@@ -12,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import requests
 
-from tests.helpers import Server, json_lines, metric, start_server, wait_for
+from tests.helpers import Server, json_lines, metric, post_raw, start_server, wait_for
 
 N = 4
 
@@ -22,15 +20,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     srv = start_server(tmp_path_factory.mktemp("disconnect"), "--max-concurrency", "8", "--max-tokens-limit", "1000")
     yield srv
     srv.proc.stop()
-
-
-def _send(srv: Server, path: str, body: dict[str, object], rid: str) -> socket.socket:
-    raw = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    head = (f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"X-Request-Id: {rid}\r\nContent-Length: {len(raw)}\r\n\r\n")
-    sock.sendall(head.encode() + raw)
-    return sock
 
 
 def _tokens(srv: Server) -> float:
@@ -52,7 +41,7 @@ def test_a_client_that_leaves_frees_every_sequence_within_a_step(server: Server,
     else:
         body["prompt"] = "talk for a long time"
     closed_before = _closed(server, route)
-    sock = _send(server, route, body, rid)
+    sock = post_raw(server, route, body, {"X-Request-Id": rid})
     wait_for(lambda: server.memory()["inflight"] == N, 30, f"the {N} sequences running")
     time.sleep(0.5)
     report = server.memory()

@@ -3,15 +3,13 @@ is frozen by `serve` itself (`at_stall`), and a client that leaves afterwards st
 
 from __future__ import annotations
 
-import json
-import socket
 from pathlib import Path
 from typing import Any
 
 import requests
 
 from gpu_watchdog.inference.screen import STALL_AFTER_S
-from tests.helpers import Server, json_lines, start_server, wait_for
+from tests.helpers import Server, json_lines, post_raw, start_server, wait_for
 
 
 def _requests(srv: Server) -> dict[str, Any]:
@@ -21,15 +19,6 @@ def _requests(srv: Server) -> dict[str, Any]:
     return data
 
 
-def _send(srv: Server, body: dict[str, Any]) -> socket.socket:
-    raw = json.dumps(body).encode()
-    sock = socket.create_connection(("127.0.0.1", srv.port), timeout=10)
-    head = (f"POST /v1/completions HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(raw)}\r\n\r\n")
-    sock.sendall(head.encode() + raw)
-    return sock
-
-
 def test_the_server_freezes_what_was_in_flight_when_its_loop_stalled(tmp_path: Path) -> None:
     srv = start_server(tmp_path, "--fault-injection")
     try:
@@ -37,7 +26,7 @@ def test_the_server_freezes_what_was_in_flight_when_its_loop_stalled(tmp_path: P
         ok = requests.post(srv.url + "/v1/completions", json={"prompt": "an ordinary question", "max_tokens": 2},
                            timeout=60)
         assert ok.status_code == 200, ok.text
-        sock = _send(srv, {"prompt": "a WEDGE prompt", "max_tokens": 2})
+        sock = post_raw(srv, "/v1/completions", {"prompt": "a WEDGE prompt", "max_tokens": 2})
         try:
             report = wait_for(lambda: (r := _requests(srv))["inflight"] and r, 10, "the hung request in flight")
             [stuck] = report["inflight"]
