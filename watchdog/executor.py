@@ -295,11 +295,7 @@ class Executor:
 
         ledger = self.ledger
         try:
-            if ledger is None:
-                self.records, new, removed = add(self.records, self.wall_clock())[1]
-            else:
-                async with self._ledger_lock:
-                    self.records, new, removed = await asyncio.to_thread(ledger.update_records, add)
+            self.records, new, removed = await self._update_records(add)
             self.records_error = None
         except Exception as exc:
             self.records_error = str(exc)[:300]
@@ -325,6 +321,14 @@ class Executor:
         self._removed(removed, self.settings.kubernetes.pod_name or "local")
         if new or removed:
             await self.push_quarantine()
+
+    async def _update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T:
+        """The records as `decide` changes them: in the Lease (our writes one at a time), else this
+        sidecar's own."""
+        if self.ledger is None:
+            return decide(self.records, self.wall_clock())[1]
+        async with self._ledger_lock:
+            return await asyncio.to_thread(self.ledger.update_records, decide)
 
     async def sync_quarantine(self) -> None:
         """The workload's quarantine read from the Lease and pushed to our server; an unreadable Lease
@@ -381,13 +385,8 @@ class Executor:
             out, removed = quarantine.clear(s, records, new, pod, now)
             return out, (out, removed)
 
-        ledger = self.ledger
         try:
-            if ledger is None:
-                self.records, removed = add(self.records, self.wall_clock())[1]
-            else:
-                async with self._ledger_lock:
-                    self.records, removed = await asyncio.to_thread(ledger.update_records, add)
+            self.records, removed = await self._update_records(add)
         except Exception as exc:
             log.warning("quarantine_clear_not_recorded", fingerprints=sorted(new), error=str(exc)[:300],
                         action="tried again at the next sync")
