@@ -26,13 +26,13 @@ from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.executor import BUDGET_FRESH_S, Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.keep_out import CardPlacer, KeepOut, lift_interval
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD
 from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
 from gpu_watchdog.watchdog.recorder import FlightRecorder
 from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
-from gpu_watchdog.watchdog.samplers.device_health import DeviceHealthSampler
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
 from gpu_watchdog.watchdog.samples import DecisionRecord, History, XidEvent
@@ -66,6 +66,7 @@ class Running:
     session: aiohttp.ClientSession
     samplers: Samplers
     executor: Executor
+    keep_out: KeepOut | None
     runner: web.AppRunner | None
     port: int | None
     tasks: list[asyncio.Task[Any]]
@@ -84,6 +85,7 @@ class Watchdog:
         restart_events: RestartEvents | None = None,
         workload: str | None = None,
         ledger: FleetLedger | None = None,
+        placer: CardPlacer | None = None,
     ) -> None:
         self.settings = settings
         self.restarter = restarter
@@ -94,6 +96,8 @@ class Watchdog:
         self.workload = workload
         # The workload's ledger (a Lease): its replicas, and at most max_unavailable restarting at once.
         self.ledger = ledger
+        # Where the evidence is about the card, it is tainted before the pod rung acts (policy.placement).
+        self.placer = placer
         self.wall_clock = wall_clock
         self.server_metrics_url = metrics_url(settings.target)
         self._nvml_backend = nvml_backend or PynvmlBackend()
@@ -150,7 +154,9 @@ class Watchdog:
         await asyncio.to_thread(samplers.nvml.open)
         samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
         runner, port = await self._serve_http() if serve_http else (None, None)
-        self._run = run = Running(session, samplers, executor, runner, port, [])
+        keep_out = KeepOut(s, self.placer, self.ledger, self.metrics, self.wall_clock) \
+            if self.placer is not None and self.ledger is not None and s.policy.placement.strategy != "off" else None
+        self._run = run = Running(session, samplers, executor, keep_out, runner, port, [])
         await self._learn_pod_gpus()
         if self.restart_events is not None:
             await self._read_budget()
@@ -176,7 +182,9 @@ class Watchdog:
                               decided=lambda now, decisions: self._decided(now, decisions, recording.WORKERS))
             periodic("worker_canaries", lambda: s.canary.interval, lambda: rung.sample(lambda: self.history))
         if samplers.device_health is not None:
-            periodic("device_health", lambda: DeviceHealthSampler.interval, self._sample_device_health)
+            periodic("device_health", lambda: s.sampling.device_health_interval, self._sample_device_health)
+        if keep_out is not None:
+            periodic("placement", lambda: lift_interval(s.policy.placement.ttl), keep_out.lift_expired)
         if s.policy.quarantine.enabled and samplers.control is not None:
             periodic("quarantine", lambda: QUARANTINE_SYNC_S, executor.sync_quarantine)
         if self.node is not None:
@@ -507,6 +515,10 @@ class Watchdog:
                 self._record(decision, held, self.clock())
             self._fold(RestartHeld(self.clock(), decision.reason, held))
             return
+        keep_out = self.running.keep_out
+        if keep_out is not None and self.executor.slot_rung(decision) == RUNG_POD:
+            # Before the pod goes: its replacement must not be placed on the card the evidence is about.
+            await keep_out.before_pod_rung(decision, self.history.pod_gpus, self.executor.suspects.values())
         log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
                     drain=decision.drain, detail=decision.detail,
                     budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
@@ -544,6 +556,7 @@ class Watchdog:
             budget_from_events=self.restart_events is not None, workload=self.workload,
             fleet=executor.fleet if executor is not None and executor.ledger is not None else None,
             quarantine=None if executor is None else executor.quarantine_status(),
+            placement=None if run is None or run.keep_out is None else run.keep_out.status(),
             budget_read_error=None if executor is None else executor.budget_read_error, loop_lag=self.loop_lag(),
         )
 

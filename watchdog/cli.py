@@ -1,4 +1,4 @@
-"""The sidecar's commands: run, check-config, fleet, quarantine, replay (the console script adds them)."""
+"""The sidecar's commands: run, check-config, fleet, quarantine, placement, replay (the console script adds them)."""
 
 from __future__ import annotations
 
@@ -40,6 +40,16 @@ def add_commands(sub: Any) -> None:
                             help="the sidecar's config (default: the chart's, inside the watchdog container)")
     quarantine.set_defaults(run_command=_cmd_quarantine)
 
+    placement = sub.add_parser("placement", help="GPUs kept out of the next placement (policy.placement): the"
+                                                 " workload's taints and what is remembered of its cards")
+    placement.add_argument("action", choices=("list", "clear"),
+                           help="list: the taints and the remembered remediations; clear: lift our taints now")
+    placement.add_argument("name", nargs="?", metavar="NODE|DEVICE",
+                           help="clear: a node, a DeviceTaintRule or a card (from list); only our taints are lifted")
+    placement.add_argument("--config", default=CHART_CONFIG, metavar="FILE",
+                           help="the sidecar's config (default: the chart's, inside the watchdog container)")
+    placement.set_defaults(run_command=_cmd_placement)
+
     check = sub.add_parser("check-config", help="validate a watchdog config file")
     check.add_argument("file")
     check.set_defaults(run_command=_cmd_check_config)
@@ -69,6 +79,14 @@ def _cmd_quarantine(args: argparse.Namespace, parser: argparse.ArgumentParser) -
     from gpu_watchdog.watchdog.wiring import quarantine_main
 
     return quarantine_main(args.config, args.action, args.fingerprint)
+
+
+def _cmd_placement(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
+    if (args.action == "clear") != (args.name is not None):
+        parser.error("placement clear needs a NODE or DEVICE; placement list takes none")
+    from gpu_watchdog.watchdog.wiring import placement_main
+
+    return placement_main(args.config, args.action, args.name)
 
 
 def _cmd_check_config(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

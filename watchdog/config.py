@@ -21,8 +21,10 @@ import yaml
 from gpu_watchdog.watchdog import selector
 from gpu_watchdog.watchdog.settings import (
     BUNDLED_METRICS_URL,
+    DEVICE_EFFECTS,
     HTTP_METHODS,
     METRICS_AUTO,
+    NODE_EFFECTS,
     STRATEGIES,
     VERDICT_FILE,
     AdmissionSettings,
@@ -35,6 +37,7 @@ from gpu_watchdog.watchdog.settings import (
     InPlaceSettings,
     KubernetesSettings,
     MemoryPressureSettings,
+    PlacementSettings,
     PolicySettings,
     QuarantineSettings,
     RecorderSettings,
@@ -54,7 +57,8 @@ from gpu_watchdog.watchdog.settings import (
 __all__ = [
     "BUNDLED_METRICS_URL", "HTTP_METHODS", "METRICS_AUTO", "STRATEGIES", "VERDICT_FILE", "AdmissionSettings",
     "CanarySettings", "ConfigError", "EscalationSettings", "FleetSettings", "FragmentationSettings", "HangSettings",
-    "HttpTargetSettings", "InPlaceSettings", "KubernetesSettings", "MemoryPressureSettings", "PolicySettings",
+    "HttpTargetSettings", "InPlaceSettings", "KubernetesSettings", "MemoryPressureSettings", "PlacementSettings",
+    "PolicySettings",
     "QuarantineSettings", "RecorderSettings", "RestartBudgetSettings", "RestartSettings", "SamplingSettings",
     "ServerSettings",
     "Settings", "StallSettings", "TargetSettings", "UnservableSettings", "check_config_main", "from_mapping",
@@ -222,9 +226,23 @@ def _check(s: Settings, errors: list[str]) -> None:
         if url is not None and not re.match(r"^https?://[^/\s]+", url):
             errors.append(f"{key}: expected an http(s) URL, got {url!r}")
     _check_http_target(s.target, errors)
+    _check_placement(s, errors)
     if s.target.workers > 1 and (s.target.http is not None or s.target.openai_url is not None):
         errors.append("target.workers: only with the control API (target.control_url), not target.http or"
                       " target.openai_url")
+
+
+def _check_placement(s: Settings, errors: list[str]) -> None:
+    p = s.policy.placement
+    if p.strategy == "device" and p.effect not in DEVICE_EFFECTS:
+        errors.append(f"policy.placement.effect: {p.effect} is a node taint's effect; a device's is one of"
+                      f" {', '.join(DEVICE_EFFECTS)}")
+    if p.strategy == "node" and p.effect == "NoExecute":
+        errors.append("policy.placement.effect: NoExecute on a node would evict every pod on it; strategy node"
+                      f" takes one of {', '.join(NODE_EFFECTS)} (NoExecute is for strategy device)")
+    if p.strategy in ("device", "node") and s.restart.strategy in ("none", "local"):
+        errors.append(f"policy.placement.strategy: {p.strategy} taints through the Kubernetes API, which restart"
+                      f" strategy {s.restart.strategy} does not use (use strategy none to report only)")
 
 
 def _check_http_target(t: TargetSettings, errors: list[str]) -> None:

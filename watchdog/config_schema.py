@@ -80,7 +80,8 @@ def _scalar(tp: Any, meta: Mapping[str, Any], path: str, excluded: Mapping[str, 
                 **({"maximum": meta["max"]} if "max" in meta else {})}
     if tp is float:
         low = {"exclusiveMinimum": meta["gt"]} if "gt" in meta else {"minimum": meta.get("min", 0)}
-        return {"type": "number", **low, **({"exclusiveMaximum": meta["lt"]} if "lt" in meta else {})}
+        high = {"exclusiveMaximum": meta["lt"]} if "lt" in meta else {"maximum": meta["max"]} if "max" in meta else {}
+        return {"type": "number", **low, **high}
     if tp is str:
         choices = meta.get("choices")
         if choices:

@@ -15,7 +15,7 @@ from collections.abc import Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import escalation, fleet, ladder, quarantine
+from gpu_watchdog.watchdog import escalation, fleet, ladder, placement, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
@@ -135,6 +135,8 @@ class FleetLedger(Protocol):
     def read_records(self) -> quarantine.Records: ...
     def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T: ...
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None: ...
+    def read_placement(self) -> placement.Records: ...
+    def update_placement(self, decide: Callable[[placement.Records, float], tuple[placement.Records, T]]) -> T: ...
 
 
 class Executor:

@@ -15,7 +15,15 @@ from prometheus_client.registry import Collector
 
 from gpu_watchdog.watchdog.fleet import FleetView
 from gpu_watchdog.watchdog.idle_memory import IdleMemory
-from gpu_watchdog.watchdog.names import EMPTY_CACHE_REASONS, ERROR_CLASSES, FLEET_HOLDS, RESTART_REASONS, RUNGS, STATES
+from gpu_watchdog.watchdog.names import (
+    EMPTY_CACHE_REASONS,
+    ERROR_CLASSES,
+    FLEET_HOLDS,
+    PLACEMENT_ACTIONS,
+    RESTART_REASONS,
+    RUNGS,
+    STATES,
+)
 from gpu_watchdog.watchdog.samples import CanarySample, GpuSample, ServerSample, TorchSample
 
 P = "gpu_watchdog_"
@@ -214,6 +222,16 @@ class WatchdogMetrics:
                                    " policy.quarantine.failures failures of the workload)", registry=r)
         self.quarantined = Gauge(P + "quarantined", "Request fingerprints the workload refuses now, as pushed to"
                                  " this pod's server", ["workload"], registry=r)
+        # Cards kept out of placement: what this sidecar did (tainted, would_taint, capped, lifted, failed,
+        # not_possible), the workload's taints of ours as last read, and whether the bound stops the next one.
+        self.placement_actions = Counter(P + "placement_actions", "Cards kept out of placement by this sidecar,"
+                                         " by action", ["action"], registry=r)
+        for action in PLACEMENT_ACTIONS:
+            self.placement_actions.labels(action=action)
+        self.placement_tainted = Gauge(P + "placement_tainted", "The workload's nodes or cards tainted by gpu-watchdog"
+                                       " now, as last read from its Lease", registry=r)
+        self.placement_capped = Gauge(P + "placement_capped", "1 while a card the evidence says to keep out is not"
+                                      " tainted because policy.placement's bound is reached", registry=r)
         # The flight recorder's losses, by why: queue_full (lines dropped), open, write, rotate.
         self.recorder_failures = Counter(P + "recorder_failures", "Flight recorder lines lost, by why",
                                          ["why"], registry=r)

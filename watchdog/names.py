@@ -68,3 +68,6 @@ STATES = (HEALTHY, STARTING, SATURATED, PROGRESS_UNKNOWN, CANARY_FAILING, TARGET
 
 # Which server the target's /metrics belong to (`server` label).
 SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")
+
+# What keeping a card out of placement did (gpu_watchdog_placement_actions_total's `action`).
+PLACEMENT_ACTIONS = ("tainted", "would_taint", "capped", "lifted", "failed", "not_possible")

@@ -89,6 +89,8 @@ class SamplingSettings:
     torch_interval: float = field(default=5.0, metadata=_duration(
         "How often the server's allocator figures are read (GET /control/memory)."))
     server_interval: float = field(default=5.0, metadata=_duration("How often the server's metrics page is read."))
+    device_health_interval: float = field(default=30.0, metadata=_duration(
+        "How often our pod's status is read for its devices' health (one GET of the pod; Kubernetes API only)."))
     # Its own timeout, not the interval's: a saturated server answers its page late, and a late
     # reading is evidence where a timed-out one is none. A failed scrape is retried at the next tick.
     server_timeout: float = field(default=5.0, metadata=_duration("How long one read of the metrics page may take."))
@@ -229,6 +231,36 @@ class QuarantineSettings:
     ttl: float = field(default=3600.0, metadata=_duration("How long every replica refuses a quarantined request."))
 
 
+PLACEMENT_STRATEGIES = ("off", "none", "device", "node")
+DEVICE_EFFECTS = ("NoSchedule", "NoExecute")
+NODE_EFFECTS = ("NoSchedule", "PreferNoSchedule")
+
+
+@dataclass(frozen=True)
+class PlacementSettings:
+    """Keep a sick GPU out of the next placement: where the evidence is about the card, it is tainted
+    before the pod rung acts (a DeviceTaintRule for a DRA device; opt-in, the node of a device-plugin
+    GPU), at most `max_nodes` and `max_percent` of the workload's nodes or cards at once, each for `ttl`."""
+
+    strategy: str = field(default="off", metadata=_about(
+        "off: nothing; none: report what would be tainted; device: a DeviceTaintRule for a DRA GPU; node: also"
+        " the node taint of a device-plugin GPU (the whole node: opt-in).", choices=PLACEMENT_STRATEGIES))
+    effect: str = field(default="NoSchedule", metadata=_about(
+        "The taint's effect: NoSchedule; NoExecute (devices only) also evicts what uses the device;"
+        " PreferNoSchedule (nodes only) is a hint.", choices=("NoSchedule", "NoExecute", "PreferNoSchedule")))
+    max_nodes: int = field(default=2, metadata=_about(
+        "Nodes or cards of the workload tainted by us at once, at most (many failing at once is not many bad"
+        " cards).", min=1))
+    max_percent: float = field(default=50.0, metadata=_about(
+        "And at most this share of the workload's nodes or cards, in percent (rounded up).", min=1, max=100))
+    ttl: float = field(default=86400.0, metadata=_duration(
+        "Each taint's expiry: lifted then by the sidecar that placed it, or any sidecar of the workload."))
+    memory: float = field(default=7 * 86400.0, metadata=_duration(
+        "How long a card's and a node's remediations are remembered in the workload's Lease."))
+    repeat_days: int = field(default=2, metadata=_about(
+        "A card remediated on this many different days is suspect at its first fault of another day.", min=1))
+
+
 @dataclass(frozen=True)
 class PolicySettings:
     memory_pressure: MemoryPressureSettings = MemoryPressureSettings()
@@ -249,6 +281,7 @@ class PolicySettings:
     in_place: InPlaceSettings = InPlaceSettings()
     admission: AdmissionSettings = AdmissionSettings()
     escalation: EscalationSettings = EscalationSettings()
+    placement: PlacementSettings = PlacementSettings()
 
 
 @dataclass(frozen=True)

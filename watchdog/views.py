@@ -35,6 +35,7 @@ class Extras:
     ignored_records: int = 0  # restart records dated in the future at the last read, not counted
     fleet: FleetView | None = None  # the workload's ledger, where restarts go through one
     quarantine: dict[str, Any] | None = None  # the query of death: failures recorded, fingerprints refused
+    placement: dict[str, Any] | None = None  # cards kept out of placement: the strategy and what was done
 
 
 def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
@@ -161,6 +162,7 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
         "restart_not_recorded": x.restart_not_recorded,
         "fleet": None if x.fleet is None else fleet_status(x.fleet),
         "quarantine": x.quarantine,
+        "placement": x.placement,
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},

@@ -8,6 +8,7 @@ import dataclasses
 import signal
 import sys
 import time
+from typing import TYPE_CHECKING, Any
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog.actions.node import NodeReporter
@@ -15,6 +16,9 @@ from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter, Restarter
 from gpu_watchdog.watchdog.app import Watchdog
 from gpu_watchdog.watchdog.config import ConfigError, Settings, load, replace, workload_of
 from gpu_watchdog.watchdog.executor import FleetLedger
+
+if TYPE_CHECKING:
+    from gpu_watchdog.watchdog.actions.placement import Placer
 
 log = logs.get("watchdog")
 
@@ -105,6 +109,18 @@ def build_ledger(settings: Settings, workload: str) -> FleetLedger | None:
     return LeaseLedger(load_api_client(k.kubeconfig, k.request_timeout), k.namespace,
                        lease_name(workload, settings.policy.fleet.lease_name), workload, k.pod_name,
                        k.request_timeout)
+
+
+def build_placer(settings: Settings, workload: str) -> Placer | None:
+    """Where placement is on (policy.placement.strategy other than off) and restarts go through Kubernetes."""
+    if settings.policy.placement.strategy == "off" or not _kube_reachable(settings):
+        return None
+    from gpu_watchdog.watchdog.actions.kube import load_api_client
+    from gpu_watchdog.watchdog.actions.placement import Placer
+
+    k = settings.kubernetes
+    return Placer(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.pod_name, k.node_name, workload,
+                  k.request_timeout)
 
 
 def _open_ledger(config_path: str, command: str, without: str) -> tuple[Settings, str, FleetLedger] | int:
@@ -212,6 +228,77 @@ def quarantine_main(config_path: str, action: str, fingerprint: str | None) -> i
     return 0
 
 
+def placement_main(config_path: str, action: str, name: str | None) -> int:
+    """`gpu-watchdog placement list|clear NAME`: the cards the workload keeps out of placement, from its
+    Lease, with this pod's sidecar's rights; `clear` lifts our taints on a node, a DeviceTaintRule or a
+    card now (never one we did not place)."""
+    import json
+
+    from gpu_watchdog.watchdog import placement
+
+    opened = _open_ledger(config_path, "placement", "this config reaches no Kubernetes API: nothing is tainted")
+    if isinstance(opened, int):
+        return opened
+    settings, workload, ledger = opened
+    s = settings.policy.placement
+    try:
+        records = ledger.read_placement()
+        if action == "list":
+            now = time.time()
+            placer = build_placer(settings, workload)
+            rules = placer.rules() if placer is not None else []
+            print(json.dumps({"workload": workload, "lease": ledger.name, "strategy": s.strategy,
+                              "tainted": [placement.describe(t, now) for t in records.taints],
+                              "device_taint_rules": [r["metadata"]["name"] for r in rules],
+                              "remembered": _remembered(records, "card"),
+                              "remembered_nodes": _remembered(records, "node"),
+                              "lifts": [dataclasses.asdict(x) for x in records.lifts]},
+                             indent=2))
+            return 0
+        assert name is not None
+        found = placement.find(records, name)
+        if not found:
+            print(f"gpu-watchdog placement: no taint of gpu-watchdog on {name} in {workload}'s records"
+                  " (a taint placed by anyone else is never touched)", file=sys.stderr)
+            return 1
+        from gpu_watchdog.watchdog.actions.kube import load_api_client
+        from gpu_watchdog.watchdog.actions.placement import Placer
+
+        k = settings.kubernetes
+        placer = Placer(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.pod_name, k.node_name,
+                        workload, k.request_timeout)
+        for taint in found:
+            outcome = placer.lift(taint)
+
+            def lift(rec: placement.Records, at: float, t: placement.Taint = taint) -> tuple[placement.Records, None]:
+                return placement.lifted(s, rec, t, at, "operator"), None
+
+            ledger.update_placement(lift)
+            print(f"{taint.kind} {taint.target} (card {taint.card}): {outcome}")
+        return 0
+    except Exception as exc:  # LedgerUnavailable, an API error
+        print(f"gpu-watchdog placement: {getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:300]}",
+              file=sys.stderr)
+        return 1
+
+
+def _remembered(records: Any, by: str) -> list[dict[str, Any]]:
+    """The remembered remediations, one row per card (with its node) or per node (with its cards): the
+    days they were remediated on, the reasons."""
+    rows: dict[str, dict[str, Any]] = {}
+    for r in records.remediations:
+        key = r.card if by == "card" else r.node
+        row = rows.setdefault(key, {"card": r.card, "node": r.node, "days": set(), "reasons": set(), "count": 0}
+                              if by == "card" else {"node": r.node, "cards": set(), "days": set(), "reasons": set(),
+                                                    "count": 0})
+        if by == "node":
+            row["cards"].add(r.card)
+        row["days"].add(time.strftime("%Y-%m-%d", time.gmtime(r.at)))
+        row["reasons"].add(r.reason)
+        row["count"] += 1
+    return [{**row, **{k: sorted(v) for k, v in row.items() if isinstance(v, set)}} for row in rows.values()]
+
+
 async def run_until_signal(watchdog: Watchdog) -> None:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -235,6 +322,7 @@ def run_main(config_path: str, record: str | None = None) -> int:
         restarter = build_restarter(settings, workload)
         node = build_node_reporter(settings)
         ledger = build_ledger(settings, workload)
+        placer = build_placer(settings, workload)
     except ConfigError as exc:
         for line in exc.errors:
             print(f"error: {line}", file=sys.stderr)
@@ -244,7 +332,8 @@ def run_main(config_path: str, record: str | None = None) -> int:
         print(f"gpu-watchdog run: {exc}", file=sys.stderr)
         return 2
     try:
-        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload, ledger=ledger)
+        watchdog = Watchdog(settings, restarter, node=node, restart_events=node, workload=workload, ledger=ledger,
+                            placer=placer)
         asyncio.run(run_until_signal(watchdog))
     except OSError as exc:
         print(f"gpu-watchdog run: cannot listen on {settings.server.host}:{settings.server.port}: {exc.strerror}",

@@ -10,6 +10,13 @@ The harness is also the cluster's ReplicaSet controller and kubelet: a pod reall
 named as a ReplicaSet names its pods, with its own processes; the kubelet's readiness probe (the
 sidecar's `/readyz`, polled) sets each pod's Ready condition, which the disruption budget counts.
 A timeline records what happened, for assertions on how many replicas were down at once.
+
+With a `Scheduler` (tests.fleet.scheduler) each pod asks for one GPU (a DRA claim, or the device
+plugin's `nvidia.com/gpu`) and is placed on the card the scheduler picks, reading the node taints and
+DeviceTaintRules in the cluster at that moment; the harness is then also the resourceclaim controller
+(a claim `<pod>-gpu`, allocated, for each DRA pod; deleted with its pod) and the binder. A pod no card
+fits stays Pending, without processes, and is placed as soon as one does (a pod removed, a node or
+DeviceTaintRule written through the API, or the probe loop's periodic retry).
 """
 
 from __future__ import annotations
@@ -35,6 +42,7 @@ import yaml
 from gpu_watchdog.watchdog.replay_cli import replay_main
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster, PodRemoval, Write
+from tests.fleet.scheduler import GPU_RESOURCE, Placement, Scheduler
 from tests.helpers import ROOT, Proc, free_port, json_lines, spawn, spawn_python
 
 # The alphabet Kubernetes names generated objects with (k8s.io/apimachinery/pkg/util/rand): no vowels,
@@ -76,8 +84,9 @@ def write_kubeconfig(path: Path, url: str, namespace: str) -> None:
 
 @dataclass(frozen=True)
 class Moment:
-    """One thing that happened. kind: created | ready | unready | deleted | evicted | dry_delete |
-    dry_evict | refused_delete | refused_evict | stopped | exited."""
+    """One thing that happened. kind: created | scheduled | unschedulable | ready | unready | deleted |
+    evicted | dry_delete | dry_evict | refused_delete | refused_evict | stopped | exited | device_health
+    (and model_ready | model_exited for serve pods)."""
 
     at: float
     kind: str
@@ -88,7 +97,9 @@ class Moment:
 @dataclass
 class FleetPod:
     """One pod: its processes, ports and life. `generation` 0 for the Deployment's first pods; a
-    replacement's is one more than the pod it `replaces`."""
+    replacement's is one more than the pod it `replaces`. With a scheduler: `node` is "" while the pod is
+    Pending; `card` its GPU as its allocatedResourcesStatus names it (DRA `gpu.nvidia.com/<pool>/<device>`,
+    device plugin the card's UUID)."""
 
     name: str
     node: str
@@ -109,10 +120,17 @@ class FleetPod:
     exited: bool = False  # the sidecar ended by itself while its pod was alive
     model_exits: int = 0  # the model server ended by itself (and the kubelet restarted it in place)
     model_starts: int = 0  # model server processes started in this pod, the first included
+    card: str | None = None
+    placement: Placement | None = None
+    scheduled_at: float | None = None
 
     @property
     def alive(self) -> bool:
         return self.removed_at is None
+
+    @property
+    def scheduled(self) -> bool:
+        return bool(self.node)
 
     @property
     def sidecar_url(self) -> str:
@@ -163,6 +181,8 @@ class Fleet:
       with fault injection; the sidecar drives its control API). A serve process that exits by itself
       is started again in its pod, as the kubelet restarts a container; `serve_faults` are injected
       into every serve process once it is ready (`serve_ready` says which are).
+    - `scheduler`: places each pod on a GPU card (see the module's doc; `replacement_node` is then
+      not used); None: every pod on a node of its own, without GPUs in its spec, as before.
     """
 
     def __init__(self, cluster: Any, tmp_path: Path, replicas: int = 8,
@@ -172,7 +192,7 @@ class Fleet:
                  min_available: int | None = None, ready_timeout: float = 90.0,
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
-                 serve_faults: list[dict[str, Any]] | None = None) -> None:
+                 serve_faults: list[dict[str, Any]] | None = None, scheduler: Scheduler | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
                             f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
@@ -183,6 +203,8 @@ class Fleet:
             raise ValueError(f"model: 'toy' or 'serve', not {model!r}")
         if replacement_node not in ("fresh", "same"):
             raise ValueError(f"replacement_node: 'fresh' or 'same', not {replacement_node!r}")
+        if scheduler is not None and scheduler.cluster is not cluster:
+            raise ValueError("the scheduler places pods in another cluster than the fleet's")
         self.cluster: Cluster = cluster
         self.dir = tmp_path / "fleet"
         self.replicas = replicas
@@ -217,6 +239,8 @@ class Fleet:
         self._probe_task: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
         self._kubeconfig = self.dir / "kubeconfig"
+        self.scheduler = scheduler
+        self._pending: list[str] = []  # pods no card fits yet, oldest first (the scheduling queue)
         self.started_at = clock()
 
     # --- life -------------------------------------------------------------------------------------------------
@@ -227,16 +251,20 @@ class Fleet:
         write_kubeconfig(self._kubeconfig, str(self.cluster.url).rstrip("/"), self.namespace)
         self._http = aiohttp.ClientSession()
         try:
-            deploy = self.cluster.add(k8s.deployment(self.deployment, self.namespace, self.replicas, self.labels))
+            wanted = k8s.deployment(self.deployment, self.namespace, self.replicas, self.labels)
+            if self.scheduler is not None:
+                self._request_gpu(wanted["spec"]["template"]["spec"])  # the ReplicaSet and its pods copy it
+            deploy = self.cluster.add(wanted)
             self._rs = self.cluster.add(k8s.replica_set(deploy, self.template_hash))
             if self.min_available is not None:
                 self.cluster.set_disruption_budget(self.namespace, self.deployment, self.labels, self.min_available)
             self._unhook += [self.cluster.on_pod_removed(self._on_removed), self.cluster.on_write(self._on_write)]
             first = [self._create_pod(replaces=None, ready=True) for _ in range(self.replicas)]
-            await asyncio.gather(*(self._start(pod) for pod in first))
+            placed = [pod for pod in first if pod.scheduled]  # a Pending one starts once it is placed
+            await asyncio.gather(*(self._start(pod) for pod in placed))
             self._probe_task = asyncio.get_running_loop().create_task(self._probe_loop())
-            await self.wait_until(lambda: all(p.ready_at is not None for p in first), self.ready_timeout,
-                                  f"all {self.replicas} sidecars ready")
+            await self.wait_until(lambda: all(p.ready_at is not None for p in placed), self.ready_timeout,
+                                  f"all {len(placed)} placed sidecars ready")
         except BaseException:
             await self._close(failed=True)
             raise
@@ -305,6 +333,8 @@ class Fleet:
                 return name
 
     def _create_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
+        if self.scheduler is not None:
+            return self._create_scheduled_pod(replaces, ready)
         name = self._new_name()
         node = replaces.node if replaces is not None and self.replacement_node == "same" else self._next_node()
         pod = FleetPod(name=name, node=node, generation=0 if replaces is None else replaces.generation + 1,
@@ -317,6 +347,93 @@ class Fleet:
         self.cluster.add(k8s.pod_of(self._rs, name, node, ready=ready, wall=self.cluster.wall))
         self._moment("created", name, node=node, replaces=pod.replaces, hang_after=pod.hang_after)
         return pod
+
+    # --- the scheduler's side: placement, binding, the claims ---------------------------------------------
+
+    def _request_gpu(self, spec: dict[str, Any]) -> None:
+        """One GPU for the inference container: a DRA claim from the template `gpu`, or the device plugin's
+        extended resource (requests defaulted from limits, as the API server defaults them)."""
+        assert self.scheduler is not None
+        inference = next(c for c in spec["containers"] if c["name"] == "inference")
+        resources = inference.setdefault("resources", {})
+        if self.scheduler.mode == "dra":
+            spec["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu"}]
+            resources["claims"] = [{"name": "gpu"}]
+        else:
+            resources["limits"] = {**resources.get("limits", {}), GPU_RESOURCE: "1"}
+            resources["requests"] = {**resources.get("requests", {}), GPU_RESOURCE: "1"}
+
+    def _create_scheduled_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
+        assert self.scheduler is not None
+        name = self._new_name()
+        pod = FleetPod(name=name, node="", generation=0 if replaces is None else replaces.generation + 1,
+                       replaces=None if replaces is None else replaces.name, model_port=free_port(),
+                       sidecar_port=free_port(),
+                       hang_after=self.hang_after if replaces is None else self.replacement_hang_after,
+                       config_path=self.dir / f"{name}.yaml", created_at=self.clock(),
+                       control_port=free_port() if self.model == "serve" else 0)
+        self.all_pods[name] = pod
+        # Created unscheduled, as the ReplicaSet controller creates it; the scheduler reads its tolerations.
+        self.cluster.add(k8s.unscheduled(k8s.pod_of(self._rs, name, "", ready=ready, wall=self.cluster.wall),
+                                         "waiting for the scheduler", wall=self.cluster.wall))
+        self._moment("created", name, node=None, replaces=pod.replaces, hang_after=pod.hang_after)
+        placement = self.scheduler.place(name, self.namespace)
+        if placement is None:
+            self._unschedulable(pod)
+        else:
+            self._bind(pod, placement, ready)
+        return pod
+
+    def _unschedulable(self, pod: FleetPod) -> None:
+        assert self.scheduler is not None
+        message = self.scheduler.refusals.get(pod.name, "no node fits")
+
+        def change(obj: dict[str, Any]) -> None:
+            for c in obj["status"].get("conditions") or []:
+                if c.get("type") == "PodScheduled":
+                    c.update(status="False", reason="Unschedulable", message=message)
+
+        self.cluster.mutate("pods", self.namespace, pod.name, change)
+        self._pending.append(pod.name)
+        self._moment("unschedulable", pod.name, message=message)
+
+    def _bind(self, pod: FleetPod, placement: Placement, ready: bool) -> None:
+        """The claim allocated (DRA), then the pod bound to the node and running (the kubelet's status:
+        its containers started, Ready as `ready` says until the probe says otherwise)."""
+        assert self.scheduler is not None
+        stored = self.cluster.read("pods", self.namespace, pod.name)
+        assert stored is not None
+        dra = self.scheduler.mode == "dra"
+        if dra:
+            assert placement.driver is not None
+            self.cluster.add(k8s.resource_claim(stored, "gpu", placement.driver, placement.pool, placement.device))
+        running = k8s.pod_of(self._rs, pod.name, placement.node, ready=ready, wall=self.cluster.wall)["status"]
+        if dra:
+            running["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": f"{pod.name}-gpu"}]
+
+        def change(obj: dict[str, Any]) -> None:
+            obj["spec"]["nodeName"] = placement.node
+            obj["status"] = copy.deepcopy(running)
+
+        self.cluster.mutate("pods", self.namespace, pod.name, change)
+        pod.node, pod.card, pod.placement, pod.scheduled_at = placement.node, placement.card, placement, self.clock()
+        self._moment("scheduled", pod.name, node=placement.node, card=placement.card)
+
+    def _retry_pending(self) -> None:
+        """Another try for each Pending pod, oldest first; a placed one starts."""
+        if self.scheduler is None or not self._pending:
+            return
+        for name in list(self._pending):
+            pod = self.all_pods[name]
+            if not pod.alive:
+                self._pending.remove(name)
+                continue
+            placement = self.scheduler.place(name, self.namespace)
+            if placement is None:
+                continue
+            self._pending.remove(name)
+            self._bind(pod, placement, ready=False)
+            self._spawn_task(self._start(pod))
 
     def _config(self, pod: FleetPod) -> dict[str, Any]:
         base = base_sidecar_config(pod.model_port, pod.sidecar_port, self._kubeconfig)
@@ -418,6 +535,9 @@ class Fleet:
         task.add_done_callback(self._tasks.discard)
 
     def _on_write(self, write: Write) -> None:
+        if (self.scheduler is not None and write.ok and not write.dry_run
+                and write.resource in ("nodes", "devicetaintrules")):
+            self._retry_pending()  # a taint lifted may let a Pending pod in
         if write.resource != "pods" or write.verb not in ("delete", "evict") or write.name not in self.all_pods:
             return
         noun = "deleted" if write.verb == "delete" else "evicted"
@@ -436,12 +556,20 @@ class Fleet:
         gone = self.all_pods[removal.name]
         gone.removed_at, gone.removed_how, gone.ready = removal.at, removal.how, False
         self._spawn_task(self._stop_procs(gone))
+        if self.scheduler is not None:
+            # Its card is free again (its claim goes with it), first for the pods already waiting.
+            self.scheduler.release(gone.name)
+            if gone.name in self._pending:
+                self._pending.remove(gone.name)
+            self.cluster.remove("resourceclaims", self.namespace, f"{gone.name}-gpu")
+            self._retry_pending()
         # A replacement of a pod that never became ready continues the same restart, not a new one.
         self._restarting.discard(gone.name)
         if len(self.pods()) < self._desired():
             replacement = self._create_pod(replaces=gone, ready=False)
             self._restarting.add(replacement.name)
-            self._spawn_task(self._start(replacement))
+            if replacement.scheduled:
+                self._spawn_task(self._start(replacement))
         self._restarting_series.append((self.clock(), len(self._restarting)))
 
     async def scale(self, replicas: int) -> list[FleetPod]:
@@ -450,7 +578,7 @@ class Fleet:
         self.cluster.scale(self.namespace, self.deployment, replicas)
         self.cluster.scale(self.namespace, self.replica_set_name, replicas, plural="replicasets")
         grown = [self._create_pod(replaces=None, ready=False) for _ in range(max(0, replicas - len(self.pods())))]
-        await asyncio.gather(*(self._start(pod) for pod in grown))
+        await asyncio.gather(*(self._start(pod) for pod in grown if pod.scheduled))
         return grown
 
     def _desired(self) -> int:
@@ -459,6 +587,7 @@ class Fleet:
 
     async def _probe_loop(self) -> None:
         while True:
+            self._retry_pending()  # what changed without an API write (a test's own taint, say)
             live = [p for p in self.all_pods.values() if p.alive and p.sidecar is not None]
             await asyncio.gather(*(self._probe(p) for p in live))
             await asyncio.sleep(self.probe_interval)
@@ -533,6 +662,31 @@ class Fleet:
     def restarting_series(self) -> list[tuple[float, int]]:
         """(time, replicas restarting) at every change."""
         return list(self._restarting_series)
+
+    def pending(self) -> list[FleetPod]:
+        """The pods alive and not placed (Pending), oldest first."""
+        return [self.all_pods[name] for name in self._pending if self.all_pods[name].alive]
+
+    def set_device_health(self, pod: PodRef, health: str, message: str | None = None) -> None:
+        """The kubelet's report of the pod's GPU (KEP-4680): the inference container's
+        `allocatedResourcesStatus`, `[{name, resources: [{resourceID, health, message}]}]`, with name
+        `claim:gpu/gpu` and resourceID `<driver>/<pool>/<device>` (DRA), or `nvidia.com/gpu` and the
+        card's UUID (device plugin). `health`: Healthy | Unhealthy | Unknown."""
+        if health not in ("Healthy", "Unhealthy", "Unknown"):
+            raise ValueError(f"health: Healthy, Unhealthy or Unknown, not {health!r}")
+        p = self._pod(pod)
+        if self.scheduler is None or p.card is None:
+            raise ValueError(f"{p.name} holds no GPU card: device health needs a Fleet with a scheduler and a"
+                             f" placed pod")
+        name = "claim:gpu/gpu" if self.scheduler.mode == "dra" else GPU_RESOURCE
+        resource: dict[str, Any] = {"resourceID": p.card, "health": health}
+        if message is not None:
+            resource["message"] = message
+        done = self.cluster.set_pod_status(self.namespace, p.name, containers={
+            "inference": {"allocatedResourcesStatus": [{"name": name, "resources": [resource]}]}})
+        if done is None:
+            raise KeyError(f"{p.name} is gone")
+        self._moment("device_health", p.name, card=p.card, health=health, message=message)
 
     def set_replacement_hang_after(self, n: int | None) -> None:
         """How the model servers of replacements created from now on start (None: healthy)."""
@@ -621,7 +775,8 @@ class Fleet:
             await asyncio.sleep(interval)  # yields to the emulator, which serves from this loop
 
     def describe(self) -> str:
-        alive = ", ".join(f"{p.name}@{p.node}{'' if p.ready else ' (unready)'}" for p in self.pods())
+        alive = ", ".join(f"{p.name}@{p.node or '(pending)'}{f' {p.card}' if p.card else ''}"
+                          f"{'' if p.ready else ' (unready)'}" for p in self.pods())
         recent = "; ".join(f"{m.kind} {m.pod}" for m in self.timeline[-8:])
         return (f"{len(self.pods())} pods alive [{alive}], {self.restarting()} restarting,"
                 f" {len(self.deletions())} removed; recent: {recent}")

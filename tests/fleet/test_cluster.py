@@ -290,3 +290,252 @@ async def test_a_real_delete_brings_a_replacement_whose_sidecar_serves(kmock: Cl
         assert isinstance(status, dict) and status
         kinds = [m.kind for m in fleet.timeline if m.pod in (victim.name, replacement.name)]
         assert kinds.index("deleted") < kinds.index("created", kinds.index("deleted")) < len(kinds)
+
+
+# --- Nodes ------------------------------------------------------------------------------------------------------
+
+SUSPECT = {"key": "gpu-watchdog.io/gpu-suspect", "value": "GPU-node-a-0", "effect": "NoSchedule"}
+MERGE = "application/merge-patch+json"
+
+
+async def test_a_node_taint_patch_is_conditional_on_the_version_it_carries(kmock: Cluster) -> None:
+    kmock.add(k8s.node_of("node-a", gpus=2))
+    kmock.set_node_taints("node-a", [{"key": "admin", "value": "x", "effect": "PreferNoSchedule"}])
+    core = core_api(kmock)
+
+    def run() -> tuple[Any, Any, client.ApiException, Any]:
+        read = core.read_node("node-a")
+        mine = [t.to_dict() for t in read.spec.taints] + [SUSPECT]
+        body = {"metadata": {"resourceVersion": read.metadata.resource_version}, "spec": {"taints": mine}}
+        patched = core.patch_node("node-a", body, _content_type=MERGE)
+        # Another sidecar that read the same version and patches after: refused, to read and decide again.
+        stale = refusal(lambda: core.patch_node("node-a", body, _content_type=MERGE))
+        return read, patched, stale, core.read_node("node-a")
+
+    read, patched, stale, now = await asyncio.to_thread(run)
+    assert int(patched.metadata.resource_version) > int(read.metadata.resource_version)
+    # A merge patch replaces the list whole: what was sent is what there is.
+    assert [(t.key, t.value, t.effect) for t in now.spec.taints] == [
+        ("admin", "x", "PreferNoSchedule"), (SUSPECT["key"], SUSPECT["value"], "NoSchedule")]
+    assert stale.status == 409 and reason_of(stale) == "Conflict"
+    assert status_of(stale)["message"] == ('Operation cannot be fulfilled on nodes "node-a": the object has been'
+                                           ' modified; please apply your changes to the latest version and try again')
+    assert now.metadata.resource_version == patched.metadata.resource_version
+    assert now.status.allocatable["nvidia.com/gpu"] == "2"
+    assert [(w.verb, w.code, w.sent_version) for w in kmock.writes_to("nodes")] == [
+        ("patch", 200, read.metadata.resource_version), ("patch", 409, read.metadata.resource_version)]
+
+
+async def test_a_node_patch_is_validated_and_keeps_what_it_does_not_own(kmock: Cluster) -> None:
+    kmock.add(k8s.node_of("node-a", gpus=1))
+    core = core_api(kmock)
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        long_value = {**SUSPECT, "value": "GPU-" + "f" * 60}
+        out["long"] = refusal(lambda: core.patch_node("node-a", {"spec": {"taints": [long_value]}},
+                                                      _content_type=MERGE))
+        out["effect"] = refusal(lambda: core.patch_node("node-a", {"spec": {"taints": [{**SUSPECT, "effect": "Bad"}]}},
+                                                        _content_type=MERGE))
+        out["twice"] = refusal(lambda: core.patch_node("node-a", {"spec": {"taints": [SUSPECT, SUSPECT]}},
+                                                       _content_type=MERGE))
+        out["json_patch"] = refusal(lambda: core.patch_node("node-a", [{"op": "add", "path": "/spec/taints",
+                                                                        "value": [SUSPECT]}]))
+        # The main resource ignores status, and a patch without a resourceVersion applies to what is there.
+        out["tainted"] = core.patch_node("node-a", {"spec": {"taints": [SUSPECT]}, "status": {"allocatable": {}}},
+                                         _content_type=MERGE)
+        out["same"] = core.patch_node("node-a", {"spec": {"taints": [SUSPECT]}}, _content_type=MERGE)
+        # The kubelet's and the sidecar's strategic status patch merges conditions by type, spec untouched.
+        out["status"] = core.patch_node_status("node-a", {"status": {"conditions": [
+            {"type": "GPUSuspect", "status": "True", "reason": "RepeatedGPURestarts"}]}, "spec": {"taints": None}},
+            _content_type="application/strategic-merge-patch+json")
+        out["untainted"] = core.patch_node("node-a", {"spec": {"taints": None}}, _content_type=MERGE)
+        return out
+
+    out = await asyncio.to_thread(run)
+    for key in ("long", "effect", "twice"):
+        assert out[key].status == 422 and reason_of(out[key]) == "Invalid", key
+    assert 'spec.taints[0].value: Invalid value: "GPU-ffff' in status_of(out["long"])["message"]
+    assert "must be no more than 63 characters" in status_of(out["long"])["message"]
+    assert 'Unsupported value: "Bad"' in status_of(out["effect"])["message"]
+    assert "unique by key and effect" in status_of(out["twice"])["message"]
+    assert out["json_patch"].status == 415  # not emulated, and said so
+    tainted, same, status, untainted = out["tainted"], out["same"], out["status"], out["untainted"]
+    assert tainted.status.allocatable["nvidia.com/gpu"] == "1"
+    # Nothing changed: no write, the same resourceVersion (as the API server skips an unchanged update).
+    assert same.metadata.resource_version == tainted.metadata.resource_version
+    assert [c.type for c in status.status.conditions] == ["Ready", "GPUSuspect"]
+    assert [t.key for t in status.spec.taints] == [SUSPECT["key"]]
+    assert untainted.spec.taints is None
+    assert [w.code for w in kmock.writes_to("nodes")] == [422, 422, 422, 415, 200, 200, 200, 200]
+    missing = await asyncio.to_thread(refusal, lambda: core.patch_node("node-z", {"spec": {}}, _content_type=MERGE))
+    assert missing.status == 404 and status_of(missing)["message"] == 'nodes "node-z" not found'
+
+
+# --- resource.k8s.io ----------------------------------------------------------------------------------------------
+
+DRA = "resource.k8s.io"
+MANAGED = {"app.kubernetes.io/managed-by": "gpu-watchdog"}
+
+
+def custom(cluster: Cluster) -> Any:
+    return client.CustomObjectsApi(api_of(cluster))
+
+
+def taint_rule(name: str, version: str, pool: str = "node-a", device: str = "gpu-0",
+               labels: dict[str, str] | None = None, effect: str = "NoSchedule") -> dict[str, Any]:
+    return {"apiVersion": f"{DRA}/{version}", "kind": "DeviceTaintRule",
+            "metadata": {"name": name, "labels": dict(MANAGED if labels is None else labels),
+                         "annotations": {"gpu-watchdog.io/until": "2026-01-02T00:00:00Z"}},
+            "spec": {"deviceSelector": {"driver": "gpu.nvidia.com", "pool": pool, "device": device},
+                     "taint": {"key": "gpu-watchdog.io/suspect", "value": device, "effect": effect}}}
+
+
+def discover(api: Any) -> str | None:
+    """The sidecar's discovery: the first of v1, v1beta2, v1alpha3 whose resources name devicetaintrules."""
+    for version in ("v1", "v1beta2", "v1alpha3"):
+        try:
+            found = api.get_api_resources(DRA, version)
+        except client.ApiException as exc:
+            assert exc.status == 404, exc
+            continue
+        if any(r.name == "devicetaintrules" for r in found.resources):
+            return version
+    return None
+
+
+@pytest.mark.parametrize(("kube", "expected", "unserved", "preferred"), [
+    ("1.33", "v1alpha3", "v1", "v1beta2"),
+    ("1.36", "v1beta2", "v1beta1", "v1"),
+    ("1.37", "v1", "v1alpha3", "v1"),
+])
+async def test_device_taint_rules_are_found_and_served_at_the_version_the_kubernetes_release_has(
+        kmock: Cluster, kube: str, expected: str, unserved: str, preferred: str) -> None:
+    kmock.kube_version = kube
+    api = custom(kmock)
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {"version": discover(api)}
+        v = out["version"]
+        out["unserved"] = refusal(lambda: api.get_api_resources(DRA, unserved))
+        out["unserved_list"] = refusal(lambda: api.list_cluster_custom_object(DRA, unserved, "devicetaintrules"))
+        out["group"] = client.ApisApi(api_of(kmock)).get_api_versions()
+        out["version_info"] = client.VersionApi(api_of(kmock)).get_code()
+        out["created"] = api.create_cluster_custom_object(DRA, v, "devicetaintrules", taint_rule("gpu-watchdog-a-0", v))
+        api.create_cluster_custom_object(DRA, v, "devicetaintrules", taint_rule("gpu-watchdog-a-1", v, device="gpu-1"))
+        api.create_cluster_custom_object(DRA, v, "devicetaintrules", taint_rule("admins", v, labels={"team": "ops"}))
+        # Two sidecars creating the same rule: the second is told it exists.
+        out["again"] = refusal(lambda: api.create_cluster_custom_object(DRA, v, "devicetaintrules",
+                                                                        taint_rule("gpu-watchdog-a-0", v)))
+        out["ours"] = api.list_cluster_custom_object(DRA, v, "devicetaintrules",
+                                                     label_selector="app.kubernetes.io/managed-by=gpu-watchdog")
+        out["read"] = api.get_cluster_custom_object(DRA, v, "devicetaintrules", "gpu-watchdog-a-0")
+        out["deleted"] = api.delete_cluster_custom_object(DRA, v, "devicetaintrules", "gpu-watchdog-a-0")
+        out["gone"] = refusal(lambda: api.get_cluster_custom_object(DRA, v, "devicetaintrules", "gpu-watchdog-a-0"))
+        out["gone_delete"] = refusal(lambda: api.delete_cluster_custom_object(DRA, v, "devicetaintrules",
+                                                                              "gpu-watchdog-a-0"))
+        return out
+
+    out = await asyncio.to_thread(run)
+    assert out["version"] == expected == kmock.device_taint_rule_version
+    for key in ("unserved", "unserved_list"):
+        assert out[key].status == 404 and reason_of(out[key]) == "NotFound"
+    [group] = [g for g in out["group"].groups if g.name == DRA]
+    assert group.preferred_version.version == preferred
+    assert [v.version for v in group.versions] == list(k8s.DRA_SERVED[kube])
+    assert out["version_info"].git_version == f"v{kube}.0"
+    created = out["created"]
+    assert created["apiVersion"] == f"{DRA}/{expected}" and created["metadata"]["resourceVersion"].isdigit()
+    assert created["spec"]["taint"]["timeAdded"].endswith("Z") and "namespace" not in created["metadata"]
+    assert out["again"].status == 409 and reason_of(out["again"]) == "AlreadyExists"
+    assert status_of(out["again"])["message"] == 'devicetaintrules.resource.k8s.io "gpu-watchdog-a-0" already exists'
+    assert out["ours"]["kind"] == "DeviceTaintRuleList"
+    assert sorted(k8s.names_of(out["ours"]["items"])) == ["gpu-watchdog-a-0", "gpu-watchdog-a-1"]
+    assert out["read"]["spec"]["deviceSelector"] == {"driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-0"}
+    assert out["deleted"]["status"] == "Success" and out["deleted"]["details"]["name"] == "gpu-watchdog-a-0"
+    for key in ("gone", "gone_delete"):
+        assert out[key].status == 404 and reason_of(out[key]) == "NotFound"
+    assert sorted(k8s.names_of(kmock.stored("devicetaintrules"))) == ["admins", "gpu-watchdog-a-1"]
+    assert [(w.verb, w.code) for w in kmock.writes_to("devicetaintrules", "gpu-watchdog-a-0")] == [
+        ("create", 201), ("create", 409), ("delete", 200), ("delete", 404)]
+
+
+async def test_a_device_taint_rule_is_one_object_at_every_version_and_is_validated(kmock: Cluster) -> None:
+    kmock.kube_version = "1.36"  # v1beta2 and v1alpha3 both serve DeviceTaintRules
+    api = custom(kmock)
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        api.create_cluster_custom_object(DRA, "v1alpha3", "devicetaintrules",
+                                         taint_rule("gpu-watchdog-a-0", "v1alpha3"))
+        out["other_version"] = refusal(lambda: api.create_cluster_custom_object(
+            DRA, "v1beta2", "devicetaintrules", taint_rule("gpu-watchdog-a-0", "v1beta2")))
+        out["beta"] = api.get_cluster_custom_object(DRA, "v1beta2", "devicetaintrules", "gpu-watchdog-a-0")
+        out["typed"] = client.ResourceV1beta2Api(api_of(kmock)).read_device_taint_rule("gpu-watchdog-a-0")
+        out["prefer"] = refusal(lambda: api.create_cluster_custom_object(
+            DRA, "v1beta2", "devicetaintrules", taint_rule("node-like", "v1beta2", effect="PreferNoSchedule")))
+        out["name"] = refusal(lambda: api.create_cluster_custom_object(
+            DRA, "v1beta2", "devicetaintrules", taint_rule("GPU_Watchdog", "v1beta2")))
+        out["none"] = api.create_cluster_custom_object(DRA, "v1beta2", "devicetaintrules",
+                                                       taint_rule("informs", "v1beta2", effect="None"))
+        return out
+
+    out = await asyncio.to_thread(run)
+    assert out["other_version"].status == 409 and reason_of(out["other_version"]) == "AlreadyExists"
+    assert out["beta"]["apiVersion"] == f"{DRA}/v1beta2"
+    typed = out["typed"]  # the typed client reads it too: the body is schema-valid
+    assert typed.spec.taint.key == "gpu-watchdog.io/suspect" and typed.spec.device_selector.pool == "node-a"
+    assert out["prefer"].status == 422 and 'spec.taint.effect: Unsupported value: "PreferNoSchedule"' in status_of(
+        out["prefer"])["message"]
+    assert out["name"].status == 422 and "metadata.name: Invalid value" in status_of(out["name"])["message"]
+    assert out["none"]["spec"]["taint"]["effect"] == "None"  # 1.35 and later know the informing effect
+    [stored] = [r for r in kmock.stored("devicetaintrules") if r["metadata"]["name"] == "gpu-watchdog-a-0"]
+    assert stored["apiVersion"] == f"{DRA}/v1alpha3"  # stored once, as written
+
+
+async def test_resource_claims_and_the_pods_device_status(kmock: Cluster) -> None:
+    [name] = workload(kmock, 1)
+    pod = kmock.read("pods", NS, name)
+    assert pod is not None
+    kmock.add(k8s.resource_claim(pod, "gpu", "gpu.nvidia.com", "node-0", "gpu-1"))
+    kmock.kube_version = "1.33"
+    api, core = custom(kmock), core_api(kmock)
+    before = pod["metadata"]["resourceVersion"]
+    kmock.set_pod_status(NS, name, {"resourceClaimStatuses": [{"name": "gpu", "resourceClaimName": f"{name}-gpu"}]},
+                         containers={"inference": {"allocatedResourcesStatus": [{"name": "claim:gpu/gpu", "resources": [
+                             {"resourceID": "gpu.nvidia.com/node-0/gpu-1", "health": "Unhealthy"}]}]}})
+
+    def run() -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        out["claim"] = api.get_namespaced_custom_object(DRA, "v1beta2", NS, "resourceclaims", f"{name}-gpu")
+        # At 1.33 v1alpha3 serves DeviceTaintRules only: no claims there.
+        out["alpha"] = refusal(lambda: api.get_namespaced_custom_object(DRA, "v1alpha3", NS, "resourceclaims",
+                                                                       f"{name}-gpu"))
+        out["list"] = api.list_namespaced_custom_object(DRA, "v1beta1", NS, "resourceclaims")
+        claim = {"apiVersion": f"{DRA}/v1beta2", "kind": "ResourceClaim", "metadata": {"name": "extra"},
+                 "spec": {"devices": {"requests": []}}}
+        out["created"] = api.create_namespaced_custom_object(DRA, "v1beta2", NS, "resourceclaims", claim)
+        out["again"] = refusal(lambda: api.create_namespaced_custom_object(DRA, "v1beta2", NS, "resourceclaims", claim))
+        out["deleted"] = api.delete_namespaced_custom_object(DRA, "v1beta2", NS, "resourceclaims", "extra")
+        out["gone"] = refusal(lambda: api.delete_namespaced_custom_object(DRA, "v1beta2", NS, "resourceclaims",
+                                                                          "extra"))
+        out["pod"] = core.read_namespaced_pod(name, NS)
+        return out
+
+    out = await asyncio.to_thread(run)
+    [result] = out["claim"]["status"]["allocation"]["devices"]["results"]
+    assert result == {"request": "gpu", "driver": "gpu.nvidia.com", "pool": "node-0", "device": "gpu-1"}
+    assert out["claim"]["apiVersion"] == f"{DRA}/v1beta2"
+    assert out["alpha"].status == 404
+    assert k8s.names_of(out["list"]["items"]) == [f"{name}-gpu"]
+    assert out["created"]["metadata"]["namespace"] == NS
+    assert out["again"].status == 409 and reason_of(out["again"]) == "AlreadyExists"
+    assert out["deleted"]["status"] == "Success" and out["gone"].status == 404
+    read = out["pod"]
+    assert int(read.metadata.resource_version) > int(before)
+    assert [(s.name, s.resource_claim_name) for s in read.status.resource_claim_statuses] == [("gpu", f"{name}-gpu")]
+    [inference] = [c for c in read.status.container_statuses if c.name == "inference"]
+    [allocated] = inference.allocated_resources_status
+    assert allocated.name == "claim:gpu/gpu"
+    assert [(r.resource_id, r.health) for r in allocated.resources] == [("gpu.nvidia.com/node-0/gpu-1", "Unhealthy")]
+    assert inference.ready  # the rest of the container's status kept

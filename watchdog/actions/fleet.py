@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog import fleet, quarantine
+from gpu_watchdog.watchdog import fleet, placement, quarantine
 from gpu_watchdog.watchdog.actions.k8s import client
 from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_name
 from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION, Ledger
@@ -95,6 +95,14 @@ class LeaseLedger:
 
     def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T:
         return self._update(quarantine.ANNOTATION, quarantine.parse, quarantine.dump, "quarantine records", decide)
+
+    # -- the cards kept out of placement (a third annotation) --------------------------------------------
+
+    def read_placement(self) -> placement.Records:
+        return self._parsed(self._get(), placement.ANNOTATION, placement.parse, "placement records")
+
+    def update_placement(self, decide: Callable[[placement.Records, float], tuple[placement.Records, T]]) -> T:
+        return self._update(placement.ANNOTATION, placement.parse, placement.dump, "placement records", decide)
 
     def _update(self, annotation: str, parse: Callable[[str | None], A], dump: Callable[[A], str], what: str,
                 decide: Callable[[A, float], tuple[A, T]]) -> T:

@@ -70,4 +70,4 @@ def _device_health(settings: Settings, clock: Callable[[], float]) -> DeviceHeal
     except Exception as exc:  # a kubeconfig that does not load: the other evidence still stands
         log.warning("device_health_unavailable", error=str(exc)[:300])
         return None
-    return None if read_pod is None else DeviceHealthSampler(read_pod, clock)
+    return None if read_pod is None else DeviceHealthSampler(read_pod, clock, settings.sampling.device_health_interval)

@@ -4,8 +4,10 @@
 health: Healthy | Unhealthy | Unknown}]}]`, filled by the kubelet from the device plugin's health (feature
 gate `ResourceHealthStatus`: alpha in Kubernetes 1.31, beta in 1.36). The python client (37.x) models it
 as `V1ContainerStatus.allocated_resources_status` -> `V1ResourceStatus(name, resources)` ->
-`V1ResourceHealth(resource_id, health, message)`. Read with the `get` on our own pod the sidecar has
-already; where the field is absent nothing is known, which is never a restart.
+`V1ResourceHealth(resource_id, health, message)`. A DRA device is reported under its claim
+(`claim:<claim>/<request>`) with the ID `<driver>/<pool>/<device>`; a GPU driver's are ours. Read with
+the `get` on our own pod the sidecar has already; where the field is absent nothing is known, which is
+never a restart.
 """
 
 from __future__ import annotations
@@ -25,7 +27,15 @@ from gpu_watchdog.watchdog.settings import Settings
 
 log = logs.get("watchdog.device_health")
 
-INTERVAL_S = 30.0  # the kubelet updates the status when the plugin's health changes; a read costs one GET
+CLAIM_PREFIX = "claim:"  # a DRA device's entry (KEP-4680)
+GPU_DRIVERS = ("gpu.nvidia.com",)  # the DRA drivers whose devices are GPUs (NVIDIA's DRA driver)
+
+
+def is_gpu(resource: str, resource_id: str) -> bool:
+    """A device-plugin GPU (nvidia.com/gpu, a MIG slice) or a GPU driver's DRA device."""
+    if resource.startswith(GPU_RESOURCE_PREFIX):
+        return True
+    return resource.startswith(CLAIM_PREFIX) and resource_id.split("/", 1)[0] in GPU_DRIVERS
 
 
 def device_health(pod: Any, at: float) -> DeviceHealthSample:
@@ -34,8 +44,8 @@ def device_health(pod: Any, at: float) -> DeviceHealthSample:
     devices = [
         DeviceHealth(container=c.name, resource=r.name, resource_id=d.resource_id, health=d.health or "Unknown",
                      message=d.message)
-        for c in statuses for r in (c.allocated_resources_status or []) if r.name.startswith(GPU_RESOURCE_PREFIX)
-        for d in (r.resources or [])
+        for c in statuses for r in (c.allocated_resources_status or [])
+        for d in (r.resources or []) if is_gpu(r.name, d.resource_id or "")
     ]
     return DeviceHealthSample(at=at, read=True, devices=tuple(devices))
 
@@ -43,11 +53,10 @@ def device_health(pod: Any, at: float) -> DeviceHealthSample:
 class DeviceHealthSampler:
     """Reads our pod through the API (blocking, in a thread); says once what changed."""
 
-    interval = INTERVAL_S
-
-    def __init__(self, read_pod: Callable[[], Any], clock: Callable[[], float]) -> None:
+    def __init__(self, read_pod: Callable[[], Any], clock: Callable[[], float], interval: float) -> None:
         self.read_pod = read_pod
         self.clock = clock
+        self.interval = interval  # the kubelet updates the status when the plugin's health changes
         self._error: str | None = None
         self._health: dict[str, str] = {}
 
@@ -57,7 +66,7 @@ class DeviceHealthSampler:
         except Exception as exc:  # 403, timeouts, garbage: nothing learnt this time
             error = f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}"
             if error != self._error:
-                log.warning("device_health_unreadable", error=error, retry_in_s=INTERVAL_S)
+                log.warning("device_health_unreadable", error=error, retry_in_s=self.interval)
             self._error = error
             return DeviceHealthSample(at=self.clock(), read=False, error=error)
         self._error = None

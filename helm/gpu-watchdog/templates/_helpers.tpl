@@ -61,7 +61,9 @@ policy.fleet.enabled is not false.
 {{- define "gpu-watchdog.fleetLease" -}}
 {{- $fleet := dig "policy" "fleet" dict .Values.watchdog.config -}}
 {{- $quarantine := dig "policy" "quarantine" dict .Values.watchdog.config -}}
-{{- $used := or (ne (toString (dig "enabled" true $fleet)) "false") (ne (toString (dig "enabled" true $quarantine)) "false") -}}
+{{- $placement := dig "policy" "placement" dict .Values.watchdog.config -}}
+{{- /* The placement records (policy.placement) live in the same Lease. */ -}}
+{{- $used := or (ne (toString (dig "enabled" true $fleet)) "false") (ne (toString (dig "enabled" true $quarantine)) "false") (ne (toString (dig "strategy" "off" $placement)) "off") -}}
 {{- if and (ne (include "gpu-watchdog.restartStrategy" .) "none") $used -}}
 {{- printf "%s-fleet" (include "gpu-watchdog.fullname" .) -}}
 {{- end -}}

@@ -1,0 +1,157 @@
+"""The placement effects (`KeepOut`, the real `Placer` and `LeaseLedger`) against the emulator, in
+process, with the wall clock in the test's hand: a trace over days (the repeat offender, through the
+records as the Lease holds them), a GPU suspect, the strategies that taint nothing, an API that
+refuses, and a rule by our name that we did not place."""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
+from gpu_watchdog.watchdog.actions.placement import Placer
+from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect
+from gpu_watchdog.watchdog.keep_out import KeepOut
+from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
+from gpu_watchdog.watchdog.policy import Decision
+from tests.fleet import cluster as k8s
+from tests.fleet.cluster import Cluster
+
+NS, WORKLOAD, POD, NODE = "serving", "llm", "llm-5c9d7b6f4x-abcde", "node-a"
+CARD = "gpu.nvidia.com/node-a/gpu-0"
+DAY = placement.DAY_S
+T0 = 1_780_000_000.0 - (1_780_000_000.0 % DAY) + 3600
+
+
+class Clock:
+    def __init__(self, at: float) -> None:
+        self.at = at
+
+    def __call__(self) -> float:
+        return self.at
+
+
+def api_client(cluster: Cluster) -> client.ApiClient:
+    cfg = client.Configuration()
+    cfg.host = str(cluster.url).rstrip("/")
+    return client.ApiClient(cfg)
+
+
+def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]]) -> None:
+    """The workload's pods: name -> (node, DRA device or None for a device-plugin GPU)."""
+    deploy = cluster.add(k8s.deployment(WORKLOAD, NS, len(pods)))
+    rs = cluster.add(k8s.replica_set(deploy, "5c9d7b6f4x"))
+    for name, (node, device) in pods.items():
+        pod = k8s.pod_of(rs, name, node, ready=True)
+        if device is not None:
+            pod["spec"]["resourceClaims"] = [{"name": "gpu", "resourceClaimTemplateName": "gpu"}]
+            pod["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": f"{name}-gpu"}]
+        stored = cluster.add(pod)
+        if device is not None:
+            cluster.add(k8s.resource_claim(copy.deepcopy(stored), "gpu", "gpu.nvidia.com", node, device))
+    for node in {n for n, _ in pods.values()}:
+        if cluster.node(node) is None:
+            cluster.add(k8s.node_of(node, gpus=None if any(d for n, d in pods.values() if n == node) else 1))
+
+
+def keep_out(cluster: Cluster, clock: Clock, pod: str = POD, node: str = NODE,
+             **placement_settings: Any) -> tuple[KeepOut, WatchdogMetrics, LeaseLedger]:
+    settings = from_mapping({
+        "target": {"openai_url": "http://127.0.0.1:9", "metrics_url": None}, "restart": {"strategy": "evict"},
+        "kubernetes": {"pod_name": pod, "namespace": NS, "node_name": node},
+        "policy": {"placement": {"strategy": "device", **placement_settings}}})
+    api = api_client(cluster)
+    ledger = LeaseLedger(api, NS, f"gpu-watchdog-{WORKLOAD}", WORKLOAD, pod, 5.0, wall_clock=clock)
+    metrics = WatchdogMetrics(lambda: None)  # type: ignore[arg-type, return-value]
+    return KeepOut(settings, Placer(api, NS, pod, node, WORKLOAD, 5.0), ledger, metrics, clock), metrics, ledger
+
+
+def counted(metrics: WatchdogMetrics, action: str) -> float:
+    return float(metrics.placement_actions.labels(action=action)._value.get())
+
+
+def lost_context(evidence: str = "canary", **detail: Any) -> Decision:
+    return Decision("restart", CONTEXT_LOSS, {"evidence": evidence, **detail}, drain=False)
+
+
+async def test_a_card_remediated_on_two_days_is_tainted_at_its_first_fault_of_the_third(kmock: Cluster) -> None:
+    """Each fault is a context loss the canary saw: nothing in it is about the card. The records,
+    kept in the Lease past any Event's TTL, make the third day's first one a repeat offender's."""
+    add_pods(kmock, {POD: (NODE, "gpu-0"), "llm-5c9d7b6f4x-fghij": ("node-b", "gpu-0")})
+    clock = Clock(T0)
+    effects, metrics, ledger = keep_out(kmock, clock)
+    outcomes = []
+    for at in (T0, T0 + 60, T0 + 2 * DAY, T0 + 2 * DAY + 600, T0 + 5 * DAY):
+        clock.at = at
+        outcomes.append(await effects.before_pod_rung(lost_context(), None, ()))
+    assert outcomes == [None, None, None, None, "tainted"]
+    [rule] = kmock.stored("devicetaintrules")
+    assert rule["spec"]["deviceSelector"] == {"driver": "gpu.nvidia.com", "pool": NODE, "device": "gpu-0"}
+    assert "2 different days" in rule["metadata"]["annotations"][placement.EVIDENCE_ANNOTATION]
+    records = await asyncio.to_thread(ledger.read_placement)
+    assert [r.at for r in records.remediations] == [T0, T0 + 2 * DAY, T0 + 5 * DAY]  # one a day
+    assert counted(metrics, "tainted") == 1
+
+
+async def test_a_gpu_suspect_is_tainted_and_a_hang_counts_as_a_remediation(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, "gpu-0")})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock)
+    assert await effects.before_pod_rung(Decision("restart", HANG, {}), None, ()) is None
+    restarts = tuple(RestartRecord(T0 - i * 600, HANG, ("GPU-abc",), "old-pod") for i in range(2))
+    assert await effects.before_pod_rung(Decision("restart", HANG, {}), None, [Suspect("GPU-abc", restarts)]) \
+        == "tainted"
+    assert [t.evidence for t in (await asyncio.to_thread(ledger.read_placement)).taints] == [
+        "2 restarts on this card within the window did not cure it"]
+    # Not a curing restart: neither remembered nor tainted.
+    assert await effects.before_pod_rung(Decision("restart", "fragmentation", {}), None, ()) is None
+
+
+@pytest.mark.parametrize(("strategy", "device", "outcome"), [
+    ("none", "gpu-0", "would_taint"), ("device", None, "not_possible"), ("none", None, "would_taint")])
+async def test_strategies_that_taint_nothing_say_what_they_would(kmock: Cluster, strategy: str, device: str | None,
+                                                                 outcome: str) -> None:
+    add_pods(kmock, {POD: (NODE, device)})
+    effects, metrics, ledger = keep_out(kmock, Clock(T0), strategy=strategy)
+    uuid = CARD if device else "GPU-1f2e"
+    got = await effects.before_pod_rung(lost_context("device_health", resource_id=uuid, uuid=uuid), None, ())
+    assert got == outcome and counted(metrics, outcome) == 1
+    assert kmock.stored("devicetaintrules") == [] and kmock.writes_to("nodes") == []
+    records = await asyncio.to_thread(ledger.read_placement)
+    assert records.taints == () and [r.card for r in records.remediations] == [uuid]
+
+
+async def test_an_api_that_refuses_the_taint_never_holds_the_restart_and_leaves_no_record(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, "gpu-0")})
+    kmock["post", "/apis/resource.k8s.io/v1/devicetaintrules"] << 403
+    kmock.kube_version = "1.37"
+    effects, metrics, ledger = keep_out(kmock, Clock(T0))
+    assert await effects.before_pod_rung(lost_context("device_health", resource_id=CARD), None, ()) == "failed"
+    assert counted(metrics, "failed") == 1 and effects.error is not None and "403" in effects.error
+    # Forgotten: it neither counts against the bound nor waits to be lifted.
+    assert (await asyncio.to_thread(ledger.read_placement)).taints == ()
+
+
+async def test_a_rule_by_our_name_that_we_did_not_place_is_never_lifted(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, "gpu-0")})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock, ttl="1h")
+    assert await effects.before_pod_rung(lost_context("device_health", resource_id=CARD), None, ()) == "tainted"
+    [rule] = kmock.stored("devicetaintrules")
+    name = rule["metadata"]["name"]
+    # Someone replaced it with one of their own by that name (no label of ours).
+    kmock.remove("devicetaintrules", "", name)
+    theirs = {**rule, "metadata": {"name": name, "labels": {"team": "hardware"}}}
+    kmock.add(theirs)
+    clock.at = T0 + 3601
+    await effects.lift_expired()
+    assert [r["metadata"]["labels"] for r in kmock.stored("devicetaintrules")] == [{"team": "hardware"}]
+    records = await asyncio.to_thread(ledger.read_placement)
+    assert records.taints == () and [(x.target, x.by) for x in records.lifts] == [(name, "not_ours")]

@@ -1,0 +1,218 @@
+"""Tainting a card in the cluster: a DRA device's DeviceTaintRule, or (opt-in) its node's taint.
+
+Blocking (callers run it through `asyncio.to_thread`); what to taint and whether the bound allows it
+is decided by `watchdog.placement`. The DeviceTaintRule's API version is found by discovery:
+v1alpha3 in Kubernetes 1.33-1.35 (feature gate DRADeviceTaints), v1beta2 in 1.36, v1 from 1.37.
+Only what we placed is ever lifted: a rule without our label, or a node taint whose value no record
+of ours names, is left as it is.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from typing import Any
+
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.placement import Card, Taint
+
+log = logs.get("watchdog.placement")
+
+GROUP = "resource.k8s.io"
+VERSIONS = ("v1", "v1beta2", "v1alpha3")  # newest first: the first that serves DeviceTaintRules is used
+# ResourceClaims are served elsewhere: v1 from 1.34, v1beta2 from 1.33, v1beta1 from 1.32 (v1alpha3 has none).
+CLAIM_VERSIONS = ("v1", "v1beta2", "v1beta1")
+RULES = "devicetaintrules"
+CLAIMS = "resourceclaims"
+CONFLICT_TRIES = 5  # a node's taints written over another writer's: read and decide again
+MERGE_PATCH = "application/merge-patch+json"
+
+
+class Placer:
+    def __init__(self, api_client: client.ApiClient, namespace: str, pod_name: str, node_name: str,
+                 workload: str, request_timeout: float) -> None:
+        self.namespace = namespace
+        self.pod_name = pod_name
+        self.node_name = node_name
+        self.workload = workload
+        self.timeout = request_timeout
+        self.api = api_client
+        self.core = client.CoreV1Api(api_client)
+        self.apps = client.AppsV1Api(api_client)
+        self.custom = client.CustomObjectsApi(api_client)
+        self._served: dict[str, str | None] = {}
+
+    # -- what the cluster says ---------------------------------------------------------------------------
+
+    def version(self) -> str | None:
+        """The resource.k8s.io version that serves DeviceTaintRules (None: this cluster has none)."""
+        return self._served_at(RULES, VERSIONS)
+
+    def _served_at(self, plural: str, versions: tuple[str, ...]) -> str | None:
+        """The first of `versions` whose discovery lists `plural`; kept once found (a cluster upgrade
+        restarts the pods that would have to see it change)."""
+        if self._served.get(plural) is not None:
+            return self._served[plural]
+        for v in versions:
+            try:
+                found = self.custom.get_api_resources(GROUP, v, _request_timeout=self.timeout)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            if any(r.name == plural for r in (found.resources or [])):
+                self._served[plural] = v
+                return v
+        return None
+
+    def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]:
+        """Our pod's GPUs: the DRA devices its ResourceClaims were allocated; where it has none, the device
+        plugin's on our node: the kubelet's UUIDs (`pod_gpus`), else the one our own evidence names
+        (`named`: the UUID in our pod's status or our NVML, where the kubelet's socket is not mounted)."""
+        pod = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
+        node = (pod.spec.node_name if pod.spec is not None else None) or self.node_name
+        cards: list[Card] = []
+        statuses = (pod.status.resource_claim_statuses if pod.status is not None else None) or []
+        version = self._served_at(CLAIMS, CLAIM_VERSIONS) if statuses else None
+        for status in statuses:
+            if not status.resource_claim_name or version is None:
+                continue
+            claim = self.custom.get_namespaced_custom_object(GROUP, version, self.namespace, CLAIMS,
+                                                             status.resource_claim_name, _request_timeout=self.timeout)
+            results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
+            for r in results:
+                driver, pool, device = r.get("driver"), r.get("pool"), r.get("device")
+                if isinstance(driver, str) and isinstance(pool, str) and isinstance(device, str):
+                    cards.append(Card(f"{driver}/{pool}/{device}", node, driver, pool, device))
+        if not cards:
+            cards = [Card(uuid, node) for uuid in pod_gpus or ((named,) if named else ())]
+        return cards
+
+    def scope(self, kind: str, cards_per_pod: int) -> int:
+        """What the bound is a share of: the workload's nodes (its pods' distinct nodes) for node taints,
+        its cards (pods x our pod's cards) for device taints. Unreadable: 1, the smallest bound."""
+        selector = self._selector()
+        if selector is None:
+            return 1
+        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector,
+                                             _request_timeout=self.timeout).items or []
+        alive = [p for p in pods if p.metadata is not None and p.metadata.deletion_timestamp is None]
+        if kind == placement.NODE:
+            return max(1, len({p.spec.node_name for p in alive if p.spec is not None and p.spec.node_name}))
+        return max(1, len(alive) * max(1, cards_per_pod))
+
+    def _selector(self) -> str | None:
+        for read in (self.apps.read_namespaced_deployment, self.apps.read_namespaced_stateful_set):
+            try:
+                found = read(self.workload, self.namespace, _request_timeout=self.timeout)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    continue
+                raise
+            labels = (found.spec.selector.match_labels if found.spec is not None and found.spec.selector else None)
+            if labels:
+                return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
+        return None
+
+    # -- taints --------------------------------------------------------------------------------------------
+
+    def place(self, taint: Taint, card: Card) -> str:
+        """`placed`, or `present` (ours already there: another sidecar raced us, or a retry)."""
+        if taint.kind == placement.DEVICE:
+            return self._create_rule(taint, card)
+        return self._patch_node(taint.node, lambda taints: placement.with_node_taint(taints, taint),
+                                done="placed", unchanged="present")
+
+    def lift(self, taint: Taint) -> str:
+        """`lifted`, `absent` (gone already), or `not_ours` (a rule by that name we did not place: left)."""
+        if taint.kind == placement.NODE:
+            return self._patch_node(taint.node, lambda taints: placement.without_node_taint(taints, taint),
+                                    done="lifted", unchanged="absent")
+        version = self.version()
+        if version is None:
+            return "absent"
+        try:
+            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                         _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return "absent"
+            raise
+        if not ours(rule, taint.card):
+            return "not_ours"
+        try:
+            self.custom.delete_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                     _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return "absent"
+            raise
+        return "lifted"
+
+    def rules(self) -> list[dict[str, Any]]:
+        """The DeviceTaintRules labelled ours, cluster-wide (an operator's list)."""
+        version = self.version()
+        if version is None:
+            return []
+        found = self.custom.list_cluster_custom_object(GROUP, version, RULES, label_selector="=".join(
+            placement.MANAGED_BY), _request_timeout=self.timeout)
+        return list(found.get("items") or [])
+
+    def _create_rule(self, taint: Taint, card: Card) -> str:
+        version = self.version()
+        if version is None:
+            raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
+        until = dt.datetime.fromtimestamp(taint.until, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        body = {
+            "apiVersion": f"{GROUP}/{version}", "kind": "DeviceTaintRule",
+            "metadata": {"name": taint.target, "labels": dict([placement.MANAGED_BY]),
+                         "annotations": {placement.EVIDENCE_ANNOTATION: taint.evidence[:1024],
+                                         placement.UNTIL_ANNOTATION: until, placement.POD_ANNOTATION: taint.pod,
+                                         placement.WORKLOAD_ANNOTATION: self.workload,
+                                         placement.CARD_ANNOTATION: taint.card}},
+            "spec": rule_spec(taint, card),
+        }
+        try:
+            self.custom.create_cluster_custom_object(GROUP, version, RULES, body, _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 409:
+                return "present"
+            raise
+        return "placed"
+
+    def _patch_node(self, name: str, change: Any, done: str, unchanged: str) -> str:
+        for _ in range(CONFLICT_TRIES):
+            node = self.core.read_node(name, _request_timeout=self.timeout)
+            current = self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
+            new = change(current)
+            if new is None:
+                return unchanged
+            # The resourceVersion read makes the merge conditional: a kubelet's or an operator's write in
+            # between is never overwritten (409, then decided again on what they wrote).
+            body = {"metadata": {"resourceVersion": node.metadata.resource_version}, "spec": {"taints": new}}
+            try:
+                self.core.patch_node(name, body, _content_type=MERGE_PATCH, _request_timeout=self.timeout)
+            except client.ApiException as exc:
+                if exc.status == 409:
+                    continue
+                raise
+            return done
+        raise RuntimeError(f"node {name}: {CONFLICT_TRIES} conflicting writes of its taints in a row")
+
+
+def rule_spec(taint: Taint, card: Card) -> dict[str, Any]:
+    """The DeviceTaintRule's spec: that one device, our key, the card's short name as the value
+    (the same in the v1alpha3, v1beta2 and v1 schemas)."""
+    return {"deviceSelector": {"driver": card.driver, "pool": card.pool, "device": card.device},
+            "taint": {"key": placement.DEVICE_TAINT_KEY, "value": placement.label_value(card.device or card.id),
+                      "effect": taint.effect}}
+
+
+def ours(rule: dict[str, Any], card: str | None = None) -> bool:
+    """A DeviceTaintRule we placed (labelled ours, and for `card` where one is named)."""
+    meta = rule.get("metadata") or {}
+    key, value = placement.MANAGED_BY
+    if (meta.get("labels") or {}).get(key) != value:
+        return False
+    return card is None or (meta.get("annotations") or {}).get(placement.CARD_ANNOTATION) == card

@@ -1,0 +1,206 @@
+"""Keeping a sick card out of the next placement: its taint placed before the pod rung acts, and lifted
+at its expiry. The effects only: what to taint and whether the bound allows it is `watchdog.placement`'s.
+
+Never in the way of the restart it comes before: a taint that cannot be placed (an API that refuses,
+a card that cannot be named) is said and counted, and the restart goes on as it would have.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol, TypeVar
+
+from gpu_watchdog import logs
+from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog.escalation import Suspect
+from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.placement import Card, Records, Remediation, Taint, Verdict
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.settings import Settings
+
+T = TypeVar("T")
+
+log = logs.get("watchdog.placement")
+
+LIFT_SYNC_S = 60.0  # expired taints are looked for this often (a TTL is hours), or at a tenth of a shorter one
+
+
+def lift_interval(ttl: float) -> float:
+    return min(LIFT_SYNC_S, max(1.0, ttl / 10))
+RECENT_KEPT = 16  # what this sidecar did, for /status
+
+
+class PlacementLedger(Protocol):
+    """The workload's placement records (an annotation of its Lease; blocking, see `LeaseLedger`)."""
+
+    def read_placement(self) -> Records: ...
+    def update_placement(self, decide: Callable[[Records, float], tuple[Records, T]]) -> T: ...
+
+
+class CardPlacer(Protocol):
+    """The cluster's side (blocking; see `watchdog.actions.placement.Placer`)."""
+
+    def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]: ...
+    def scope(self, kind: str, cards_per_pod: int) -> int: ...
+    def place(self, taint: Taint, card: Card) -> str: ...
+    def lift(self, taint: Taint) -> str: ...
+
+
+class KeepOut:
+    def __init__(self, settings: Settings, placer: CardPlacer, ledger: PlacementLedger, metrics: WatchdogMetrics,
+                 wall_clock: Callable[[], float]) -> None:
+        self.settings = settings
+        self.placer = placer
+        self.ledger = ledger
+        self.metrics = metrics
+        self.wall_clock = wall_clock
+        self.pod = settings.kubernetes.pod_name
+        self._said: set[str] = set()  # episodes said once: capped, a card not known, an edge's error kind
+        self.recent: list[dict[str, Any]] = []
+        self.error: str | None = None
+
+    async def before_pod_rung(self, decision: Decision, pod_gpus: tuple[str, ...] | None,
+                              suspects: Iterable[Suspect]) -> str | None:
+        """The card a curing restart is about remembered, and tainted where the evidence is about it;
+        what was done (an action of names.PLACEMENT_ACTIONS), None where nothing was to be done."""
+        s = self.settings.policy.placement
+        if s.strategy == "off" or decision.reason not in placement.CURING:
+            return None
+        try:
+            return await self._before_pod_rung(decision, pod_gpus, list(suspects))
+        except Exception as exc:  # an edge that failed: said once per kind, the restart goes on
+            self._failed("before_restart", exc)
+            return "failed"
+
+    async def _before_pod_rung(self, decision: Decision, pod_gpus: tuple[str, ...] | None,
+                               suspects: list[Suspect]) -> str | None:
+        s = self.settings.policy.placement
+        cards = await asyncio.to_thread(self.placer.cards, pod_gpus, placement.named_card(decision.detail))
+        card = placement.evidence_card(decision.detail, cards)
+        if card is None:
+            self._once("card_unknown", "placement_card_unknown", cards=[c.id for c in cards],
+                       evidence=decision.detail.get("evidence"), action="nothing tainted: the card is not known")
+            return None
+        now = self.wall_clock()
+        records = await asyncio.to_thread(self.ledger.read_placement)
+        why = placement.card_evidence(decision.reason, decision.detail) or _suspect_evidence(card, cards, suspects)
+        if why is None and placement.repeat_offender(s, records, card.id, now):
+            days = placement.repeat_days(s, records, card.id, now)
+            why = f"remediated on {len(days)} different days within {s.memory / 86400:g} days (a repeat offender)"
+        xid = decision.detail.get("xid")
+        remedied = Remediation(card.id, card.node, now, decision.reason, xid if isinstance(xid, int) else None)
+        if why is None:
+            await self._remember(remedied)
+            return None
+        wanted = placement.plan(s, card, self.pod, why, now)
+        if wanted is None or s.strategy == "none":
+            await self._remember(remedied)
+            action = "not_possible" if wanted is None else "would_taint"
+            self._did(action, card, why, wanted)
+            log.warning("placement_" + action, card=card.id, node=card.node, evidence=why,
+                        taint=None if wanted is None else placement.describe(wanted, now),
+                        action="reported only" if wanted is not None else
+                        "a device-plugin GPU is kept out by its node's taint: policy.placement.strategy node")
+            return action
+        scope = await asyncio.to_thread(self.placer.scope, wanted.kind, len(cards))
+
+        def decide(rec: Records, at: float) -> tuple[Records, Verdict]:
+            return placement.take(s, placement.remember(s, rec, remedied, at), wanted, scope, at)
+
+        verdict = await asyncio.to_thread(self.ledger.update_placement, decide)
+        self.metrics.placement_tainted.set(verdict.tainted)
+        if verdict.outcome == "capped":
+            self.metrics.placement_capped.set(1)
+            self._did("capped", card, why, wanted)
+            self._once("capped", "placement_capped", card=card.id, node=card.node, evidence=why,
+                       tainted=verdict.tainted, cap=verdict.cap, scope=scope,
+                       action="nothing more tainted: many cards failing at once is not many bad cards;"
+                              " the restart goes on")
+            return "capped"
+        self.metrics.placement_capped.set(0)
+        self._said.discard("capped")
+        taint = verdict.taint
+        assert taint is not None
+        if verdict.outcome == "already":
+            log.info("placement_already", card=card.id, target=taint.target, until=taint.until)
+            return None
+        try:
+            placed = await asyncio.to_thread(self.placer.place, taint, card)
+        except Exception:
+            # Not placed: out of the records again, so that it neither counts against the bound nor is lifted.
+            await asyncio.to_thread(self.ledger.update_placement,
+                                    lambda rec, at: (placement.forget(rec, taint), None))
+            raise
+        self.metrics.placement_actions.labels(action="tainted").inc()
+        self._did("tainted", card, why, taint)
+        log.warning("placement_tainted", card=card.id, node=card.node, kind=taint.kind, target=taint.target,
+                    effect=taint.effect, evidence=why, until=taint.until, repeat=taint.repeat, placed=placed,
+                    tainted=verdict.tainted, cap=verdict.cap,
+                    action=f"the replacement is placed elsewhere; lifted after {s.ttl:g}s or by"
+                           f" `gpu-watchdog placement clear {taint.target}`")
+        if taint.repeat:
+            log.error("placement_repeat", card=card.id, target=taint.target,
+                      action="tainted again within policy.placement.memory of its last lift: the card needs attention")
+        return "tainted"
+
+    async def _remember(self, remedied: Remediation) -> None:
+        s = self.settings.policy.placement
+        await asyncio.to_thread(self.ledger.update_placement,
+                                lambda rec, at: (placement.remember(s, rec, remedied, at), None))
+
+    async def lift_expired(self) -> None:
+        """The workload's taints past their expiry lifted, whoever placed them (a sidecar that placed one
+        may be long gone); a rule by our name that we did not place is left, and out of our records."""
+        s = self.settings.policy.placement
+        try:
+            records = await asyncio.to_thread(self.ledger.read_placement)
+            self.metrics.placement_tainted.set(len({(t.kind, t.target) for t in records.taints}))
+            for taint in placement.expired(records, self.wall_clock()):
+                outcome = await asyncio.to_thread(self.placer.lift, taint)
+                await asyncio.to_thread(
+                    self.ledger.update_placement,
+                    lambda rec, at, t=taint, why=outcome: (placement.lifted(s, rec, t, at, self.pod if why != "not_ours"
+                                                                            else "not_ours"), None))
+                self.metrics.placement_actions.labels(action="lifted").inc()
+                log.info("placement_lifted", card=taint.card, target=taint.target, kind=taint.kind, outcome=outcome,
+                         why="expired", placed_by=taint.pod)
+            self.error = None
+        except Exception as exc:
+            self._failed("lift", exc)
+
+    def status(self) -> dict[str, Any]:
+        s = self.settings.policy.placement
+        return {"strategy": s.strategy, "effect": s.effect, "max_nodes": s.max_nodes, "max_percent": s.max_percent,
+                "recent": list(self.recent), "error": self.error}
+
+    def _did(self, action: str, card: Card, why: str, taint: Taint | None) -> None:
+        if action != "tainted":
+            self.metrics.placement_actions.labels(action=action).inc()
+        self.recent = [*self.recent, {"at": self.wall_clock(), "action": action, "card": card.id, "node": card.node,
+                                      "evidence": why, "target": None if taint is None else taint.target}
+                       ][-RECENT_KEPT:]
+
+    def _once(self, key: str, event: str, **fields: Any) -> None:
+        if key not in self._said:
+            self._said.add(key)
+            log.error(event, **fields)
+
+    def _failed(self, step: str, exc: BaseException) -> None:
+        status = getattr(exc, "status", None)
+        self.error = f"{step}: {status or type(exc).__name__}: {str(exc)[:200]}"
+        self.metrics.placement_actions.labels(action="failed").inc()
+        key = f"{step}:{status or type(exc).__name__}"
+        if key not in self._said:
+            self._said.add(key)
+            log.warning("placement_failed", step=step, status=status, error=str(exc)[:300],
+                        action="nothing tainted; the restart goes on" if step != "lift" else "tried again later")
+
+
+def _suspect_evidence(card: Card, cards: list[Card], suspects: list[Suspect]) -> str | None:
+    """A GPU suspect (restarts on it that did not cure) that is this card: named by it, or our only card."""
+    for sp in suspects:
+        if sp.uuid == card.id or (len(cards) == 1 and sp.restarts):
+            if sp.restarts:
+                return f"{len(sp.restarts)} restarts on this card within the window did not cure it"
+    return None
