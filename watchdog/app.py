@@ -154,7 +154,7 @@ class Watchdog:
         await asyncio.to_thread(samplers.nvml.open)
         samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
         runner, port = await self._serve_http() if serve_http else (None, None)
-        keep_out = KeepOut(s, self.placer, self.ledger, self.metrics, self.wall_clock) \
+        keep_out = KeepOut(s, self.placer, self.ledger, self.metrics, self.wall_clock, self.workload or "") \
             if self.placer is not None and self.ledger is not None and s.policy.placement.strategy != "off" else None
         self._run = run = Running(session, samplers, executor, keep_out, runner, port, [])
         await self._learn_pod_gpus()
@@ -184,7 +184,7 @@ class Watchdog:
         if samplers.device_health is not None:
             periodic("device_health", lambda: s.sampling.device_health_interval, self._sample_device_health)
         if keep_out is not None:
-            periodic("placement", lambda: lift_interval(s.policy.placement.ttl), keep_out.lift_expired)
+            periodic("placement", lambda: lift_interval(s.policy.placement.ttl), keep_out.reconcile)
         if s.policy.quarantine.enabled and samplers.control is not None:
             periodic("quarantine", lambda: QUARANTINE_SYNC_S, executor.sync_quarantine)
         if self.node is not None:
@@ -516,7 +516,8 @@ class Watchdog:
             self._fold(RestartHeld(self.clock(), decision.reason, held))
             return
         keep_out = self.running.keep_out
-        if keep_out is not None and self.executor.slot_rung(decision) == RUNG_POD:
+        pod_rung = self.executor.slot_rung(decision) == RUNG_POD
+        if keep_out is not None and pod_rung:
             # Before the pod goes: its replacement must not be placed on the card the evidence is about.
             await keep_out.before_pod_rung(decision, self.history.pod_gpus, self.executor.suspects.values())
         log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
@@ -524,6 +525,11 @@ class Watchdog:
                     budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
                                                              from_events) - 1)
         ended, record = await self.executor.restart(decision, self._fold)
+        if keep_out is not None:
+            if pod_rung:
+                self._spawn(keep_out.after_pod_rung(ended.done))
+            elif ended.done:
+                self._spawn(keep_out.remember_restart(decision, self.history.pod_gpus))
         self._record(decision, record, ended.at)
         self._fold(ended)
         self.executor.restart_ended(ended)

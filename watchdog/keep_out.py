@@ -8,6 +8,7 @@ a card that cannot be named) is said and counted, and the restart goes on as it 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -44,34 +45,75 @@ class CardPlacer(Protocol):
     def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]: ...
     def scope(self, kind: str, cards_per_pod: int) -> int: ...
     def place(self, taint: Taint, card: Card) -> str: ...
+    def ensure(self, taint: Taint) -> str: ...
     def lift(self, taint: Taint) -> str: ...
+    def rules(self) -> list[dict[str, Any]]: ...
 
 
 class KeepOut:
     def __init__(self, settings: Settings, placer: CardPlacer, ledger: PlacementLedger, metrics: WatchdogMetrics,
-                 wall_clock: Callable[[], float]) -> None:
+                 wall_clock: Callable[[], float], workload: str) -> None:
         self.settings = settings
         self.placer = placer
         self.ledger = ledger
         self.metrics = metrics
         self.wall_clock = wall_clock
         self.pod = settings.kubernetes.pod_name
+        self.workload = workload
         self._said: set[str] = set()  # episodes said once: capped, a card not known, an edge's error kind
         self.recent: list[dict[str, Any]] = []
         self.error: str | None = None
+        # A device's taint placed before our restart, to become NoExecute once the restart is accepted.
+        self._escalate: Taint | None = None
+        # The restart waits this long for its card's taint at most: a slow API never holds a dead GPU.
+        self.deadline = max(5.0, 2 * settings.kubernetes.request_timeout)
 
     async def before_pod_rung(self, decision: Decision, pod_gpus: tuple[str, ...] | None,
                               suspects: Iterable[Suspect]) -> str | None:
         """The card a curing restart is about remembered, and tainted where the evidence is about it;
         what was done (an action of names.PLACEMENT_ACTIONS), None where nothing was to be done."""
         s = self.settings.policy.placement
+        self._escalate = None
         if s.strategy == "off" or decision.reason not in placement.CURING:
             return None
         try:
-            return await self._before_pod_rung(decision, pod_gpus, list(suspects))
-        except Exception as exc:  # an edge that failed: said once per kind, the restart goes on
-            self._failed("before_restart", exc)
+            return await asyncio.wait_for(self._before_pod_rung(decision, pod_gpus, list(suspects)), self.deadline)
+        except Exception as exc:  # an edge that failed or was too slow: said once per kind, the restart goes on
+            self._failed("before_restart", exc if not isinstance(exc, TimeoutError) else
+                         TimeoutError(f"no answer within {self.deadline:g}s; the restart goes on without it"))
             return "failed"
+
+    async def after_pod_rung(self, done: bool) -> None:
+        """Our restart was accepted (its Event written, the disruption budget asked): a device taint
+        asked as NoExecute becomes it now, evicting whatever else still uses the card."""
+        taint, self._escalate = self._escalate, None
+        s = self.settings.policy.placement
+        new = placement.escalated(s, taint) if taint is not None and done else None
+        if taint is None or new is None:
+            return
+        try:
+            await asyncio.to_thread(self.ledger.update_placement,
+                                    lambda rec, at: (placement.changed(rec, taint, new), None))
+            outcome = await asyncio.to_thread(self.placer.ensure, new)
+            log.warning("placement_escalated", target=new.target, card=new.card, effect=new.effect, outcome=outcome)
+        except Exception as exc:
+            self._failed("escalate", exc)
+
+    async def remember_restart(self, decision: Decision, pod_gpus: tuple[str, ...] | None) -> None:
+        """An in-place restart for a curing reason: the card's history, in the records (a repeat offender
+        is one remediated on different days, whatever the rung)."""
+        s = self.settings.policy.placement
+        if s.strategy == "off" or decision.reason not in placement.CURING:
+            return
+        try:
+            cards = await asyncio.to_thread(self.placer.cards, pod_gpus, placement.named_card(decision.detail))
+            card = placement.evidence_card(decision.detail, cards)
+            if card is not None:
+                xid = decision.detail.get("xid")
+                await self._remember(Remediation(card.id, card.node, self.wall_clock(), decision.reason,
+                                                 xid if isinstance(xid, int) else None))
+        except Exception as exc:
+            self._failed("remember", exc)
 
     async def _before_pod_rung(self, decision: Decision, pod_gpus: tuple[str, ...] | None,
                                suspects: list[Suspect]) -> str | None:
@@ -111,14 +153,13 @@ class KeepOut:
         verdict = await asyncio.to_thread(self.ledger.update_placement, decide)
         self.metrics.placement_tainted.set(verdict.tainted)
         if verdict.outcome == "capped":
-            self.metrics.placement_capped.set(1)
+            self.metrics.placement_capped.labels(workload=self.workload).set(1)
             self._did("capped", card, why, wanted)
             self._once("capped", "placement_capped", card=card.id, node=card.node, evidence=why,
                        tainted=verdict.tainted, cap=verdict.cap, scope=scope,
                        action="nothing more tainted: many cards failing at once is not many bad cards;"
                               " the restart goes on")
             return "capped"
-        self.metrics.placement_capped.set(0)
         self._said.discard("capped")
         taint = verdict.taint
         assert taint is not None
@@ -128,10 +169,13 @@ class KeepOut:
         try:
             placed = await asyncio.to_thread(self.placer.place, taint, card)
         except Exception:
-            # Not placed: out of the records again, so that it neither counts against the bound nor is lifted.
+            # Not placed: out of the records again, so that it neither counts against the bound nor is
+            # lifted; the expired one it renews, still placed, back in its place.
             await asyncio.to_thread(self.ledger.update_placement,
-                                    lambda rec, at: (placement.forget(rec, taint), None))
+                                    lambda rec, at: (placement.forget(rec, taint, verdict.previous), None))
             raise
+        if placement.escalated(s, taint) is not None:
+            self._escalate = taint
         self.metrics.placement_actions.labels(action="tainted").inc()
         self._did("tainted", card, why, taint)
         log.warning("placement_tainted", card=card.id, node=card.node, kind=taint.kind, target=taint.target,
@@ -149,25 +193,56 @@ class KeepOut:
         await asyncio.to_thread(self.ledger.update_placement,
                                 lambda rec, at: (placement.remember(s, rec, remedied, at), None))
 
-    async def lift_expired(self) -> None:
-        """The workload's taints past their expiry lifted, whoever placed them (a sidecar that placed one
-        may be long gone); a rule by our name that we did not place is left, and out of our records."""
+    async def reconcile(self) -> None:
+        """The workload's taints as its records say, whoever placed them (a sidecar that placed one is
+        long gone): past their expiry lifted (the record out first, and only if no one renewed it; back
+        in if the cluster refused); the others present as recorded (a race with a lift, an operator's
+        delete); a rule of ours the records lost lifted once past its expiry. A rule by our name that we
+        did not place is left, and out of our records. Every sidecar reports the bound's episode."""
         s = self.settings.policy.placement
         try:
             records = await asyncio.to_thread(self.ledger.read_placement)
+            now = self.wall_clock()
             self.metrics.placement_tainted.set(len({(t.kind, t.target) for t in records.taints}))
-            for taint in placement.expired(records, self.wall_clock()):
-                outcome = await asyncio.to_thread(self.placer.lift, taint)
-                await asyncio.to_thread(
-                    self.ledger.update_placement,
-                    lambda rec, at, t=taint, why=outcome: (placement.lifted(s, rec, t, at, self.pod if why != "not_ours"
-                                                                            else "not_ours"), None))
-                self.metrics.placement_actions.labels(action="lifted").inc()
-                log.info("placement_lifted", card=taint.card, target=taint.target, kind=taint.kind, outcome=outcome,
-                         why="expired", placed_by=taint.pod)
+            self.metrics.placement_capped.labels(workload=self.workload).set(1 if records.capped(s, now) else 0)
+            if s.strategy == "none":
+                return  # nothing placed: nothing to keep as recorded
+            for taint in placement.expired(records, now):
+                await self._lift(taint)
+            for taint in records.taints:
+                if taint.until > now:
+                    outcome = await asyncio.to_thread(self.placer.ensure, taint)
+                    if outcome != "present":
+                        log.warning("placement_restored", target=taint.target, card=taint.card, outcome=outcome)
+            known = {t.target for t in records.taints if t.kind == placement.DEVICE}
+            for rule in await asyncio.to_thread(self.placer.rules):
+                orphan = _orphan(rule, known, self.workload, now)
+                if orphan is not None:
+                    outcome = await asyncio.to_thread(self.placer.lift, orphan)
+                    log.warning("placement_lifted", target=orphan.target, card=orphan.card, kind=orphan.kind,
+                                outcome=outcome, why="expired and not in the records")
             self.error = None
         except Exception as exc:
-            self._failed("lift", exc)
+            self._failed("reconcile", exc)
+
+    async def _lift(self, taint: Taint) -> None:
+        s = self.settings.policy.placement
+
+        def out(rec: Records, at: float) -> tuple[Records, bool]:
+            new = placement.lifted(s, rec, taint, at, self.pod)
+            return new, new != rec
+
+        if not await asyncio.to_thread(self.ledger.update_placement, out):
+            return  # renewed or lifted by another sidecar meanwhile: theirs now
+        try:
+            outcome = await asyncio.to_thread(self.placer.lift, taint)
+        except Exception:
+            await asyncio.to_thread(self.ledger.update_placement,
+                                    lambda rec, at: (placement.restore(rec, taint), None))
+            raise
+        self.metrics.placement_actions.labels(action="lifted").inc()
+        log.info("placement_lifted", card=taint.card, target=taint.target, kind=taint.kind, outcome=outcome,
+                 why="expired", placed_by=taint.pod)
 
     def status(self) -> dict[str, Any]:
         s = self.settings.policy.placement
@@ -195,6 +270,26 @@ class KeepOut:
             self._said.add(key)
             log.warning("placement_failed", step=step, status=status, error=str(exc)[:300],
                         action="nothing tainted; the restart goes on" if step != "lift" else "tried again later")
+
+
+def _orphan(rule: dict[str, Any], known: set[str], workload: str, now: float) -> Taint | None:
+    """A DeviceTaintRule of this workload's (labelled ours, its annotation naming the workload) that no
+    record names, past the expiry its annotation states: to be lifted."""
+    meta = rule.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or name in known or annotations.get(placement.WORKLOAD_ANNOTATION) != workload:
+        return None
+    try:
+        until = dt.datetime.strptime(str(annotations.get(placement.UNTIL_ANNOTATION)), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    at = until.replace(tzinfo=dt.UTC).timestamp()
+    if at > now:
+        return None
+    card = str(annotations.get(placement.CARD_ANNOTATION, ""))
+    return Taint(placement.DEVICE, name, card, "", str(annotations.get(placement.POD_ANNOTATION, "")), at, at,
+                 "orphan", "NoSchedule")
 
 
 def _suspect_evidence(card: Card, cards: list[Card], suspects: list[Suspect]) -> str | None:

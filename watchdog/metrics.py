@@ -230,8 +230,9 @@ class WatchdogMetrics:
             self.placement_actions.labels(action=action)
         self.placement_tainted = Gauge(P + "placement_tainted", "The workload's nodes or cards tainted by gpu-watchdog"
                                        " now, as last read from its Lease", registry=r)
-        self.placement_capped = Gauge(P + "placement_capped", "1 while a card the evidence says to keep out is not"
-                                      " tainted because policy.placement's bound is reached", registry=r)
+        self.placement_capped = Gauge(P + "placement_capped", "1 while a card the evidence blamed is left untainted"
+                                      " by policy.placement's bound (the workload's, from its Lease)", ["workload"],
+                                      registry=r)
         # The flight recorder's losses, by why: queue_full (lines dropped), open, write, rotate.
         self.recorder_failures = Counter(P + "recorder_failures", "Flight recorder lines lost, by why",
                                          ["why"], registry=r)

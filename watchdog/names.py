@@ -71,3 +71,6 @@ SERVER_KINDS = ("vllm", "tgi", "sglang", "bundled", "unknown")
 
 # What keeping a card out of placement did (gpu_watchdog_placement_actions_total's `action`).
 PLACEMENT_ACTIONS = ("tainted", "would_taint", "capped", "lifted", "failed", "not_possible")
+# The DRA drivers whose devices are GPUs (NVIDIA's DRA driver): a pod's other DRA devices (a NIC) are
+# never taken for its GPU.
+GPU_DRIVERS = ("gpu.nvidia.com",)

@@ -47,7 +47,8 @@ CARD_ANNOTATION = "gpu-watchdog.io/card"
 DEVICE, NODE = "device", "node"
 VERSION = 1
 DAY_S = 86400.0
-TAINTS_KEPT = 64  # far above any cap: the annotation stays small
+TAINTS_KEPT = 64  # policy.placement.max_nodes's bound: the annotation stays small
+EVIDENCE_KEPT = 256  # characters of a taint's evidence in the records (a kubelet's message is anyone's text)
 REMEDIATIONS_KEPT = 256  # within `memory`, newest kept
 LIFTS_KEPT = 64
 FUTURE_S = 60.0  # a record dated this far ahead (another node's clock) is still believed
@@ -93,7 +94,7 @@ class Taint:
 
 @dataclass(frozen=True)
 class Remediation:
-    """A curing restart of the card (a fault the pod rung or an in-place restart answered)."""
+    """A curing restart (context loss or hang) of a process on the card, in place or of its pod."""
 
     card: str
     node: str
@@ -116,6 +117,12 @@ class Records:
     taints: tuple[Taint, ...] = ()
     remediations: tuple[Remediation, ...] = ()
     lifts: tuple[Lift, ...] = ()
+    # The last time a card the evidence blamed was left untainted by the bound; over at the next lift.
+    capped_at: float | None = None
+
+    def capped(self, settings: PlacementSettings, now: float) -> bool:
+        """A card was left untainted by the bound within `ttl`, and no taint was lifted since."""
+        return self.capped_at is not None and now - self.capped_at < settings.ttl
 
 
 @dataclass(frozen=True)
@@ -127,6 +134,7 @@ class Verdict:
     taint: Taint | None
     tainted: int  # targets of ours tainted, after this verdict
     cap: int
+    previous: Taint | None = None  # the expired taint of the same target this one renews
 
 
 # -- the evidence ------------------------------------------------------------------------------------------------
@@ -207,13 +215,34 @@ def device_effect(settings: PlacementSettings) -> str:
 def plan(settings: PlacementSettings, card: Card, pod: str, evidence: str, now: float) -> Taint | None:
     """The taint that keeps `card` out: its device's where DRA names it, its node's where the strategy
     allows a node (`node`); None where neither may be tainted (a device-plugin GPU under `device`)."""
-    until = now + settings.ttl
+    until, evidence = now + settings.ttl, evidence[:EVIDENCE_KEPT]
     if card.dra:
-        return Taint(DEVICE, device_rule_name(card), card.id, card.node, pod, now, until, evidence,
-                     device_effect(settings))
+        # NoExecute evicts whatever uses the device, our pod included, bypassing its Event and its
+        # disruption budget: it keeps placements away first (NoSchedule), and becomes NoExecute once
+        # our own restart was accepted (`escalated`).
+        return Taint(DEVICE, device_rule_name(card), card.id, card.node, pod, now, until, evidence, "NoSchedule")
     if settings.strategy in ("node", "none") and card.node:
         return Taint(NODE, card.node, card.id, card.node, pod, now, until, evidence, settings.effect)
     return None
+
+
+def escalated(settings: PlacementSettings, taint: Taint) -> Taint | None:
+    """The taint as it stands once our pod's restart was accepted: a device's NoExecute where asked
+    (None: nothing to change)."""
+    effect = device_effect(settings)
+    if taint.kind != DEVICE or effect == taint.effect:
+        return None
+    return replace(taint, effect=effect)
+
+
+def card_of(taint: Taint) -> Card:
+    """The card a taint was placed for, from its record (a DRA id is driver/pool/device; a pool's name
+    may itself hold slashes, a driver's and a device's never do)."""
+    if taint.kind == DEVICE:
+        driver, _, rest = taint.card.partition("/")
+        pool, _, device = rest.rpartition("/")
+        return Card(taint.card, taint.node, driver, pool, device)
+    return Card(taint.card, taint.node)
 
 
 def take(settings: PlacementSettings, records: Records, wanted: Taint, scope: int,
@@ -225,15 +254,16 @@ def take(settings: PlacementSettings, records: Records, wanted: Taint, scope: in
     same = [t for t in records.taints if (t.kind, t.target) == (wanted.kind, wanted.target)]
     if same and same[-1].until > now:
         return records, Verdict("already", same[-1], len(targets), limit)
-    if not same and len(targets) >= limit:
-        return records, Verdict("capped", None, len(targets), limit)
+    if not same and len(targets) >= min(limit, TAINTS_KEPT):
+        return replace(records, capped_at=now), Verdict("capped", None, len(targets), limit)
     repeat = any((lift.kind, lift.target) == (wanted.kind, wanted.target) and now - lift.at < settings.memory
                  for lift in records.lifts)
     taint = replace(wanted, repeat=repeat)
     # An expired one of the same target is renewed in place: the cluster holds one taint for it.
     kept = tuple(t for t in records.taints if (t.kind, t.target) != (wanted.kind, wanted.target))
-    new = replace(records, taints=(*kept, taint)[-TAINTS_KEPT:])
-    return new, Verdict("tainted", taint, len({(t.kind, t.target) for t in new.taints}), limit)
+    new = replace(records, taints=(*kept, taint))
+    return new, Verdict("tainted", taint, len({(t.kind, t.target) for t in new.taints}), limit,
+                        same[-1] if same else None)
 
 
 def expired(records: Records, now: float) -> list[Taint]:
@@ -246,16 +276,38 @@ def find(records: Records, name: str) -> list[Taint]:
 
 
 def lifted(settings: PlacementSettings, records: Records, taint: Taint, now: float, by: str) -> Records:
-    """`taint` is gone from the cluster: out of the records, its lift kept for `memory` (a repeat)."""
-    taints = tuple(t for t in records.taints if (t.kind, t.target) != (taint.kind, taint.target))
+    """`taint` lifted: out of the records, its lift kept for `memory` (a repeat), the bound's episode
+    over. Only that very record: one another sidecar renewed meanwhile is theirs, and stays."""
+    if taint not in records.taints:
+        return records
+    taints = tuple(t for t in records.taints if t != taint)
     lifts = tuple(lift for lift in records.lifts if now - lift.at < settings.memory)
-    return replace(records, taints=taints,
+    return replace(records, taints=taints, capped_at=None,
                    lifts=(*lifts, Lift(taint.kind, taint.target, taint.card, now, by))[-LIFTS_KEPT:])
 
 
-def forget(records: Records, taint: Taint) -> Records:
-    """A taint that could not be placed: out of the records, as if never taken."""
-    return replace(records, taints=tuple(t for t in records.taints if t != taint))
+def forget(records: Records, taint: Taint, previous: Taint | None = None) -> Records:
+    """A taint that could not be placed: out of the records, as if never taken; the expired one it was
+    to renew back in its place (still placed, it is still to be lifted)."""
+    if taint not in records.taints:
+        return records
+    kept = tuple(t for t in records.taints if t != taint)
+    return replace(records, taints=(*kept, previous) if previous is not None else kept)
+
+
+def restore(records: Records, taint: Taint) -> Records:
+    """A lift that failed in the cluster: its record back, to be lifted again (unless the target has
+    one again: a sidecar renewed it meanwhile, and that record stands for the taint)."""
+    if any((t.kind, t.target) == (taint.kind, taint.target) for t in records.taints):
+        return records
+    return replace(records, taints=(*records.taints, taint))
+
+
+def changed(records: Records, old: Taint, new: Taint) -> Records:
+    """`old`'s record replaced by `new` (its effect escalated); nothing where `old` is no longer there."""
+    if old not in records.taints:
+        return records
+    return replace(records, taints=tuple(new if t == old else t for t in records.taints))
 
 
 # -- the cluster's names ---------------------------------------------------------------------------------------
@@ -266,12 +318,10 @@ _LABEL = re.compile(r"[^A-Za-z0-9._-]+")
 
 def device_rule_name(card: Card) -> str:
     """The DeviceTaintRule's name, the same from every sidecar (two that race get AlreadyExists):
-    gpu-watchdog-<pool>-<device>, a DNS subdomain, with a hash where the names had to be cut or changed."""
+    gpu-watchdog-<pool>-<device>-<hash of driver/pool/device>, a DNS subdomain (two drivers' devices of
+    one name in one pool never share a rule)."""
     base = _DNS.sub("-", f"gpu-watchdog-{card.pool}-{card.device}".lower()).strip("-.")
-    digest = hashlib.sha256(card.id.encode()).hexdigest()[:8]
-    if base == f"gpu-watchdog-{card.pool}-{card.device}" and len(base) <= 253:
-        return base
-    return f"{base[:240].rstrip('-.')}-{digest}"
+    return f"{base[:240].rstrip('-.')}-{hashlib.sha256(card.id.encode()).hexdigest()[:8]}"
 
 
 def label_value(text: str) -> str:
@@ -313,6 +363,7 @@ def dump(records: Records) -> str:
                          for r in records.remediations],
         "lifts": [{"kind": lift.kind, "target": lift.target, "card": lift.card, "at": lift.at, "by": lift.by}
                   for lift in records.lifts],
+        "capped_at": records.capped_at,
     }, sort_keys=True, separators=(",", ":"))
 
 
@@ -336,7 +387,8 @@ def parse(text: str | None) -> Records:
     lifts = tuple(Lift(_one_of(d, "kind", (DEVICE, NODE)), _str(d, "target"), _str(d, "card"), _num(d, "at"),
                        _str(d, "by"))
                   for d in _objects(data, "lifts"))
-    return Records(taints, remediations, lifts)
+    capped_at = data.get("capped_at")
+    return Records(taints, remediations, lifts, None if capped_at is None else _num(data, "capped_at"))
 
 
 def _objects(data: dict[str, Any], key: str) -> list[dict[str, Any]]:

@@ -250,7 +250,7 @@ class PlacementSettings:
         " PreferNoSchedule (nodes only) is a hint.", choices=("NoSchedule", "NoExecute", "PreferNoSchedule")))
     max_nodes: int = field(default=2, metadata=_about(
         "Nodes or cards of the workload tainted by us at once, at most (many failing at once is not many bad"
-        " cards).", min=1))
+        " cards).", min=1, max=64))
     max_percent: float = field(default=50.0, metadata=_about(
         "And at most this share of the workload's nodes or cards, in percent (rounded up).", min=1, max=100))
     ttl: float = field(default=86400.0, metadata=_duration(

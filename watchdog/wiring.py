@@ -246,10 +246,16 @@ def placement_main(config_path: str, action: str, name: str | None) -> int:
         if action == "list":
             now = time.time()
             placer = build_placer(settings, workload)
-            rules = placer.rules() if placer is not None else []
+            rules: list[dict[str, Any]] | None = []
+            if placer is not None and s.strategy in ("device", "node"):  # `none` may read no rules
+                try:
+                    rules = placer.rules()
+                except Exception as exc:  # the records are the answer; the cluster's side is extra
+                    print(f"gpu-watchdog placement: the DeviceTaintRules could not be listed: {exc}", file=sys.stderr)
+                    rules = None
             print(json.dumps({"workload": workload, "lease": ledger.name, "strategy": s.strategy,
                               "tainted": [placement.describe(t, now) for t in records.taints],
-                              "device_taint_rules": [r["metadata"]["name"] for r in rules],
+                              "device_taint_rules": None if rules is None else [r["metadata"]["name"] for r in rules],
                               "remembered": _remembered(records, "card"),
                               "remembered_nodes": _remembered(records, "node"),
                               "lifts": [dataclasses.asdict(x) for x in records.lifts]},

@@ -125,6 +125,13 @@ def test_strategy_node_also_gets_nodes_get_and_patch() -> None:
     assert grants(docs) == ALLOWED | {CLAIMS, ("", "pods", "list")}
 
 
+def test_effect_no_execute_also_gets_the_rules_patch() -> None:
+    values = placement("device")
+    values["watchdog"]["config"]["policy"]["placement"]["effect"] = "NoExecute"
+    assert cluster_rules(render(values)) == [
+        (["resource.k8s.io"], ["devicetaintrules"], ["get", "list", "create", "delete", "patch"])]
+
+
 def test_strategy_none_gets_the_claims_get_alone() -> None:
     docs = render(placement("none"))
     assert not by_kind(docs, "ClusterRole") and not by_kind(docs, "ClusterRoleBinding")
@@ -150,8 +157,12 @@ def test_every_placement_verb_is_one_the_code_calls() -> None:
     calls = {(*RULES, "get"): "get_cluster_custom_object", (*RULES, "list"): "list_cluster_custom_object",
              (*RULES, "create"): "create_cluster_custom_object", (*RULES, "delete"): "delete_cluster_custom_object",
              ("", "nodes", "get"): "read_node", ("", "nodes", "patch"): "patch_node",
-             CLAIMS: "get_namespaced_custom_object", ("", "pods", "list"): "list_namespaced_pod"}
-    docs = render(placement("node"))
+             CLAIMS: "get_namespaced_custom_object", ("", "pods", "list"): "list_namespaced_pod",
+             (*RULES, "patch"): "patch_cluster_custom_object"}
+    values = placement("node")
+    docs = render(values)
+    values["watchdog"]["config"]["policy"]["placement"].update(strategy="device", effect="NoExecute")
+    docs += [d for d in render(values) if d["kind"] == "ClusterRole"]
     cluster = {(g, r, v) for role in ours(docs, "ClusterRole") for rule in role["rules"]
                for g in rule["apiGroups"] for r in rule["resources"] for v in rule["verbs"]}
     granted = cluster | (grants(docs) - ALLOWED)
@@ -400,6 +411,11 @@ NODE_CASES = [
      False),
     ("a token naming no node: our taint lifted", "node-a", None, node("node-a", ours_on("GPU-1")), node("node-a"),
      True),
+    ("another node: a finalizer added", "node-b", "node-a", node("node-b"),
+     {**node("node-b"), "metadata": {**node("node-b")["metadata"], "finalizers": ["example.com/hold"]}}, False),
+    ("another node: an owner added", "node-b", "node-a", node("node-b"),
+     {**node("node-b"), "metadata": {**node("node-b")["metadata"], "ownerReferences": [
+         {"apiVersion": "v1", "kind": "ConfigMap", "name": "x", "uid": "u"}]}}, False),
 ]
 
 
@@ -423,6 +439,13 @@ RULE_CASES = [
      {**rule("node-a"), "spec": {"deviceSelector": {"driver": "gpu.nvidia.com"},
                                  "taint": {"key": DEVICE_KEY, "value": "x", "effect": "NoSchedule"}}}, False, "pool"),
     ("a token naming no node", "CREATE", None, None, rule("node-a"), False, "pool"),
+    ("a rule for the whole pool", "CREATE", "node-a", None,
+     {**rule("node-a"), "spec": {"deviceSelector": {"driver": "gpu.nvidia.com", "pool": "node-a"},
+                                 "taint": {"key": DEVICE_KEY, "value": "x", "effect": "NoExecute"}}},
+     False, "one device"),
+    ("a rule with an effect of none", "CREATE", "node-a", None,
+     {**rule("node-a"), "spec": {**rule("node-a")["spec"], "taint": {"key": DEVICE_KEY, "effect": "None"}}}, False,
+     "effect"),
     ("a rule moved to another pool", "UPDATE", "node-a", rule("node-a"), rule("node-b"), False, "pool"),
     ("our rule deleted from another node", "DELETE", "node-a", rule("node-b"), None, True, ""),
     ("an unlabelled rule deleted", "DELETE", "node-a", rule("node-a", labelled=False), None, False, "delete only"),

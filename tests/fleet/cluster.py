@@ -22,7 +22,8 @@ concurrency, so this emulator serves Pods, Leases and the workload controllers i
   that changes nothing is no write (no new resourceVersion), as in the API server;
 - `resource.k8s.io` (Dynamic Resource Allocation) as the Kubernetes version `kube_version` serves it
   (`DRA_SERVED`): the group's discovery (`/apis/resource.k8s.io`, `/apis/resource.k8s.io/{v}`, 404 for
-  a version not served, and the group's entry in `/apis`), and DeviceTaintRules and ResourceSlices
+  a version not served, and the group's entry in `/apis`), and DeviceTaintRules (also PATCH, merge or
+  strategic, validated as a create) and ResourceSlices
   (cluster-scoped) and ResourceClaims (namespaced): GET, LIST (label selectors), POST (409
   AlreadyExists), DELETE (404 when missing), at every version that serves the resource. An object is
   stored once and read at any version serving it with `apiVersion` rewritten (the schemas are not
@@ -583,8 +584,11 @@ class Cluster(kmock.KubernetesEmulator):
             return self._answer(found if found is not None else not_found(plural, name))
         elif method == "PUT" and plural == "leases":
             return self._answer(self._replace(plural, ns, name, params, body))
-        elif method == "PATCH" and plural == "nodes":
-            return self._answer(self._patch(plural, name, params, body, content_type, status=False))
+        elif method == "PATCH" and plural in ("nodes", "devicetaintrules"):
+            patched = self._patch(plural, name, params, body, content_type, status=False)
+            if api_version is not None and patched.get("kind") != "Status":
+                patched["apiVersion"] = api_version
+            return self._answer(patched)
         elif method == "DELETE" and plural in DELETABLE:
             return self._answer(self._delete(plural, ns, name, params, body))
         return self._answer(method_not_allowed(method, request.url.path))
@@ -831,7 +835,8 @@ class Cluster(kmock.KubernetesEmulator):
 
     def _patch(self, plural: str, name: str, params: dict[str, str], body: Any, content_type: str,
                status: bool) -> JSON:
-        """PATCH of a cluster-scoped object (a Node) or of its `status` subresource (`status`)."""
+        """PATCH of a cluster-scoped object (a Node, a DeviceTaintRule) or of a Node's `status` subresource
+        (`status`), validated as a create is."""
         dry = params.get("dryRun") == "All"
         meta = body.get("metadata") if isinstance(body, dict) else None
         sent = meta.get("resourceVersion") if isinstance(meta, dict) else None
@@ -866,7 +871,8 @@ class Cluster(kmock.KubernetesEmulator):
                 patched[part] = copy.deepcopy(current[part])
             else:
                 patched.pop(part, None)
-        errors = node_taints_errors((patched.get("spec") or {}).get("taints")) if plural == "nodes" else []
+        errors = node_taints_errors((patched.get("spec") or {}).get("taints")) if plural == "nodes" \
+            else self._create_errors(plural, patched)
         if errors:
             return refused(invalid_fields(plural, name, errors))
         if patched != current and not dry:  # an unchanged object is no write: no new resourceVersion

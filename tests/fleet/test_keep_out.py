@@ -44,8 +44,8 @@ def api_client(cluster: Cluster) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
-def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]]) -> None:
-    """The workload's pods: name -> (node, DRA device or None for a device-plugin GPU)."""
+def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]], driver: str = "gpu.nvidia.com") -> None:
+    """The workload's pods: name -> (node, DRA device of `driver`, or None for a device-plugin GPU)."""
     deploy = cluster.add(k8s.deployment(WORKLOAD, NS, len(pods)))
     rs = cluster.add(k8s.replica_set(deploy, "5c9d7b6f4x"))
     for name, (node, device) in pods.items():
@@ -55,7 +55,7 @@ def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]]) -> None:
             pod["status"]["resourceClaimStatuses"] = [{"name": "gpu", "resourceClaimName": f"{name}-gpu"}]
         stored = cluster.add(pod)
         if device is not None:
-            cluster.add(k8s.resource_claim(copy.deepcopy(stored), "gpu", "gpu.nvidia.com", node, device))
+            cluster.add(k8s.resource_claim(copy.deepcopy(stored), "gpu", driver, node, device))
     for node in {n for n, _ in pods.values()}:
         if cluster.node(node) is None:
             cluster.add(k8s.node_of(node, gpus=None if any(d for n, d in pods.values() if n == node) else 1))
@@ -70,7 +70,8 @@ def keep_out(cluster: Cluster, clock: Clock, pod: str = POD, node: str = NODE,
     api = api_client(cluster)
     ledger = LeaseLedger(api, NS, f"gpu-watchdog-{WORKLOAD}", WORKLOAD, pod, 5.0, wall_clock=clock)
     metrics = WatchdogMetrics(lambda: None)  # type: ignore[arg-type, return-value]
-    return KeepOut(settings, Placer(api, NS, pod, node, WORKLOAD, 5.0), ledger, metrics, clock), metrics, ledger
+    placer = Placer(api, NS, pod, node, WORKLOAD, 5.0)
+    return KeepOut(settings, placer, ledger, metrics, clock, WORKLOAD), metrics, ledger
 
 
 def counted(metrics: WatchdogMetrics, action: str) -> float:
@@ -151,7 +152,62 @@ async def test_a_rule_by_our_name_that_we_did_not_place_is_never_lifted(kmock: C
     theirs = {**rule, "metadata": {"name": name, "labels": {"team": "hardware"}}}
     kmock.add(theirs)
     clock.at = T0 + 3601
-    await effects.lift_expired()
+    await effects.reconcile()
     assert [r["metadata"]["labels"] for r in kmock.stored("devicetaintrules")] == [{"team": "hardware"}]
     records = await asyncio.to_thread(ledger.read_placement)
-    assert records.taints == () and [(x.target, x.by) for x in records.lifts] == [(name, "not_ours")]
+    assert records.taints == () and [(x.target, x.by) for x in records.lifts] == [(name, POD)]
+
+
+async def test_what_the_records_hold_is_kept_in_the_cluster(kmock: Cluster) -> None:
+    """An operator's `kubectl delete` of our rule (or a lift racing a renewal) is undone while the record
+    stands; a rule of ours the records lost is lifted once past its expiry."""
+    add_pods(kmock, {POD: (NODE, "gpu-0")})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock, ttl="1h")
+    assert await effects.before_pod_rung(lost_context("device_health", resource_id=CARD), None, ()) == "tainted"
+    [rule] = kmock.stored("devicetaintrules")
+    kmock.remove("devicetaintrules", "", rule["metadata"]["name"])
+    await effects.reconcile()
+    assert [r["metadata"]["name"] for r in kmock.stored("devicetaintrules")] == [rule["metadata"]["name"]]
+    # The records lose it (say, a Lease recreated): the rule is ours, and lifted once past its expiry.
+    await asyncio.to_thread(ledger.update_placement, lambda rec, at: (placement.Records(), None))
+    clock.at = T0 + 1800
+    await effects.reconcile()
+    assert len(kmock.stored("devicetaintrules")) == 1
+    clock.at = T0 + 3601
+    await effects.reconcile()
+    assert kmock.stored("devicetaintrules") == []
+
+
+async def test_no_execute_comes_only_once_the_restart_was_accepted(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, "gpu-0"), "llm-5c9d7b6f4x-fghij": ("node-b", "gpu-0")})
+    effects, _, ledger = keep_out(kmock, Clock(T0), effect="NoExecute", max_percent=100)
+    decision = lost_context("device_health", resource_id=CARD)
+    assert await effects.before_pod_rung(decision, None, ()) == "tainted"
+    [rule] = kmock.stored("devicetaintrules")
+    assert rule["spec"]["taint"]["effect"] == "NoSchedule"  # nothing evicted before our own Event and PDB
+    await effects.after_pod_rung(True)
+    [rule] = kmock.stored("devicetaintrules")
+    assert rule["spec"]["taint"]["effect"] == "NoExecute"
+    assert [t.effect for t in (await asyncio.to_thread(ledger.read_placement)).taints] == ["NoExecute"]
+    # A restart that was not accepted leaves it NoSchedule.
+    other, _, _ = keep_out(kmock, Clock(T0), pod="llm-5c9d7b6f4x-fghij", node="node-b", effect="NoExecute",
+                           max_percent=100)
+    assert await other.before_pod_rung(lost_context("device_health", resource_id="gpu.nvidia.com/node-b/gpu-0"),
+                                       None, ()) == "tainted"
+    await other.after_pod_rung(False)
+    assert sorted(r["spec"]["taint"]["effect"] for r in kmock.stored("devicetaintrules")) == ["NoExecute",
+                                                                                             "NoSchedule"]
+
+
+async def test_a_nic_beside_a_device_plugin_gpu_is_never_taken_for_it(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, "nic-0")}, driver="net.example.com")
+    effects, _, ledger = keep_out(kmock, Clock(T0), strategy="node")
+    # A time-sliced GPU: the kubelet names it twice, with ::N.
+    got = await effects.before_pod_rung(lost_context("recovery_action", recovery_action="GPU_RESET", uuid="GPU-9"),
+                                        ("GPU-9::0", "GPU-9::1"), ())
+    assert got == "tainted" and kmock.stored("devicetaintrules") == []
+    node = kmock.node(NODE)
+    assert node is not None and node["spec"]["taints"] == [
+        {"key": placement.NODE_TAINT_KEY, "value": "GPU-9", "effect": "NoSchedule"}]
+    assert [t.card for t in (await asyncio.to_thread(ledger.read_placement)).taints] == ["GPU-9"]

@@ -111,8 +111,8 @@ def taint_of(card: Card, at: float = T0, settings: PlacementSettings = S) -> Tai
 
 def test_a_dra_card_gets_its_device_a_plugin_card_its_node_only_where_the_node_is_allowed() -> None:
     t = taint_of(DRA)
-    assert (t.kind, t.target, t.effect, t.until) == (placement.DEVICE, "gpu-watchdog-node-a-gpu-1", "NoSchedule",
-                                                     T0 + S.ttl)
+    assert (t.kind, t.effect, t.until) == (placement.DEVICE, "NoSchedule", T0 + S.ttl)
+    assert t.target.startswith("gpu-watchdog-node-a-gpu-1-")
     assert placement.plan(S, PLUGIN, "pod-1", "x", T0) is None  # strategy device: the node is not ours to taint
     node = dataclasses.replace(S, strategy="node", effect="PreferNoSchedule")
     t = taint_of(PLUGIN, settings=node)
@@ -174,9 +174,73 @@ def test_find_names_a_node_a_rule_or_a_card() -> None:
     records, _ = placement.take(S, Records(), taint_of(first), scope=4, now=T0)
     records, _ = placement.take(S, records, taint_of(second), scope=4, now=T0)
     assert [t.card for t in placement.find(records, "node-1")] == [second.id]
-    assert [t.card for t in placement.find(records, "gpu-watchdog-node-0-gpu-0")] == [first.id]
+    assert [t.card for t in placement.find(records, placement.device_rule_name(first))] == [first.id]
     assert [t.card for t in placement.find(records, first.id)] == [first.id]
     assert placement.find(records, "node-9") == []
+
+
+def test_the_bound_never_outgrows_the_records() -> None:
+    wide = PlacementSettings(strategy="device", max_nodes=64, max_percent=100)
+    records, outcomes = Records(), []
+    for card in cards(70):
+        records, verdict = placement.take(wide, records, taint_of(card, settings=wide), scope=70, now=T0)
+        outcomes.append(verdict.outcome)
+    assert outcomes.count("tainted") == placement.TAINTS_KEPT == len(records.taints)
+    assert outcomes[placement.TAINTS_KEPT:] == ["capped"] * 6
+
+
+def test_a_capped_episode_is_the_workloads_until_a_lift() -> None:
+    first, second = cards(2)
+    one = dataclasses.replace(S, max_nodes=1)
+    records, verdict = placement.take(one, Records(), taint_of(first), scope=2, now=T0)
+    assert not records.capped(one, T0)
+    records, _ = placement.take(one, records, taint_of(second), scope=2, now=T0 + 5)
+    assert records.capped(one, T0 + 6) and not records.capped(one, T0 + 5 + one.ttl)
+    assert verdict.taint is not None
+    assert not placement.lifted(one, records, verdict.taint, T0 + 60, "operator").capped(one, T0 + 61)
+
+
+def test_a_lift_removes_only_the_record_it_lifted() -> None:
+    [card] = cards(1)
+    records, verdict = placement.take(S, Records(), taint_of(card), scope=1, now=T0)
+    assert verdict.taint is not None
+    late = T0 + S.ttl + 1
+    renewed, again = placement.take(S, records, taint_of(card, late), scope=1, now=late)
+    assert again.previous == verdict.taint
+    # Another sidecar renewed it meanwhile: the expired record is not there to lift, the renewal stands.
+    assert placement.lifted(S, renewed, verdict.taint, late, "pod-2") == renewed
+    # A renewal that could not be placed puts the expired record back (still placed: still to be lifted).
+    assert again.taint is not None
+    assert placement.forget(renewed, again.taint, again.previous) == records
+    # A lift the cluster refused: the record back, unless the target has one again.
+    gone = placement.lifted(S, records, verdict.taint, late, "pod-2")
+    assert placement.restore(gone, verdict.taint).taints == records.taints
+    assert placement.restore(renewed, verdict.taint) == renewed
+
+
+def test_no_execute_is_placed_as_no_schedule_and_escalated_after_the_restart() -> None:
+    hard = dataclasses.replace(S, effect="NoExecute")
+    t = taint_of(DRA, settings=hard)
+    assert t.effect == "NoSchedule"
+    up = placement.escalated(hard, t)
+    assert up is not None and up.effect == "NoExecute" and up.target == t.target
+    assert placement.escalated(S, t) is None
+    records, _ = placement.take(hard, Records(), t, scope=2, now=T0)
+    assert placement.changed(records, t, up).taints == (up,)
+    assert placement.changed(records, up, t) == records  # not there: nothing
+
+
+@pytest.mark.parametrize("card", [DRA, PLUGIN, Card("d.example.com/pool/with/slashes/dev-1", "n", "d.example.com",
+                                                    "pool/with/slashes", "dev-1")])
+def test_the_card_is_known_again_from_its_record(card: Card) -> None:
+    node = dataclasses.replace(S, strategy="node")
+    t = taint_of(card, settings=node)
+    assert placement.card_of(t) == card
+
+
+def test_a_kubelets_long_message_is_cut_in_the_records() -> None:
+    wanted = placement.plan(S, DRA, "pod-1", "x" * 5000, T0)
+    assert wanted is not None and len(wanted.evidence) == placement.EVIDENCE_KEPT
 
 
 # -- the node's taints: never another's --------------------------------------------------------------------------

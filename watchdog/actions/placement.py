@@ -15,6 +15,7 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import placement
 from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.placement import Card, Taint
 
 log = logs.get("watchdog.placement")
@@ -72,21 +73,26 @@ class Placer:
         (`named`: the UUID in our pod's status or our NVML, where the kubelet's socket is not mounted)."""
         pod = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
         node = (pod.spec.node_name if pod.spec is not None else None) or self.node_name
+        # Claims made from a template are named in the status; a shared claim by its name in the spec.
+        names = [st.resource_claim_name for st in (pod.status.resource_claim_statuses if pod.status else None) or []
+                 if st.resource_claim_name]
+        names += [c.resource_claim_name for c in (pod.spec.resource_claims if pod.spec else None) or []
+                  if c.resource_claim_name]
+        version = self._served_at(CLAIMS, CLAIM_VERSIONS) if names else None
         cards: list[Card] = []
-        statuses = (pod.status.resource_claim_statuses if pod.status is not None else None) or []
-        version = self._served_at(CLAIMS, CLAIM_VERSIONS) if statuses else None
-        for status in statuses:
-            if not status.resource_claim_name or version is None:
-                continue
-            claim = self.custom.get_namespaced_custom_object(GROUP, version, self.namespace, CLAIMS,
-                                                             status.resource_claim_name, _request_timeout=self.timeout)
+        for name in dict.fromkeys(names) if version is not None else ():
+            claim = self.custom.get_namespaced_custom_object(GROUP, version, self.namespace, CLAIMS, name,
+                                                             _request_timeout=self.timeout)
             results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
             for r in results:
                 driver, pool, device = r.get("driver"), r.get("pool"), r.get("device")
-                if isinstance(driver, str) and isinstance(pool, str) and isinstance(device, str):
+                # A GPU driver's devices only: a NIC allocated beside the GPU is never taken for it.
+                if driver in GPU_DRIVERS and isinstance(pool, str) and isinstance(device, str):
                     cards.append(Card(f"{driver}/{pool}/{device}", node, driver, pool, device))
         if not cards:
-            cards = [Card(uuid, node) for uuid in pod_gpus or ((named,) if named else ())]
+            # A time-sliced GPU's ID carries ::N: the card is the UUID before it, once.
+            uuids = dict.fromkeys(u.split("::")[0] for u in (pod_gpus or ((named,) if named else ())))
+            cards = [Card(uuid, node) for uuid in uuids]
         return cards
 
     def scope(self, kind: str, cards_per_pod: int) -> int:
@@ -123,6 +129,32 @@ class Placer:
             return self._create_rule(taint, card)
         return self._patch_node(taint.node, lambda taints: placement.with_node_taint(taints, taint),
                                 done="placed", unchanged="present")
+
+    def ensure(self, taint: Taint) -> str:
+        """A taint our records hold, in the cluster as recorded: `present`, `placed` (it was missing: a
+        race with a lift, an operator's delete), `escalated` (its effect set to the record's), or
+        `not_ours` (a rule by that name we did not place: left)."""
+        card = placement.card_of(taint)
+        if taint.kind == placement.NODE:
+            return self.place(taint, card)
+        version = self.version()
+        if version is None:
+            raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
+        try:
+            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                         _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return self._create_rule(taint, card)
+            raise
+        if not ours(rule, taint.card):
+            return "not_ours"
+        if ((rule.get("spec") or {}).get("taint") or {}).get("effect") == taint.effect:
+            return "present"
+        self.custom.patch_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                {"spec": {"taint": {"effect": taint.effect}}},
+                                                _content_type=MERGE_PATCH, _request_timeout=self.timeout)
+        return "escalated"
 
     def lift(self, taint: Taint) -> str:
         """`lifted`, `absent` (gone already), or `not_ours` (a rule by that name we did not place: left)."""
@@ -164,21 +196,29 @@ class Placer:
         if version is None:
             raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
         until = dt.datetime.fromtimestamp(taint.until, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        body = {
+        spec = rule_spec(taint, card)
+        body: dict[str, Any] = {
             "apiVersion": f"{GROUP}/{version}", "kind": "DeviceTaintRule",
             "metadata": {"name": taint.target, "labels": dict([placement.MANAGED_BY]),
                          "annotations": {placement.EVIDENCE_ANNOTATION: taint.evidence[:1024],
                                          placement.UNTIL_ANNOTATION: until, placement.POD_ANNOTATION: taint.pod,
                                          placement.WORKLOAD_ANNOTATION: self.workload,
                                          placement.CARD_ANNOTATION: taint.card}},
-            "spec": rule_spec(taint, card),
+            "spec": spec,
         }
         try:
             self.custom.create_cluster_custom_object(GROUP, version, RULES, body, _request_timeout=self.timeout)
         except client.ApiException as exc:
-            if exc.status == 409:
+            if exc.status != 409:
+                raise
+            # Another sidecar placed it first, or someone else owns the name: only ours, for this very
+            # device, stands for the taint.
+            found = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                          _request_timeout=self.timeout)
+            selector = (found.get("spec") or {}).get("deviceSelector") or {}
+            if ours(found, taint.card) and selector == spec["deviceSelector"]:
                 return "present"
-            raise
+            raise RuntimeError(f"DeviceTaintRule {taint.target} exists and is not ours for {taint.card}") from None
         return "placed"
 
     def _patch_node(self, name: str, change: Any, done: str, unchanged: str) -> str:

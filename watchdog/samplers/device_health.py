@@ -21,6 +21,7 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog.actions.k8s import client
 from gpu_watchdog.watchdog.actions.kube import load_api_client
+from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
 from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
 from gpu_watchdog.watchdog.settings import Settings
@@ -28,7 +29,6 @@ from gpu_watchdog.watchdog.settings import Settings
 log = logs.get("watchdog.device_health")
 
 CLAIM_PREFIX = "claim:"  # a DRA device's entry (KEP-4680)
-GPU_DRIVERS = ("gpu.nvidia.com",)  # the DRA drivers whose devices are GPUs (NVIDIA's DRA driver)
 
 
 def is_gpu(resource: str, resource_id: str) -> bool:
