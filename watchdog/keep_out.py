@@ -46,6 +46,7 @@ class CardPlacer(Protocol):
     def scope(self, kind: str, cards_per_pod: int) -> int: ...
     def place(self, taint: Taint, card: Card) -> str: ...
     def ensure(self, taint: Taint) -> str: ...
+    def present(self, taint: Taint) -> bool: ...
     def lift(self, taint: Taint) -> str: ...
     def rules(self) -> list[dict[str, Any]]: ...
 
@@ -59,6 +60,8 @@ class KeepOut:
         self.metrics = metrics
         self.wall_clock = wall_clock
         self.pod = settings.kubernetes.pod_name
+        self.node = settings.kubernetes.node_name
+        self.namespace = settings.kubernetes.namespace
         self.workload = workload
         self._said: set[str] = set()  # episodes said once: capped, a card not known, an edge's error kind
         self.recent: list[dict[str, Any]] = []
@@ -92,8 +95,9 @@ class KeepOut:
         if taint is None or new is None:
             return
         try:
-            await asyncio.to_thread(self.ledger.update_placement,
-                                    lambda rec, at: (placement.changed(rec, taint, new), None))
+            if not await asyncio.to_thread(self.ledger.update_placement,
+                                           lambda rec, at: placement.changed(rec, taint, new)):
+                return  # lifted or renewed meanwhile: that record stands, as it is
             outcome = await asyncio.to_thread(self.placer.ensure, new)
             log.warning("placement_escalated", target=new.target, card=new.card, effect=new.effect, outcome=outcome)
         except Exception as exc:
@@ -164,16 +168,21 @@ class KeepOut:
         taint = verdict.taint
         assert taint is not None
         if verdict.outcome == "already":
-            log.info("placement_already", card=card.id, target=taint.target, until=taint.until)
+            # Recorded: in the cluster too (a record whose create was cut short by a deadline, say).
+            outcome = await asyncio.to_thread(self.placer.ensure, taint)
+            log.info("placement_already", card=card.id, target=taint.target, until=taint.until, outcome=outcome)
             return None
         try:
             placed = await asyncio.to_thread(self.placer.place, taint, card)
         except Exception:
-            # Not placed: out of the records again, so that it neither counts against the bound nor is
-            # lifted; the expired one it renews, still placed, back in its place.
-            await asyncio.to_thread(self.ledger.update_placement,
-                                    lambda rec, at: (placement.forget(rec, taint, verdict.previous), None))
-            raise
+            # A create whose answer was lost may have landed: then it stands, recorded.
+            if not await asyncio.to_thread(_quietly, self.placer.present, taint):
+                # Not placed: out of the records again, so that it neither counts against the bound nor
+                # is lifted; the expired one it renews, still placed, back in its place.
+                await asyncio.to_thread(self.ledger.update_placement,
+                                        lambda rec, at: (placement.forget(rec, taint, verdict.previous), None))
+                raise
+            placed = "present"
         if placement.escalated(s, taint) is not None:
             self._escalate = taint
         self.metrics.placement_actions.labels(action="tainted").inc()
@@ -207,23 +216,59 @@ class KeepOut:
             self.metrics.placement_capped.labels(workload=self.workload).set(1 if records.capped(s, now) else 0)
             if s.strategy == "none":
                 return  # nothing placed: nothing to keep as recorded
-            for taint in placement.expired(records, now):
-                await self._lift(taint)
-            for taint in records.taints:
-                if taint.until > now:
-                    outcome = await asyncio.to_thread(self.placer.ensure, taint)
-                    if outcome != "present":
-                        log.warning("placement_restored", target=taint.target, card=taint.card, outcome=outcome)
-            known = {t.target for t in records.taints if t.kind == placement.DEVICE}
-            for rule in await asyncio.to_thread(self.placer.rules):
-                orphan = _orphan(rule, known, self.workload, now)
-                if orphan is not None:
-                    outcome = await asyncio.to_thread(self.placer.lift, orphan)
-                    log.warning("placement_lifted", target=orphan.target, card=orphan.card, kind=orphan.kind,
-                                outcome=outcome, why="expired and not in the records")
-            self.error = None
         except Exception as exc:
             self._failed("reconcile", exc)
+            return
+        # Each taint on its own: one that fails (a node gone, a refusal) never stops the others.
+        for taint in placement.expired(records, now):
+            await self._guarded("lift", self._lift(taint))
+        for taint in records.taints:
+            if taint.until > now and taint.node == self.node:
+                await self._guarded("ensure", self._ensure(taint))
+        for lifted in placement.swept(records, now):
+            await self._guarded("sweep", self._sweep(lifted))
+        known = {t.target for t in records.taints if t.kind == placement.DEVICE}
+        try:
+            rules = await asyncio.to_thread(self.placer.rules)
+        except Exception as exc:
+            self._failed("reconcile", exc)
+            return
+        for rule in rules:
+            orphan = _orphan(rule, known, self.workload, self.namespace, now)
+            if orphan is not None:
+                await self._guarded("lift", self._lift_orphan(orphan))
+
+    async def _guarded(self, step: str, work: Any) -> None:
+        try:
+            await work
+            self.error = None
+        except Exception as exc:
+            self._failed(step, exc)
+
+    async def _ensure(self, taint: Taint) -> None:
+        """A recorded taint of our node's, present as recorded. Read again just before: a lift between
+        the pass's read and now must not be undone (nor a renewal's record overwritten)."""
+        current = placement.recorded(await asyncio.to_thread(self.ledger.read_placement), taint)
+        if current is None or current.until <= self.wall_clock():
+            return
+        outcome = await asyncio.to_thread(self.placer.ensure, current)
+        if outcome == "absent":  # its node is gone: nothing is left to keep out
+            await self._lift(current)
+        elif outcome != "present":
+            log.warning("placement_restored", target=current.target, card=current.card, outcome=outcome)
+
+    async def _sweep(self, lifted: Taint) -> None:
+        """A recent lift, gone from the cluster: a sidecar that read the records before it may have put the
+        taint back (nothing else would lift that one)."""
+        outcome = await asyncio.to_thread(self.placer.lift, lifted)
+        if outcome == "lifted":
+            log.warning("placement_lifted", target=lifted.target, card=lifted.card, kind=lifted.kind,
+                        outcome=outcome, why="put back after its lift")
+
+    async def _lift_orphan(self, orphan: Taint) -> None:
+        outcome = await asyncio.to_thread(self.placer.lift, orphan)
+        log.warning("placement_lifted", target=orphan.target, card=orphan.card, kind=orphan.kind, outcome=outcome,
+                    why="expired and not in the records")
 
     async def _lift(self, taint: Taint) -> None:
         s = self.settings.policy.placement
@@ -269,16 +314,18 @@ class KeepOut:
         if key not in self._said:
             self._said.add(key)
             log.warning("placement_failed", step=step, status=status, error=str(exc)[:300],
-                        action="nothing tainted; the restart goes on" if step != "lift" else "tried again later")
+                        action="nothing tainted; the restart goes on" if step == "before_restart"
+                        else "tried again at the next reconcile")
 
 
-def _orphan(rule: dict[str, Any], known: set[str], workload: str, now: float) -> Taint | None:
-    """A DeviceTaintRule of this workload's (labelled ours, its annotation naming the workload) that no
-    record names, past the expiry its annotation states: to be lifted."""
+def _orphan(rule: dict[str, Any], known: set[str], workload: str, namespace: str, now: float) -> Taint | None:
+    """A DeviceTaintRule of this workload's (labelled ours, its annotations naming the workload and its
+    namespace) that no record names, past the expiry its annotation states: to be lifted."""
     meta = rule.get("metadata") or {}
     annotations = meta.get("annotations") or {}
     name = meta.get("name")
-    if not isinstance(name, str) or name in known or annotations.get(placement.WORKLOAD_ANNOTATION) != workload:
+    if not isinstance(name, str) or name in known or annotations.get(placement.WORKLOAD_ANNOTATION) != workload \
+            or annotations.get(placement.NAMESPACE_ANNOTATION) != namespace:
         return None
     try:
         until = dt.datetime.strptime(str(annotations.get(placement.UNTIL_ANNOTATION)), "%Y-%m-%dT%H:%M:%SZ")
@@ -290,6 +337,13 @@ def _orphan(rule: dict[str, Any], known: set[str], workload: str, now: float) ->
     card = str(annotations.get(placement.CARD_ANNOTATION, ""))
     return Taint(placement.DEVICE, name, card, "", str(annotations.get(placement.POD_ANNOTATION, "")), at, at,
                  "orphan", "NoSchedule")
+
+
+def _quietly(check: Callable[[Taint], bool], taint: Taint) -> bool:
+    try:
+        return check(taint)
+    except Exception:  # unknown is not present: the record goes; a rule that landed is an orphan, lifted at expiry
+        return False
 
 
 def _suspect_evidence(card: Card, cards: list[Card], suspects: list[Suspect]) -> str | None:

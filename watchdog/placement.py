@@ -43,6 +43,7 @@ EVIDENCE_ANNOTATION = "gpu-watchdog.io/evidence"
 UNTIL_ANNOTATION = "gpu-watchdog.io/until"
 POD_ANNOTATION = "gpu-watchdog.io/pod"
 WORKLOAD_ANNOTATION = "gpu-watchdog.io/workload"
+NAMESPACE_ANNOTATION = "gpu-watchdog.io/namespace"  # the workload's: two namespaces may hold an `llm` each
 CARD_ANNOTATION = "gpu-watchdog.io/card"
 DEVICE, NODE = "device", "node"
 VERSION = 1
@@ -51,6 +52,10 @@ TAINTS_KEPT = 64  # policy.placement.max_nodes's bound: the annotation stays sma
 EVIDENCE_KEPT = 256  # characters of a taint's evidence in the records (a kubelet's message is anyone's text)
 REMEDIATIONS_KEPT = 256  # within `memory`, newest kept
 LIFTS_KEPT = 64
+# Lifts this recent are checked to be gone from the cluster at each reconcile: a sidecar that read the
+# records before a lift may have put the taint back, and nothing else would take it away.
+LIFT_SWEEP_S = 600.0
+EFFECT_RANK = {"PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
 FUTURE_S = 60.0  # a record dated this far ahead (another node's clock) is still believed
 # Restarts meant to cure the card's state; a card restarted for its age or memory is not sick.
 CURING = (CONTEXT_LOSS, HANG)
@@ -245,22 +250,27 @@ def card_of(taint: Taint) -> Card:
     return Card(taint.card, taint.node)
 
 
+def same_taint(a: Taint, b: Taint) -> bool:
+    """One taint in the cluster: a rule's name, or a node's taint for one card (a node carries one per card)."""
+    return (a.kind, a.target, a.card) == (b.kind, b.target, b.card)
+
+
 def take(settings: PlacementSettings, records: Records, wanted: Taint, scope: int,
          now: float) -> tuple[Records, Verdict]:
     """Room for `wanted` within the bound. A target already tainted by us is not tainted twice (nor
     counted twice); an expired taint not yet lifted still counts: it is still placed."""
     limit = cap(settings, scope)
     targets = {(t.kind, t.target) for t in records.taints}
-    same = [t for t in records.taints if (t.kind, t.target) == (wanted.kind, wanted.target)]
+    same = [t for t in records.taints if same_taint(t, wanted)]
     if same and same[-1].until > now:
         return records, Verdict("already", same[-1], len(targets), limit)
-    if not same and len(targets) >= min(limit, TAINTS_KEPT):
+    if not same and (wanted.kind, wanted.target) not in targets and len(targets) >= min(limit, TAINTS_KEPT):
         return replace(records, capped_at=now), Verdict("capped", None, len(targets), limit)
-    repeat = any((lift.kind, lift.target) == (wanted.kind, wanted.target) and now - lift.at < settings.memory
-                 for lift in records.lifts)
+    repeat = any((lift.kind, lift.target, lift.card) == (wanted.kind, wanted.target, wanted.card)
+                 and now - lift.at < settings.memory for lift in records.lifts)
     taint = replace(wanted, repeat=repeat)
-    # An expired one of the same target is renewed in place: the cluster holds one taint for it.
-    kept = tuple(t for t in records.taints if (t.kind, t.target) != (wanted.kind, wanted.target))
+    # An expired one of the same taint is renewed in place: the cluster holds one taint for it.
+    kept = tuple(t for t in records.taints if not same_taint(t, wanted))
     new = replace(records, taints=(*kept, taint))
     return new, Verdict("tainted", taint, len({(t.kind, t.target) for t in new.taints}), limit,
                         same[-1] if same else None)
@@ -296,18 +306,34 @@ def forget(records: Records, taint: Taint, previous: Taint | None = None) -> Rec
 
 
 def restore(records: Records, taint: Taint) -> Records:
-    """A lift that failed in the cluster: its record back, to be lifted again (unless the target has
-    one again: a sidecar renewed it meanwhile, and that record stands for the taint)."""
-    if any((t.kind, t.target) == (taint.kind, taint.target) for t in records.taints):
+    """A lift that failed in the cluster: its record back, to be lifted again (unless the taint has
+    one again: a sidecar renewed it meanwhile, and that record stands for it)."""
+    if recorded(records, taint) is not None:
         return records
     return replace(records, taints=(*records.taints, taint))
 
 
-def changed(records: Records, old: Taint, new: Taint) -> Records:
-    """`old`'s record replaced by `new` (its effect escalated); nothing where `old` is no longer there."""
+def changed(records: Records, old: Taint, new: Taint) -> tuple[Records, bool]:
+    """`old`'s record replaced by `new` (its effect escalated), and whether it was there to replace."""
     if old not in records.taints:
-        return records
-    return replace(records, taints=tuple(new if t == old else t for t in records.taints))
+        return records, False
+    return replace(records, taints=tuple(new if t == old else t for t in records.taints)), True
+
+
+def recorded(records: Records, taint: Taint) -> Taint | None:
+    """The record that stands for `taint` in the cluster now (None: none: it was lifted)."""
+    return next((t for t in records.taints if same_taint(t, taint)), None)
+
+
+def swept(records: Records, now: float) -> list[Taint]:
+    """Recent lifts with no record standing for them again: each to be gone from the cluster."""
+    out = []
+    for lift in records.lifts:
+        node = lift.target if lift.kind == NODE else ""
+        taint = Taint(lift.kind, lift.target, lift.card, node, lift.by, lift.at, lift.at, "lifted", "NoSchedule")
+        if now - lift.at < LIFT_SWEEP_S and recorded(records, taint) is None:
+            out.append(taint)
+    return out
 
 
 # -- the cluster's names ---------------------------------------------------------------------------------------

@@ -274,12 +274,21 @@ def placement_main(config_path: str, action: str, name: str | None) -> int:
         placer = Placer(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.pod_name, k.node_name,
                         workload, k.request_timeout)
         for taint in found:
-            outcome = placer.lift(taint)
-
+            # The record first: a sidecar's reconcile keeps what the records hold in the cluster, and
+            # would put back a taint lifted before its record.
             def lift(rec: placement.Records, at: float, t: placement.Taint = taint) -> tuple[placement.Records, None]:
                 return placement.lifted(s, rec, t, at, "operator"), None
 
+            def restore(rec: placement.Records, at: float, t: placement.Taint = taint
+                        ) -> tuple[placement.Records, None]:
+                return placement.restore(rec, t), None
+
             ledger.update_placement(lift)
+            try:
+                outcome = placer.lift(taint)
+            except Exception:
+                ledger.update_placement(restore)
+                raise
             print(f"{taint.kind} {taint.target} (card {taint.card}): {outcome}")
         return 0
     except Exception as exc:  # LedgerUnavailable, an API error

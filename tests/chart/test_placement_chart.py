@@ -447,6 +447,14 @@ RULE_CASES = [
      {**rule("node-a"), "spec": {**rule("node-a")["spec"], "taint": {"key": DEVICE_KEY, "effect": "None"}}}, False,
      "effect"),
     ("a rule moved to another pool", "UPDATE", "node-a", rule("node-a"), rule("node-b"), False, "pool"),
+    ("our rule's effect raised", "UPDATE", "node-a", rule("node-a"),
+     {**rule("node-a"), "spec": {**rule("node-a")["spec"], "taint": {"key": DEVICE_KEY, "effect": "NoExecute"}}},
+     True, ""),
+    ("someone's rule labelled ours", "UPDATE", "node-a", rule("node-a", labelled=False), rule("node-a"), False,
+     "its own"),
+    ("our rule moved to another device", "UPDATE", "node-a", rule("node-a"),
+     {**rule("node-a"), "spec": {**rule("node-a")["spec"], "deviceSelector": {
+         "driver": "gpu.nvidia.com", "pool": "node-a", "device": "gpu-1"}}}, False, "never the device"),
     ("our rule deleted from another node", "DELETE", "node-a", rule("node-b"), None, True, ""),
     ("an unlabelled rule deleted", "DELETE", "node-a", rule("node-a", labelled=False), None, False, "delete only"),
 ]

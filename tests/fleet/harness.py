@@ -335,15 +335,9 @@ class Fleet:
     def _create_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
         if self.scheduler is not None:
             return self._create_scheduled_pod(replaces, ready)
-        name = self._new_name()
         node = replaces.node if replaces is not None and self.replacement_node == "same" else self._next_node()
-        pod = FleetPod(name=name, node=node, generation=0 if replaces is None else replaces.generation + 1,
-                       replaces=None if replaces is None else replaces.name, model_port=free_port(),
-                       sidecar_port=free_port(),
-                       hang_after=self.hang_after if replaces is None else self.replacement_hang_after,
-                       config_path=self.dir / f"{name}.yaml", created_at=self.clock(),
-                       control_port=free_port() if self.model == "serve" else 0)
-        self.all_pods[name] = pod
+        pod = self._new_pod(replaces, node)
+        name = pod.name
         self.cluster.add(k8s.pod_of(self._rs, name, node, ready=ready, wall=self.cluster.wall))
         self._moment("created", name, node=node, replaces=pod.replaces, hang_after=pod.hang_after)
         return pod
@@ -363,16 +357,22 @@ class Fleet:
             resources["limits"] = {**resources.get("limits", {}), GPU_RESOURCE: "1"}
             resources["requests"] = {**resources.get("requests", {}), GPU_RESOURCE: "1"}
 
-    def _create_scheduled_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
-        assert self.scheduler is not None
+    def _new_pod(self, replaces: FleetPod | None, node: str) -> FleetPod:
+        """A new pod's name, ports and life, kept in `all_pods` (`node` "": not scheduled yet)."""
         name = self._new_name()
-        pod = FleetPod(name=name, node="", generation=0 if replaces is None else replaces.generation + 1,
+        pod = FleetPod(name=name, node=node, generation=0 if replaces is None else replaces.generation + 1,
                        replaces=None if replaces is None else replaces.name, model_port=free_port(),
                        sidecar_port=free_port(),
                        hang_after=self.hang_after if replaces is None else self.replacement_hang_after,
                        config_path=self.dir / f"{name}.yaml", created_at=self.clock(),
                        control_port=free_port() if self.model == "serve" else 0)
         self.all_pods[name] = pod
+        return pod
+
+    def _create_scheduled_pod(self, replaces: FleetPod | None, ready: bool) -> FleetPod:
+        assert self.scheduler is not None
+        pod = self._new_pod(replaces, "")
+        name = pod.name
         # Created unscheduled, as the ReplicaSet controller creates it; the scheduler reads its tolerations.
         self.cluster.add(k8s.unscheduled(k8s.pod_of(self._rs, name, "", ready=ready, wall=self.cluster.wall),
                                          "waiting for the scheduler", wall=self.cluster.wall))

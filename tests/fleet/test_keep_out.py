@@ -211,3 +211,30 @@ async def test_a_nic_beside_a_device_plugin_gpu_is_never_taken_for_it(kmock: Clu
     assert node is not None and node["spec"]["taints"] == [
         {"key": placement.NODE_TAINT_KEY, "value": "GPU-9", "effect": "NoSchedule"}]
     assert [t.card for t in (await asyncio.to_thread(ledger.read_placement)).taints] == ["GPU-9"]
+
+
+async def test_a_taint_put_back_after_its_lift_is_swept_and_a_node_gone_frees_its_record(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, None), "llm-5c9d7b6f4x-fghij": ("node-b", None)})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock, strategy="node", ttl="1h", max_percent=100)
+    health = lost_context("device_health", resource_id="GPU-a", uuid="GPU-a")
+    assert await effects.before_pod_rung(health, None, ()) == "tainted"
+    ours = {"key": placement.NODE_TAINT_KEY, "value": "GPU-a", "effect": "NoSchedule"}
+    clock.at = T0 + 3601
+    await effects.reconcile()
+    node = kmock.node(NODE)
+    assert node is not None and not node["spec"].get("taints")
+    # A sidecar that read the records before the lift puts it back: the next pass takes it away again.
+    kmock.set_node_taints(NODE, [ours])
+    clock.at = T0 + 3660
+    await effects.reconcile()
+    node = kmock.node(NODE)
+    assert node is not None and not node["spec"].get("taints")
+    # A tainted node an autoscaler removed: its record goes at the next pass, and frees the bound.
+    other, _, _ = keep_out(kmock, clock, pod="llm-5c9d7b6f4x-fghij", node="node-b", strategy="node", ttl="1h",
+                           max_percent=100)
+    assert await other.before_pod_rung(lost_context("device_health", resource_id="GPU-b", uuid="GPU-b"), None,
+                                       ()) == "tainted"
+    kmock.remove("nodes", "", "node-b")
+    await other.reconcile()
+    assert (await asyncio.to_thread(ledger.read_placement)).taints == ()

@@ -226,8 +226,8 @@ def test_no_execute_is_placed_as_no_schedule_and_escalated_after_the_restart() -
     assert up is not None and up.effect == "NoExecute" and up.target == t.target
     assert placement.escalated(S, t) is None
     records, _ = placement.take(hard, Records(), t, scope=2, now=T0)
-    assert placement.changed(records, t, up).taints == (up,)
-    assert placement.changed(records, up, t) == records  # not there: nothing
+    assert placement.changed(records, t, up) == (dataclasses.replace(records, taints=(up,)), True)
+    assert placement.changed(records, up, t) == (records, False)  # not there: nothing
 
 
 @pytest.mark.parametrize("card", [DRA, PLUGIN, Card("d.example.com/pool/with/slashes/dev-1", "n", "d.example.com",
@@ -241,6 +241,27 @@ def test_the_card_is_known_again_from_its_record(card: Card) -> None:
 def test_a_kubelets_long_message_is_cut_in_the_records() -> None:
     wanted = placement.plan(S, DRA, "pod-1", "x" * 5000, T0)
     assert wanted is not None and len(wanted.evidence) == placement.EVIDENCE_KEPT
+
+
+def test_a_node_carries_one_taint_per_card_each_renewed_and_lifted_alone() -> None:
+    node = dataclasses.replace(S, strategy="node")
+    a, b = Card("GPU-a", "node-b"), Card("GPU-b", "node-b")
+    records, first = placement.take(node, Records(), taint_of(a, settings=node), scope=4, now=T0)
+    late = T0 + node.ttl + 1
+    # The other card of the same node, after the first expired: a taint of its own, not a renewal of a's.
+    records, second = placement.take(node, records, taint_of(b, late, settings=node), scope=4, now=late)
+    assert second.outcome == "tainted" and second.previous is None
+    assert sorted(t.card for t in records.taints) == ["GPU-a", "GPU-b"] and second.tainted == 1  # one node
+    assert first.taint is not None
+    records = placement.lifted(node, records, first.taint, late, "pod-1")
+    assert [t.card for t in records.taints] == ["GPU-b"]
+    # Swept for ten minutes: a sidecar that read the records before the lift may have put it back.
+    [back] = placement.swept(records, late + 60)
+    assert (back.kind, back.target, back.card, back.node) == (placement.NODE, "node-b", "GPU-a", "node-b")
+    assert placement.swept(records, late + placement.LIFT_SWEEP_S + 1) == []
+    # A renewal stands for it again: nothing to sweep.
+    again, _ = placement.take(node, records, taint_of(a, late + 90, settings=node), scope=4, now=late + 90)
+    assert placement.swept(again, late + 120) == []
 
 
 # -- the node's taints: never another's --------------------------------------------------------------------------

@@ -46,6 +46,17 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
+def read_workload(apps: client.AppsV1Api, workload: str, namespace: str, timeout: float) -> Any | None:
+    """The workload's controller: its Deployment, else its StatefulSet; None where it has neither."""
+    for read in (apps.read_namespaced_deployment, apps.read_namespaced_stateful_set):
+        try:
+            return read(workload, namespace, _request_timeout=timeout)
+        except client.ApiException as exc:
+            if exc.status != 404:
+                raise
+    return None
+
+
 class LeaseLedger:
     def __init__(self, api_client: client.ApiClient, namespace: str, name: str, workload: str, pod_name: str,
                  request_timeout: float, wall_clock: Callable[[], float] = time.time) -> None:
@@ -145,17 +156,10 @@ class LeaseLedger:
 
     def replicas(self) -> int | None:
         """The workload's desired replicas: its Deployment's (else StatefulSet's) `spec.replicas`."""
-        for read in (self.apps.read_namespaced_deployment, self.apps.read_namespaced_stateful_set):
-            try:
-                found = read(self.workload, self.namespace, _request_timeout=self.timeout)
-            except client.ApiException as exc:
-                if exc.status == 404:
-                    continue
-                raise
-            spec = found.spec
-            replicas = spec.replicas if spec is not None else None
-            return replicas if isinstance(replicas, int) and replicas >= 0 else None
-        return None
+        found = read_workload(self.apps, self.workload, self.namespace, self.timeout)
+        spec = found.spec if found is not None else None
+        replicas = spec.replicas if spec is not None else None
+        return replicas if isinstance(replicas, int) and replicas >= 0 else None
 
     def own_pod(self) -> fleet.OwnPod:
         """Our pod's creation (wall clock) and template: a replacement is a pod of the slot's template

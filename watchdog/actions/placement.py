@@ -14,6 +14,7 @@ from typing import Any
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog.actions.fleet import read_workload
 from gpu_watchdog.watchdog.actions.k8s import client
 from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.placement import Card, Taint
@@ -109,17 +110,10 @@ class Placer:
         return max(1, len(alive) * max(1, cards_per_pod))
 
     def _selector(self) -> str | None:
-        for read in (self.apps.read_namespaced_deployment, self.apps.read_namespaced_stateful_set):
-            try:
-                found = read(self.workload, self.namespace, _request_timeout=self.timeout)
-            except client.ApiException as exc:
-                if exc.status == 404:
-                    continue
-                raise
-            labels = (found.spec.selector.match_labels if found.spec is not None and found.spec.selector else None)
-            if labels:
-                return ",".join(f"{k}={v}" for k, v in sorted(labels.items()))
-        return None
+        found = read_workload(self.apps, self.workload, self.namespace, self.timeout)
+        spec = found.spec if found is not None else None
+        labels = spec.selector.match_labels if spec is not None and spec.selector is not None else None
+        return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) if labels else None
 
     # -- taints --------------------------------------------------------------------------------------------
 
@@ -149,12 +143,33 @@ class Placer:
             raise
         if not ours(rule, taint.card):
             return "not_ours"
-        if ((rule.get("spec") or {}).get("taint") or {}).get("effect") == taint.effect:
+        effect = ((rule.get("spec") or {}).get("taint") or {}).get("effect")
+        # Only ever raised (NoSchedule to NoExecute): a sidecar that read the records before an
+        # escalation must not take it back.
+        if placement.EFFECT_RANK.get(str(effect), -1) >= placement.EFFECT_RANK.get(taint.effect, 0):
             return "present"
         self.custom.patch_cluster_custom_object(GROUP, version, RULES, taint.target,
                                                 {"spec": {"taint": {"effect": taint.effect}}},
                                                 _content_type=MERGE_PATCH, _request_timeout=self.timeout)
         return "escalated"
+
+    def present(self, taint: Taint) -> bool:
+        """Whether our taint for that card is in the cluster (a create that timed out may have landed)."""
+        if taint.kind == placement.NODE:
+            node = self.core.read_node(taint.node, _request_timeout=self.timeout)
+            taints = self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
+            return placement.with_node_taint(taints, taint) is None
+        version = self.version()
+        if version is None:
+            return False
+        try:
+            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
+                                                         _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return False
+            raise
+        return ours(rule, taint.card)
 
     def lift(self, taint: Taint) -> str:
         """`lifted`, `absent` (gone already), or `not_ours` (a rule by that name we did not place: left)."""
@@ -203,6 +218,7 @@ class Placer:
                          "annotations": {placement.EVIDENCE_ANNOTATION: taint.evidence[:1024],
                                          placement.UNTIL_ANNOTATION: until, placement.POD_ANNOTATION: taint.pod,
                                          placement.WORKLOAD_ANNOTATION: self.workload,
+                                         placement.NAMESPACE_ANNOTATION: self.namespace,
                                          placement.CARD_ANNOTATION: taint.card}},
             "spec": spec,
         }
@@ -222,8 +238,14 @@ class Placer:
         return "placed"
 
     def _patch_node(self, name: str, change: Any, done: str, unchanged: str) -> str:
+        """`done` once written, `unchanged` where nothing was to change, `absent` where the node is gone."""
         for _ in range(CONFLICT_TRIES):
-            node = self.core.read_node(name, _request_timeout=self.timeout)
+            try:
+                node = self.core.read_node(name, _request_timeout=self.timeout)
+            except client.ApiException as exc:
+                if exc.status == 404:
+                    return "absent"  # the node is gone (an autoscaler removed it): nothing to taint or lift
+                raise
             current = self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
             new = change(current)
             if new is None:
