@@ -30,6 +30,7 @@ import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from gpu_watchdog.watchdog import lease_text
 from gpu_watchdog.watchdog.names import FLEET_BREAKER_OPEN, FLEET_UNAVAILABLE_LIMIT, MAX_AGE, RUNG_POD
 from gpu_watchdog.watchdog.settings import FleetSettings
 
@@ -175,12 +176,7 @@ def parse(text: str | None) -> Ledger:
     """The ledger in a Lease's annotation; an absent one is empty. Raises LedgerError on anything else."""
     if text is None or text == "":
         return Ledger()
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise LedgerError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("v") != LEDGER_VERSION:
-        raise LedgerError(f"expected a ledger of version {LEDGER_VERSION}")
+    data = lease_text.opened(text, LEDGER_VERSION, "a ledger", LedgerError)
     slots = tuple(_slot(s) for s in _dicts(data, "slots"))
     waiting = tuple(_slot(s) for s in _dicts(data, "waiting"))
     restarts = tuple(FleetRestart(_str(r, "pod"), _str(r, "reason"), _num(r, "at"), bool(r.get("comeback")),

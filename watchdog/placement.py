@@ -32,6 +32,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any
 
+from gpu_watchdog.watchdog import lease_text
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
 from gpu_watchdog.watchdog.settings import DEVICE_EFFECTS, PlacementSettings
 
@@ -397,12 +398,7 @@ def parse(text: str | None) -> Records:
     """The records in the Lease's annotation; absent is empty. Raises RecordsError on anything else."""
     if not text:
         return Records()
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise RecordsError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("v") != VERSION:
-        raise RecordsError(f"expected placement records of version {VERSION}")
+    data = lease_text.opened(text, VERSION, "placement records", RecordsError)
     taints = tuple(Taint(_one_of(d, "kind", (DEVICE, NODE)), _str(d, "target"), _str(d, "card"), _str(d, "node"),
                          _str(d, "pod"), _num(d, "at"), _num(d, "until"), _str(d, "evidence"), _str(d, "effect"),
                          bool(d.get("repeat", False)))

@@ -31,6 +31,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
+from gpu_watchdog.watchdog import lease_text
 from gpu_watchdog.watchdog.names import HANG
 from gpu_watchdog.watchdog.settings import QuarantineSettings
 
@@ -305,12 +306,7 @@ def parse(text: str | None) -> Records:
     """The records in the Lease's annotation; absent is empty. Raises RecordsError on anything else."""
     if not text:
         return Records()
-    try:
-        data = json.loads(text)
-    except ValueError as exc:
-        raise RecordsError(f"not JSON: {exc}") from None
-    if not isinstance(data, dict) or data.get("v") != VERSION:
-        raise RecordsError(f"expected quarantine records of version {VERSION}")
+    data = lease_text.opened(text, VERSION, "quarantine records", RecordsError)
     failures = tuple(_failure(f) for f in _list(data, "failures"))
     quarantined = []
     for q in _list(data, "quarantined"):
