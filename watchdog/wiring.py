@@ -115,6 +115,10 @@ def build_placer(settings: Settings, workload: str) -> Placer | None:
     """Where placement is on (policy.placement.strategy other than off) and restarts go through Kubernetes."""
     if settings.policy.placement.strategy == "off" or not _kube_reachable(settings):
         return None
+    return _placer(settings, workload)
+
+
+def _placer(settings: Settings, workload: str) -> Placer:
     from gpu_watchdog.watchdog.actions.kube import load_api_client
     from gpu_watchdog.watchdog.actions.placement import Placer
 
@@ -267,12 +271,8 @@ def placement_main(config_path: str, action: str, name: str | None) -> int:
             print(f"gpu-watchdog placement: no taint of gpu-watchdog on {name} in {workload}'s records"
                   " (a taint placed by anyone else is never touched)", file=sys.stderr)
             return 1
-        from gpu_watchdog.watchdog.actions.kube import load_api_client
-        from gpu_watchdog.watchdog.actions.placement import Placer
-
-        k = settings.kubernetes
-        placer = Placer(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.pod_name, k.node_name,
-                        workload, k.request_timeout)
+        # Whatever the strategy now: a taint recorded under an earlier one is still ours to lift.
+        placer = _placer(settings, workload)
         for taint in found:
             # The record first: a sidecar's reconcile keeps what the records hold in the cluster, and
             # would put back a taint lifted before its record.

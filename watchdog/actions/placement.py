@@ -156,9 +156,8 @@ class Placer:
     def present(self, taint: Taint) -> bool:
         """Whether our taint for that card is in the cluster (a create that timed out may have landed)."""
         if taint.kind == placement.NODE:
-            node = self.core.read_node(taint.node, _request_timeout=self.timeout)
-            taints = self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
-            return placement.with_node_taint(taints, taint) is None
+            node, taints = self._node_taints(taint.node)
+            return node is not None and placement.with_node_taint(taints, taint) is None
         version = self.version()
         if version is None:
             return False
@@ -237,16 +236,22 @@ class Placer:
             raise RuntimeError(f"DeviceTaintRule {taint.target} exists and is not ours for {taint.card}") from None
         return "placed"
 
+    def _node_taints(self, name: str) -> tuple[Any | None, list[dict[str, Any]]]:
+        """The node (None: it is gone) and its taints as the API spells them."""
+        try:
+            node = self.core.read_node(name, _request_timeout=self.timeout)
+        except client.ApiException as exc:
+            if exc.status == 404:
+                return None, []
+            raise
+        return node, self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
+
     def _patch_node(self, name: str, change: Any, done: str, unchanged: str) -> str:
         """`done` once written, `unchanged` where nothing was to change, `absent` where the node is gone."""
         for _ in range(CONFLICT_TRIES):
-            try:
-                node = self.core.read_node(name, _request_timeout=self.timeout)
-            except client.ApiException as exc:
-                if exc.status == 404:
-                    return "absent"  # the node is gone (an autoscaler removed it): nothing to taint or lift
-                raise
-            current = self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
+            node, current = self._node_taints(name)
+            if node is None:
+                return "absent"  # the node is gone (an autoscaler removed it): nothing to taint or lift
             new = change(current)
             if new is None:
                 return unchanged
