@@ -7,7 +7,6 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from kubernetes import client
 
 from gpu_watchdog.watchdog import policy, xid_catalog
 from gpu_watchdog.watchdog.config import PolicySettings, Settings
@@ -229,14 +228,14 @@ def test_an_unreadable_status_keeps_the_last_reading_and_an_old_one_is_ignored()
     assert decide(settings(), h, 5.5) == []
 
 
-def test_the_pods_status_is_read_with_the_real_client_models() -> None:
+def test_the_pods_status_is_read_from_its_json() -> None:
     def status(name: str, resources: list[dict[str, Any]] | None) -> dict[str, Any]:
         out: dict[str, Any] = {"name": name, "image": "img", "imageID": "sha", "ready": True, "restartCount": 0}
         if resources is not None:
             out["allocatedResourcesStatus"] = resources
         return out
 
-    pod = client.V1Pod.from_dict({
+    pod = {
         "apiVersion": "v1", "kind": "Pod", "metadata": {"name": "model-0"},
         "spec": {"containers": [{"name": "inference", "image": "img"}, {"name": "watchdog", "image": "img"}]},
         "status": {"containerStatuses": [
@@ -244,13 +243,13 @@ def test_the_pods_status_is_read_with_the_real_client_models() -> None:
                 {"name": "nvidia.com/gpu", "resources": [{"resourceID": "GPU-1111::2", "health": "Unhealthy",
                                                           "message": "Xid 79"}]},
                 {"name": "example.com/nic", "resources": [{"resourceID": "nic0", "health": "Unhealthy"}]}]),
-            status("watchdog", None)]}})
+            status("watchdog", None)]}}
     sample = device_health(pod, at=7.0)
     assert sample.read and sample.at == 7.0
     assert [(d.container, d.resource, d.resource_id, d.health, d.message, d.uuid) for d in sample.devices] == [
         ("inference", "nvidia.com/gpu", "GPU-1111::2", "Unhealthy", "Xid 79", "GPU-1111")]
-    bare = client.V1Pod.from_dict({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "model-0"},
-                                   "spec": {"containers": [{"name": "inference", "image": "img"}]}})
+    bare = {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": "model-0"},
+            "spec": {"containers": [{"name": "inference", "image": "img"}]}}
     assert device_health(bare, at=1.0).devices == ()
 
 

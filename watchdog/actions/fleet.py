@@ -16,8 +16,8 @@ from typing import Any, TypeVar
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import fleet, placement, quarantine
-from gpu_watchdog.watchdog.actions.k8s import client
-from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_name
+from gpu_watchdog.watchdog.actions.kube import event_body, event_name, events_path, pod_path
+from gpu_watchdog.watchdog.actions.kube_api import ApiError, KubeApi, api_of, micro_time, parse_time, path
 from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION, Ledger
 
 log = logs.get("watchdog.fleet")
@@ -46,19 +46,19 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {str(exc)[:200]}"
 
 
-def read_workload(apps: client.AppsV1Api, workload: str, namespace: str, timeout: float) -> Any | None:
+def read_workload(api: KubeApi, workload: str, namespace: str, timeout: float) -> dict[str, Any] | None:
     """The workload's controller: its Deployment, else its StatefulSet; None where it has neither."""
-    for read in (apps.read_namespaced_deployment, apps.read_namespaced_stateful_set):
+    for plural in ("deployments", "statefulsets"):
         try:
-            return read(workload, namespace, _request_timeout=timeout)
-        except client.ApiException as exc:
+            return api.get(path("/apis/apps/v1/namespaces", namespace, plural, workload), timeout=timeout)
+        except ApiError as exc:
             if exc.status != 404:
                 raise
     return None
 
 
 class LeaseLedger:
-    def __init__(self, api_client: client.ApiClient, namespace: str, name: str, workload: str, pod_name: str,
+    def __init__(self, api_client: KubeApi, namespace: str, name: str, workload: str, pod_name: str,
                  request_timeout: float, wall_clock: Callable[[], float] = time.time) -> None:
         self.namespace = namespace
         self.name = name
@@ -66,17 +66,17 @@ class LeaseLedger:
         self.pod_name = pod_name
         self.timeout = request_timeout
         self.wall_clock = wall_clock
-        self.coordination = client.CoordinationV1Api(api_client)
-        self.apps = client.AppsV1Api(api_client)
-        self.core = client.CoreV1Api(api_client)
-        self.events = client.EventsV1Api(api_client)
+        self.api = api_of(api_client)
 
     # -- the ledger --------------------------------------------------------------------------------
 
-    def _get(self) -> Any | None:
+    def _leases(self, name: str | None = None) -> str:
+        return path("/apis/coordination.k8s.io/v1/namespaces", self.namespace, "leases", name)
+
+    def _get(self) -> dict[str, Any] | None:
         """The Lease (None: there is none yet); LedgerUnavailable when it cannot be read."""
         try:
-            return self.coordination.read_namespaced_lease(self.name, self.namespace, _request_timeout=self.timeout)
+            return self.api.get(self._leases(self.name), timeout=self.timeout)
         except Exception as exc:
             if getattr(exc, "status", None) == 404:
                 return None
@@ -85,11 +85,12 @@ class LeaseLedger:
     def read(self) -> Ledger:
         return self._ledger(self._get())
 
-    def _ledger(self, lease: Any | None) -> Ledger:
+    def _ledger(self, lease: dict[str, Any] | None) -> Ledger:
         return self._parsed(lease, LEDGER_ANNOTATION, fleet.parse, "ledger")
 
-    def _parsed(self, lease: Any | None, annotation: str, parse: Callable[[str | None], A], what: str) -> A:
-        annotations = (lease.metadata.annotations if lease is not None and lease.metadata is not None else None) or {}
+    def _parsed(self, lease: dict[str, Any] | None, annotation: str, parse: Callable[[str | None], A],
+                what: str) -> A:
+        annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
         try:
             return parse(annotations.get(annotation))
         except ValueError as exc:  # LedgerError, RecordsError
@@ -135,41 +136,38 @@ class LeaseLedger:
             return result
         raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: {CONFLICT_TRIES} conflicting writes in a row")
 
-    def _write(self, lease: Any | None, annotation: str, text: str) -> None:
-        now = dt.datetime.now(dt.UTC)
+    def _write(self, lease: dict[str, Any] | None, annotation: str, text: str) -> None:
+        now = micro_time()
         if lease is None:
-            body = client.V1Lease(
-                metadata=client.V1ObjectMeta(name=self.name, namespace=self.namespace,
-                                             annotations={annotation: text},
-                                             labels={"app.kubernetes.io/managed-by": "gpu-watchdog"}),
-                spec=client.V1LeaseSpec(holder_identity=self.pod_name, renew_time=now))
-            self.coordination.create_namespaced_lease(self.namespace, body, _request_timeout=self.timeout)
+            body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
+                    "metadata": {"name": self.name, "namespace": self.namespace, "annotations": {annotation: text},
+                                 "labels": {"app.kubernetes.io/managed-by": "gpu-watchdog"}},
+                    "spec": {"holderIdentity": self.pod_name, "renewTime": now}}
+            self.api.post(self._leases(), body, timeout=self.timeout)
             return
-        meta = lease.metadata
-        meta.annotations = {**(meta.annotations or {}), annotation: text}
-        spec = lease.spec or client.V1LeaseSpec()
-        spec.holder_identity, spec.renew_time = self.pod_name, now
-        body = client.V1Lease(metadata=meta, spec=spec)  # carries the resourceVersion that was read
-        self.coordination.replace_namespaced_lease(self.name, self.namespace, body, _request_timeout=self.timeout)
+        meta = dict(lease.get("metadata") or {})
+        meta["annotations"] = {**(meta.get("annotations") or {}), annotation: text}
+        spec = {**(lease.get("spec") or {}), "holderIdentity": self.pod_name, "renewTime": now}
+        # The metadata read carries its resourceVersion: a write in between makes this a 409.
+        body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease", "metadata": meta, "spec": spec}
+        self.api.put(self._leases(self.name), body, timeout=self.timeout)
 
     # -- what the cluster says of the workload -------------------------------------------------------
 
     def replicas(self) -> int | None:
         """The workload's desired replicas: its Deployment's (else StatefulSet's) `spec.replicas`."""
-        found = read_workload(self.apps, self.workload, self.namespace, self.timeout)
-        spec = found.spec if found is not None else None
-        replicas = spec.replicas if spec is not None else None
-        return replicas if isinstance(replicas, int) and replicas >= 0 else None
+        found = read_workload(self.api, self.workload, self.namespace, self.timeout)
+        replicas = ((found or {}).get("spec") or {}).get("replicas")
+        return replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 0 else None
 
     def own_pod(self) -> fleet.OwnPod:
         """Our pod's creation (wall clock) and template: a replacement is a pod of the slot's template
         created after the slot was taken."""
-        found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
-        meta = found.metadata
-        created = meta.creation_timestamp if meta is not None else None
-        labels = (meta.labels if meta is not None else None) or {}
+        found = self.api.get(pod_path(self.namespace, self.pod_name), timeout=self.timeout)
+        meta = found.get("metadata") or {}
+        labels = meta.get("labels") or {}
         template = next((labels[k] for k in fleet.TEMPLATE_LABELS if labels.get(k)), None)
-        return fleet.OwnPod(created.timestamp() if created is not None else None, template)
+        return fleet.OwnPod(parse_time(meta.get("creationTimestamp")), template)
 
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None:
         """A Warning Event on the workload (its Deployment): a request fingerprint quarantined, or lifted."""
@@ -181,16 +179,14 @@ class LeaseLedger:
                     f" until {until}: it was in flight at {len(q.failures)} failures (pods {', '.join(q.pods)})."
                     " A request is killing replicas: find its client by this fingerprint in the access log;"
                     " lift with `gpu-watchdog quarantine lift`.")
-        body = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(name=event_name(self.workload), namespace=self.namespace,
-                                         annotations={"gpu-watchdog.io/fingerprint": q.fingerprint}),
-            event_time=dt.datetime.now(dt.UTC), reporting_controller=CONTROLLER, reporting_instance=self.pod_name,
-            action="LiftQuarantine" if lifted else "Quarantine",
-            reason="QuarantineLifted" if lifted else "RequestQuarantined", note=note[:1024],
-            type="Normal" if lifted else "Warning",
-            regarding=client.V1ObjectReference(kind="Deployment", api_version="apps/v1", name=self.workload,
-                                               namespace=self.namespace))
-        self.events.create_namespaced_event(self.namespace, body, _request_timeout=self.timeout)
+        body = event_body(event_name(self.workload), self.namespace, self._regarding(),
+                          "QuarantineLifted" if lifted else "RequestQuarantined", note,
+                          "LiftQuarantine" if lifted else "Quarantine", "Normal" if lifted else "Warning",
+                          self.pod_name, {"gpu-watchdog.io/fingerprint": q.fingerprint})
+        self.api.post(events_path(self.namespace), body, timeout=self.timeout)
+
+    def _regarding(self) -> dict[str, str]:
+        return {"kind": "Deployment", "apiVersion": "apps/v1", "name": self.workload, "namespace": self.namespace}
 
     def report_breaker(self, breaker: fleet.Breaker) -> None:
         """A Warning Event on the workload (its Deployment): the breaker opened."""
@@ -198,11 +194,6 @@ class LeaseLedger:
                 f" {breaker.replicas} replicas were restarted for {breaker.reason} and one came back failing the same"
                 f" way (pods {', '.join(breaker.restarted)}). A restart does not cure this fault; reset with"
                 " `gpu-watchdog fleet reset-breaker` once it is fixed.")
-        body = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(name=event_name(self.workload), namespace=self.namespace,
-                                         annotations={"gpu-watchdog.io/reason": breaker.reason}),
-            event_time=dt.datetime.now(dt.UTC), reporting_controller=CONTROLLER, reporting_instance=self.pod_name,
-            action="StopRestarts", reason="FleetBreakerOpen", note=note[:1024], type="Warning",
-            regarding=client.V1ObjectReference(kind="Deployment", api_version="apps/v1", name=self.workload,
-                                               namespace=self.namespace))
-        self.events.create_namespaced_event(self.namespace, body, _request_timeout=self.timeout)
+        body = event_body(event_name(self.workload), self.namespace, self._regarding(), "FleetBreakerOpen", note,
+                          "StopRestarts", "Warning", self.pod_name, {"gpu-watchdog.io/reason": breaker.reason})
+        self.api.post(events_path(self.namespace), body, timeout=self.timeout)

@@ -5,15 +5,21 @@ The client is synchronous; callers run it through `asyncio.to_thread`.
 
 from __future__ import annotations
 
-import contextlib
-import datetime as dt
 import os
 import secrets
 import time
 from typing import Any
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.actions.k8s import client, config
+from gpu_watchdog.watchdog.actions.kube_api import (
+    KubeApi,
+    api_of,
+    default_kubeconfig,
+    from_kubeconfig,
+    in_cluster,
+    micro_time,
+    path,
+)
 
 log = logs.get("watchdog.kube")
 
@@ -24,14 +30,31 @@ class RefusedError(RuntimeError):
     """An action aimed at a pod that is not the watchdog's own."""
 
 
-def load_api_client(kubeconfig: str | None, request_timeout: float) -> client.ApiClient:
+def load_api_client(kubeconfig: str | None, request_timeout: float) -> KubeApi:
+    """The API client of the sidecar and its commands: in a cluster (no kubeconfig named) the pod's
+    service account, else the kubeconfig (named, else $KUBECONFIG or ~/.kube/config)."""
     if kubeconfig is None and os.environ.get("KUBERNETES_SERVICE_HOST"):
-        config.load_incluster_config()
-        return client.ApiClient()
-    configuration = client.Configuration()
-    config.load_kube_config(config_file=kubeconfig, client_configuration=configuration)
-    configuration.retries = 0
-    return client.ApiClient(configuration)
+        return in_cluster(request_timeout)
+    return from_kubeconfig(kubeconfig if kubeconfig is not None else default_kubeconfig(), request_timeout)
+
+
+def pod_path(namespace: str, name: str | None = None, sub: str | None = None) -> str:
+    return path("/api/v1/namespaces", namespace, "pods", name, sub)
+
+
+def events_path(namespace: str) -> str:
+    return path("/apis/events.k8s.io/v1/namespaces", namespace, "events")
+
+
+def event_body(name: str, namespace: str, regarding: dict[str, str], reason: str, note: str, action: str,
+               event_type: str, reporting_instance: str, annotations: dict[str, str] | None) -> dict[str, Any]:
+    """An `events.k8s.io/v1` Event, as the typed models wrote it (fields that are None left out)."""
+    metadata: dict[str, Any] = {"name": name, "namespace": namespace}
+    if annotations:
+        metadata["annotations"] = annotations
+    return {"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": metadata, "eventTime": micro_time(),
+            "reportingController": CONTROLLER, "reportingInstance": reporting_instance, "action": action,
+            "reason": reason, "note": note[:1024], "type": event_type, "regarding": regarding}
 
 
 def event_name(regarding: str) -> str:
@@ -41,22 +64,6 @@ def event_name(regarding: str) -> str:
 
 def event_reason(rule: str) -> str:
     return "".join(part.capitalize() for part in rule.split("_"))
-
-
-def _options(timeout: float, dry_run: bool = False) -> dict[str, Any]:
-    """For calls whose answer is their status alone: the echoed object is neither needed nor
-    trusted to parse (a proxy's garbage after a 2xx must not turn a stored Event into a failure)."""
-    out: dict[str, Any] = {"_request_timeout": timeout, "_preload_content": False}
-    if dry_run:
-        out["dry_run"] = "All"
-    return out
-
-
-def _discard(response: Any) -> None:
-    """Read and hand back the connection of an answer we do not parse."""
-    with contextlib.suppress(Exception):
-        response.read()
-        response.release_conn()
 
 
 def workload_from_pod(pod_name: str, labels: dict[str, str], owners: list[tuple[str, str]]) -> str:
@@ -76,7 +83,7 @@ def workload_from_pod(pod_name: str, labels: dict[str, str], owners: list[tuple[
 class PodActions:
     """Every call names the pod it acts on and is refused unless that pod is ours."""
 
-    def __init__(self, api_client: client.ApiClient, pod_name: str, namespace: str, request_timeout: float) -> None:
+    def __init__(self, api_client: KubeApi, pod_name: str, namespace: str, request_timeout: float) -> None:
         if not pod_name or not namespace:
             raise RefusedError("the watchdog's own pod name and namespace are unknown; refusing to act")
         downward = os.environ.get("POD_NAME")
@@ -84,8 +91,7 @@ class PodActions:
             raise RefusedError(f"configured pod {pod_name!r} is not this pod ({downward!r}); refusing to act")
         self.pod_name = pod_name
         self.namespace = namespace
-        self.core = client.CoreV1Api(api_client)
-        self.events = client.EventsV1Api(api_client)
+        self.api = api_of(api_client)
         self.timeout = request_timeout
 
     def _guard(self, name: str, namespace: str) -> None:
@@ -99,41 +105,32 @@ class PodActions:
         """`dry_run`: ask whether the disruption budget allows the eviction, evicting nothing (the API
         server runs the same PodDisruptionBudget check and answers 429 where it would refuse)."""
         self._guard(name, namespace)
-        body = client.V1Eviction(
-            metadata=client.V1ObjectMeta(name=name, namespace=namespace),
-            delete_options=client.V1DeleteOptions(grace_period_seconds=grace_period) if grace_period is not None
-            else None,
-        )
-        _discard(self.core.create_namespaced_pod_eviction(name, namespace, body, **_options(self.timeout, dry_run)))
+        body: dict[str, Any] = {"apiVersion": "policy/v1", "kind": "Eviction",
+                                "metadata": {"name": name, "namespace": namespace}}
+        if grace_period is not None:
+            body["deleteOptions"] = {"gracePeriodSeconds": grace_period}
+        # The answer is its status alone: the echoed object is neither needed nor trusted to parse.
+        self.api.post(pod_path(namespace, name, "eviction"), body, query={"dryRun": "All" if dry_run else None},
+                      timeout=self.timeout)
 
     def owner_workload(self) -> str:
         """Blocking: the workload our pod belongs to, from its `ownerReferences` (see `workload_from_pod`)."""
-        found = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
-        meta = found.metadata or client.V1ObjectMeta()
-        owners = [(o.kind, o.name) for o in (meta.owner_references or []) if o.controller]
-        return workload_from_pod(self.pod_name, meta.labels or {}, owners)
+        found = self.api.get(pod_path(self.namespace, self.pod_name), timeout=self.timeout)
+        meta = found.get("metadata") or {}
+        owners = [(str(o.get("kind")), str(o.get("name"))) for o in meta.get("ownerReferences") or []
+                  if o.get("controller")]
+        return workload_from_pod(self.pod_name, meta.get("labels") or {}, owners)
 
     def delete(self, name: str, namespace: str, grace_period: int | None, dry_run: bool = False) -> None:
         """`dry_run`: ask whether the API would delete it (RBAC, admission), deleting nothing."""
         self._guard(name, namespace)
-        kwargs = _options(self.timeout, dry_run)
-        if grace_period is not None:
-            kwargs["grace_period_seconds"] = grace_period
-        _discard(self.core.delete_namespaced_pod(name, namespace, **kwargs))
+        self.api.delete(pod_path(namespace, name), timeout=self.timeout,
+                        query={"gracePeriodSeconds": grace_period, "dryRun": "All" if dry_run else None})
 
     def record_event(self, name: str, namespace: str, reason: str, note: str, action: str,
                      event_type: str = "Warning", annotations: dict[str, str] | None = None) -> None:
         self._guard(name, namespace)
-        body = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(name=event_name(name), namespace=namespace,
-                                         annotations=annotations or None),
-            event_time=dt.datetime.now(dt.UTC),
-            reporting_controller=CONTROLLER,
-            reporting_instance=name,
-            action=action,
-            reason=reason,
-            note=note[:1024],
-            type=event_type,
-            regarding=client.V1ObjectReference(kind="Pod", api_version="v1", name=name, namespace=namespace),
-        )
-        _discard(self.events.create_namespaced_event(namespace, body, **_options(self.timeout)))
+        body = event_body(event_name(name), namespace, {"kind": "Pod", "apiVersion": "v1", "name": name,
+                                                        "namespace": namespace},
+                          reason, note, action, event_type, name, annotations)
+        self.api.post(events_path(namespace), body, timeout=self.timeout)

@@ -10,8 +10,8 @@ import datetime as dt
 from typing import Any
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.actions.k8s import client
-from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_name
+from gpu_watchdog.watchdog.actions.kube import CONTROLLER, event_body, event_name, events_path
+from gpu_watchdog.watchdog.actions.kube_api import STRATEGIC_MERGE_PATCH, KubeApi, api_of, parse_time, path
 from gpu_watchdog.watchdog.escalation import (
     GPUS_ANNOTATION,
     NODE_ANNOTATION,
@@ -29,37 +29,37 @@ CONDITION = "GPUSuspect"
 PAGE = 500  # Events per list call; a namespace's list is read to its end or not at all
 
 
-def restart_record(event: Any) -> RestartRecord | None:
-    """One of our restart Events as a record; None for anything else."""
-    meta = event.metadata
-    annotations = (meta.annotations if meta is not None else None) or {}
-    if event.reporting_controller != CONTROLLER or not (
+def restart_record(event: dict[str, Any]) -> RestartRecord | None:
+    """One of our restart Events (the API's JSON) as a record; None for anything else."""
+    meta = event.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    if event.get("reportingController") != CONTROLLER or not (
             GPUS_ANNOTATION in annotations or WORKLOAD_ANNOTATION in annotations):
         return None
-    if event.regarding is not None and event.regarding.kind not in (None, "Pod"):
+    regarding = event.get("regarding") or {}
+    if regarding.get("kind") not in (None, "Pod"):
         return None  # a Node report, not a restart
-    when = event.event_time or (meta.creation_timestamp if meta is not None else None)
-    if when is None:
+    at = parse_time(event.get("eventTime")) if event.get("eventTime") else parse_time(meta.get("creationTimestamp"))
+    if at is None:
         return None
     gpus = tuple(g for g in annotations.get(GPUS_ANNOTATION, "").split(",") if g)
     xid = annotations.get(XID_ANNOTATION)
-    return RestartRecord(at=when.timestamp(), reason=annotations.get(REASON_ANNOTATION, ""), gpus=gpus,
-                         pod=event.regarding.name if event.regarding is not None else "",
+    return RestartRecord(at=at, reason=annotations.get(REASON_ANNOTATION, ""), gpus=gpus,
+                         pod=regarding.get("name") or "",
                          xid=int(xid) if xid and xid.isdigit() else None,
                          workload=annotations.get(WORKLOAD_ANNOTATION) or None,
                          node=annotations.get(NODE_ANNOTATION) or None)
 
 
 class NodeReporter:
-    def __init__(self, api_client: client.ApiClient, namespace: str, node_name: str, request_timeout: float,
+    def __init__(self, api_client: KubeApi, namespace: str, node_name: str, request_timeout: float,
                  node_condition: bool, node_event: bool = True) -> None:
         self.namespace = namespace
         self.node_event = node_event
         self.node_name = node_name
         self.timeout = request_timeout
         self.node_condition = node_condition
-        self.core = client.CoreV1Api(api_client)
-        self.events = client.EventsV1Api(api_client)
+        self.api = api_of(api_client)
 
     def restart_records(self) -> list[RestartRecord]:
         """Blocking: the namespace's restart Events (every pod's, not only ours), read to the last
@@ -67,15 +67,13 @@ class NodeReporter:
         items: list[Any] = []
         token: str | None = None
         while True:
-            kwargs: dict[str, Any] = {"limit": PAGE, "_request_timeout": self.timeout}
-            if token:
-                kwargs["_continue"] = token
-            page = self.events.list_namespaced_event(self.namespace, **kwargs)
-            items.extend(page.items or [])
-            token = page.metadata._continue if page.metadata is not None else None
+            page = self.api.get(events_path(self.namespace), query={"limit": PAGE, "continue": token or None},
+                                timeout=self.timeout)
+            items.extend(page.get("items") or [])
+            token = (page.get("metadata") or {}).get("continue")
             if not token:
                 break
-        return [r for r in (restart_record(e) for e in items) if r is not None]
+        return [r for r in (restart_record(e) for e in items if isinstance(e, dict)) if r is not None]
 
     def report(self, suspect: Suspect, pod: str) -> None:
         """Blocking: a Warning Event on the Node, and the Node condition when that is switched on."""
@@ -98,21 +96,16 @@ class NodeReporter:
                        + f"; pods {', '.join(sorted({r.pod for r in suspect.restarts}))}). A pod restart cannot"
                        " fix a failing GPU; the node needs attention.")
         now = dt.datetime.now(dt.UTC)
-        body = client.EventsV1Event(
-            metadata=client.V1ObjectMeta(name=event_name(self.node_name),
-                                         namespace=NODE_EVENTS_NAMESPACE,
-                                         annotations={GPUS_ANNOTATION: suspect.uuid}),
-            event_time=now, reporting_controller=CONTROLLER, reporting_instance=pod, action="Report",
-            reason=CONDITION, note=message[:1024], type="Warning",
-            regarding=client.V1ObjectReference(kind="Node", api_version="v1", name=self.node_name),
-        )
+        body = event_body(event_name(self.node_name), NODE_EVENTS_NAMESPACE,
+                          {"kind": "Node", "apiVersion": "v1", "name": self.node_name}, CONDITION, message, "Report",
+                          "Warning", pod, {GPUS_ANNOTATION: suspect.uuid})
         if self.node_event:
-            self.events.create_namespaced_event(NODE_EVENTS_NAMESPACE, body, _request_timeout=self.timeout)
+            self.api.post(events_path(NODE_EVENTS_NAMESPACE), body, timeout=self.timeout)
         if self.node_condition:
             stamp = now.isoformat().replace("+00:00", "Z")
             patch = {"status": {"conditions": [{
                 "type": CONDITION, "status": "True", "reason": reason, "message": message[:1024],
                 "lastTransitionTime": stamp, "lastHeartbeatTime": stamp}]}}
             # A strategic merge keeps the kubelet's own conditions: the list merges by `type`.
-            self.core.patch_node_status(self.node_name, patch, _request_timeout=self.timeout,
-                                        _content_type="application/strategic-merge-patch+json")
+            self.api.patch(path("/api/v1/nodes", self.node_name, "status"), patch, STRATEGIC_MERGE_PATCH,
+                           timeout=self.timeout)

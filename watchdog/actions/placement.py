@@ -15,7 +15,8 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import placement
 from gpu_watchdog.watchdog.actions.fleet import read_workload
-from gpu_watchdog.watchdog.actions.k8s import client
+from gpu_watchdog.watchdog.actions.kube import pod_path
+from gpu_watchdog.watchdog.actions.kube_api import MERGE_PATCH, ApiError, KubeApi, api_of, path
 from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.placement import Card, Taint
 
@@ -28,21 +29,17 @@ CLAIM_VERSIONS = ("v1", "v1beta2", "v1beta1")
 RULES = "devicetaintrules"
 CLAIMS = "resourceclaims"
 CONFLICT_TRIES = 5  # a node's taints written over another writer's: read and decide again
-MERGE_PATCH = "application/merge-patch+json"
 
 
 class Placer:
-    def __init__(self, api_client: client.ApiClient, namespace: str, pod_name: str, node_name: str,
+    def __init__(self, api_client: KubeApi, namespace: str, pod_name: str, node_name: str,
                  workload: str, request_timeout: float) -> None:
         self.namespace = namespace
         self.pod_name = pod_name
         self.node_name = node_name
         self.workload = workload
         self.timeout = request_timeout
-        self.api = api_client
-        self.core = client.CoreV1Api(api_client)
-        self.apps = client.AppsV1Api(api_client)
-        self.custom = client.CustomObjectsApi(api_client)
+        self.api = api_of(api_client)
         self._served: dict[str, str | None] = {}
 
     # -- what the cluster says ---------------------------------------------------------------------------
@@ -58,12 +55,12 @@ class Placer:
             return self._served[plural]
         for v in versions:
             try:
-                found = self.custom.get_api_resources(GROUP, v, _request_timeout=self.timeout)
-            except client.ApiException as exc:
+                found = self.api.get(path("/apis", GROUP, v), timeout=self.timeout)
+            except ApiError as exc:
                 if exc.status == 404:
                     continue
                 raise
-            if any(r.name == plural for r in (found.resources or [])):
+            if any(isinstance(r, dict) and r.get("name") == plural for r in found.get("resources") or []):
                 self._served[plural] = v
                 return v
         return None
@@ -72,18 +69,18 @@ class Placer:
         """Our pod's GPUs: the DRA devices its ResourceClaims were allocated; where it has none, the device
         plugin's on our node: the kubelet's UUIDs (`pod_gpus`), else the one our own evidence names
         (`named`: the UUID in our pod's status or our NVML, where the kubelet's socket is not mounted)."""
-        pod = self.core.read_namespaced_pod(self.pod_name, self.namespace, _request_timeout=self.timeout)
-        node = (pod.spec.node_name if pod.spec is not None else None) or self.node_name
+        pod = self.api.get(pod_path(self.namespace, self.pod_name), timeout=self.timeout)
+        spec, status = pod.get("spec") or {}, pod.get("status") or {}
+        node = spec.get("nodeName") or self.node_name
         # Claims made from a template are named in the status; a shared claim by its name in the spec.
-        names = [st.resource_claim_name for st in (pod.status.resource_claim_statuses if pod.status else None) or []
-                 if st.resource_claim_name]
-        names += [c.resource_claim_name for c in (pod.spec.resource_claims if pod.spec else None) or []
-                  if c.resource_claim_name]
+        names = [str(st["resourceClaimName"]) for st in status.get("resourceClaimStatuses") or []
+                 if st.get("resourceClaimName")]
+        names += [str(c["resourceClaimName"]) for c in spec.get("resourceClaims") or [] if c.get("resourceClaimName")]
         version = self._served_at(CLAIMS, CLAIM_VERSIONS) if names else None
         cards: list[Card] = []
         for name in dict.fromkeys(names) if version is not None else ():
-            claim = self.custom.get_namespaced_custom_object(GROUP, version, self.namespace, CLAIMS, name,
-                                                             _request_timeout=self.timeout)
+            claim = self.api.get(path("/apis", GROUP, version, "namespaces", self.namespace, CLAIMS, name),
+                                 timeout=self.timeout)
             results = (((claim.get("status") or {}).get("allocation") or {}).get("devices") or {}).get("results") or []
             for r in results:
                 driver, pool, device = r.get("driver"), r.get("pool"), r.get("device")
@@ -102,17 +99,16 @@ class Placer:
         selector = self._selector()
         if selector is None:
             return 1
-        pods = self.core.list_namespaced_pod(self.namespace, label_selector=selector,
-                                             _request_timeout=self.timeout).items or []
-        alive = [p for p in pods if p.metadata is not None and p.metadata.deletion_timestamp is None]
+        pods = self.api.get(pod_path(self.namespace), query={"labelSelector": selector},
+                            timeout=self.timeout).get("items") or []
+        alive = [p for p in pods if isinstance(p, dict) and not (p.get("metadata") or {}).get("deletionTimestamp")]
         if kind == placement.NODE:
-            return max(1, len({p.spec.node_name for p in alive if p.spec is not None and p.spec.node_name}))
+            return max(1, len({p["spec"]["nodeName"] for p in alive if (p.get("spec") or {}).get("nodeName")}))
         return max(1, len(alive) * max(1, cards_per_pod))
 
     def _selector(self) -> str | None:
-        found = read_workload(self.apps, self.workload, self.namespace, self.timeout)
-        spec = found.spec if found is not None else None
-        labels = spec.selector.match_labels if spec is not None and spec.selector is not None else None
+        found = read_workload(self.api, self.workload, self.namespace, self.timeout)
+        labels = (((found or {}).get("spec") or {}).get("selector") or {}).get("matchLabels")
         return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) if labels else None
 
     # -- taints --------------------------------------------------------------------------------------------
@@ -135,9 +131,8 @@ class Placer:
         if version is None:
             raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
         try:
-            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                         _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            rule = self.api.get(self._rules(version, taint.target), timeout=self.timeout)
+        except ApiError as exc:
             if exc.status == 404:
                 return self._create_rule(taint, card)
             raise
@@ -148,9 +143,8 @@ class Placer:
         # escalation must not take it back.
         if placement.EFFECT_RANK.get(str(effect), -1) >= placement.EFFECT_RANK.get(taint.effect, 0):
             return "present"
-        self.custom.patch_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                {"spec": {"taint": {"effect": taint.effect}}},
-                                                _content_type=MERGE_PATCH, _request_timeout=self.timeout)
+        self.api.patch(self._rules(version, taint.target), {"spec": {"taint": {"effect": taint.effect}}},
+                       MERGE_PATCH, timeout=self.timeout)
         return "escalated"
 
     def present(self, taint: Taint) -> bool:
@@ -162,9 +156,8 @@ class Placer:
         if version is None:
             return False
         try:
-            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                         _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            rule = self.api.get(self._rules(version, taint.target), timeout=self.timeout)
+        except ApiError as exc:
             if exc.status == 404:
                 return False
             raise
@@ -179,18 +172,16 @@ class Placer:
         if version is None:
             return "absent"
         try:
-            rule = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                         _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            rule = self.api.get(self._rules(version, taint.target), timeout=self.timeout)
+        except ApiError as exc:
             if exc.status == 404:
                 return "absent"
             raise
         if not ours(rule, taint.card):
             return "not_ours"
         try:
-            self.custom.delete_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                     _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            self.api.delete(self._rules(version, taint.target), timeout=self.timeout)
+        except ApiError as exc:
             if exc.status == 404:
                 return "absent"
             raise
@@ -201,9 +192,13 @@ class Placer:
         version = self.version()
         if version is None:
             return []
-        found = self.custom.list_cluster_custom_object(GROUP, version, RULES, label_selector="=".join(
-            placement.MANAGED_BY), _request_timeout=self.timeout)
-        return list(found.get("items") or [])
+        found = self.api.get(self._rules(version), query={"labelSelector": "=".join(placement.MANAGED_BY)},
+                             timeout=self.timeout)
+        return [r for r in found.get("items") or [] if isinstance(r, dict)]
+
+    @staticmethod
+    def _rules(version: str, name: str | None = None) -> str:
+        return path("/apis", GROUP, version, RULES, name)
 
     def _create_rule(self, taint: Taint, card: Card) -> str:
         version = self.version()
@@ -222,29 +217,28 @@ class Placer:
             "spec": spec,
         }
         try:
-            self.custom.create_cluster_custom_object(GROUP, version, RULES, body, _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            self.api.post(self._rules(version), body, timeout=self.timeout)
+        except ApiError as exc:
             if exc.status != 409:
                 raise
             # Another sidecar placed it first, or someone else owns the name: only ours, for this very
             # device, stands for the taint.
-            found = self.custom.get_cluster_custom_object(GROUP, version, RULES, taint.target,
-                                                          _request_timeout=self.timeout)
+            found = self.api.get(self._rules(version, taint.target), timeout=self.timeout)
             selector = (found.get("spec") or {}).get("deviceSelector") or {}
             if ours(found, taint.card) and selector == spec["deviceSelector"]:
                 return "present"
             raise RuntimeError(f"DeviceTaintRule {taint.target} exists and is not ours for {taint.card}") from None
         return "placed"
 
-    def _node_taints(self, name: str) -> tuple[Any | None, list[dict[str, Any]]]:
+    def _node_taints(self, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
         """The node (None: it is gone) and its taints as the API spells them."""
         try:
-            node = self.core.read_node(name, _request_timeout=self.timeout)
-        except client.ApiException as exc:
+            node = self.api.get(path("/api/v1/nodes", name), timeout=self.timeout)
+        except ApiError as exc:
             if exc.status == 404:
                 return None, []
             raise
-        return node, self.api.sanitize_for_serialization(node.spec.taints if node.spec is not None else None) or []
+        return node, [t for t in (node.get("spec") or {}).get("taints") or [] if isinstance(t, dict)]
 
     def _patch_node(self, name: str, change: Any, done: str, unchanged: str) -> str:
         """`done` once written, `unchanged` where nothing was to change, `absent` where the node is gone."""
@@ -257,10 +251,11 @@ class Placer:
                 return unchanged
             # The resourceVersion read makes the merge conditional: a kubelet's or an operator's write in
             # between is never overwritten (409, then decided again on what they wrote).
-            body = {"metadata": {"resourceVersion": node.metadata.resource_version}, "spec": {"taints": new}}
+            body = {"metadata": {"resourceVersion": (node.get("metadata") or {}).get("resourceVersion")},
+                    "spec": {"taints": new}}
             try:
-                self.core.patch_node(name, body, _content_type=MERGE_PATCH, _request_timeout=self.timeout)
-            except client.ApiException as exc:
+                self.api.patch(path("/api/v1/nodes", name), body, MERGE_PATCH, timeout=self.timeout)
+            except ApiError as exc:
                 if exc.status == 409:
                     continue
                 raise

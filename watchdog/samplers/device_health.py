@@ -2,9 +2,8 @@
 
 `status.containerStatuses[].allocatedResourcesStatus`: `[{name: "nvidia.com/gpu", resources: [{resourceID,
 health: Healthy | Unhealthy | Unknown}]}]`, filled by the kubelet from the device plugin's health (feature
-gate `ResourceHealthStatus`: alpha in Kubernetes 1.31, beta in 1.36). The python client (37.x) models it
-as `V1ContainerStatus.allocated_resources_status` -> `V1ResourceStatus(name, resources)` ->
-`V1ResourceHealth(resource_id, health, message)`. A DRA device is reported under its claim
+gate `ResourceHealthStatus`: alpha in Kubernetes 1.31, beta in 1.36), read from the pod's JSON as the API
+sends it. A DRA device is reported under its claim
 (`claim:<claim>/<request>`) with the ID `<driver>/<pool>/<device>`; a GPU driver's are ours. Read with
 the `get` on our own pod the sidecar has already; where the field is absent nothing is known, which is
 never a restart.
@@ -13,14 +12,12 @@ never a restart.
 from __future__ import annotations
 
 import asyncio
-import functools
 import os
 from collections.abc import Callable
 from typing import Any
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.actions.k8s import client
-from gpu_watchdog.watchdog.actions.kube import load_api_client
+from gpu_watchdog.watchdog.actions.kube import load_api_client, pod_path
 from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.samplers.pod_resources import GPU_RESOURCE_PREFIX
 from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
@@ -38,14 +35,17 @@ def is_gpu(resource: str, resource_id: str) -> bool:
     return resource.startswith(CLAIM_PREFIX) and resource_id.split("/", 1)[0] in GPU_DRIVERS
 
 
-def device_health(pod: Any, at: float) -> DeviceHealthSample:
-    """The GPU devices of every container of `pod` (a `V1Pod`) with their health, as read at `at`."""
-    statuses = (pod.status.container_statuses if pod.status is not None else None) or []
+def device_health(pod: dict[str, Any], at: float) -> DeviceHealthSample:
+    """The GPU devices of every container of `pod` (the API's JSON) with their health, as read at `at`."""
+    statuses = (pod.get("status") or {}).get("containerStatuses") or []
     devices = [
-        DeviceHealth(container=c.name, resource=r.name, resource_id=d.resource_id, health=d.health or "Unknown",
-                     message=d.message)
-        for c in statuses for r in (c.allocated_resources_status or [])
-        for d in (r.resources or []) if is_gpu(r.name, d.resource_id or "")
+        DeviceHealth(container=str(c.get("name") or ""), resource=str(r.get("name") or ""),
+                     resource_id=str(d.get("resourceID") or ""), health=str(d.get("health") or "Unknown"),
+                     message=None if d.get("message") is None else str(d["message"]))
+        for c in statuses if isinstance(c, dict)
+        for r in c.get("allocatedResourcesStatus") or [] if isinstance(r, dict)
+        for d in r.get("resources") or [] if isinstance(d, dict) and is_gpu(str(r.get("name") or ""),
+                                                                             str(d.get("resourceID") or ""))
     ]
     return DeviceHealthSample(at=at, read=True, devices=tuple(devices))
 
@@ -85,5 +85,6 @@ def pod_reader(settings: Settings) -> Callable[[], Any] | None:
     k = settings.kubernetes
     if not (k.pod_name and k.namespace) or (k.kubeconfig is None and not os.environ.get("KUBERNETES_SERVICE_HOST")):
         return None
-    core = client.CoreV1Api(load_api_client(k.kubeconfig, k.request_timeout))
-    return functools.partial(core.read_namespaced_pod, k.pod_name, k.namespace, _request_timeout=k.request_timeout)
+    api = load_api_client(k.kubeconfig, k.request_timeout)
+    pod = pod_path(k.namespace, k.pod_name)
+    return lambda: api.get(pod, timeout=k.request_timeout)
