@@ -25,17 +25,19 @@ from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
-from gpu_watchdog.watchdog.executor import BUDGET_FRESH_S, Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.executor import Executor, FleetLedger, RestartEvents
 from gpu_watchdog.watchdog.keep_out import CardPlacer, KeepOut, lift_interval
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
 from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
 from gpu_watchdog.watchdog.recorder import FlightRecorder
+from gpu_watchdog.watchdog.restarting import Restarts
 from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
-from gpu_watchdog.watchdog.samples import DecisionRecord, History, XidEvent
+from gpu_watchdog.watchdog.samples import DecisionRecord, History
+from gpu_watchdog.watchdog.sampling import TICK_S, Sampling
 from gpu_watchdog.watchdog.server import build_app
 from gpu_watchdog.watchdog.settings import Settings, metrics_url
 from gpu_watchdog.watchdog.state import (
@@ -43,15 +45,13 @@ from gpu_watchdog.watchdog.state import (
     CacheFlushRequested,
     Outcome,
     RestartBegun,
-    RestartCancelled,
-    RestartHeld,
+    RestartEnded,
     reduce,
 )
 from gpu_watchdog.watchdog.worker_rung import WorkerRung
 
 log = logs.get("watchdog")
 
-TICK_S = 0.5
 LAG_PROBE_S = 0.25  # how often the loop measures its own lateness
 BUDGET_READ_S = 60.0  # the workload's restart Events are read again this often (and before a restart)
 # The workload's quarantine is read from its Lease and pushed to our server this often: a request
@@ -67,6 +67,8 @@ class Running:
     samplers: Samplers
     executor: Executor
     keep_out: KeepOut | None
+    restarts: Restarts
+    sampling: Sampling
     runner: web.AppRunner | None
     port: int | None
     tasks: list[asyncio.Task[Any]]
@@ -152,19 +154,31 @@ class Watchdog:
                             self.node, self.restart_events, self.workload, self._pod_gpus, self.ledger,
                             {k: c for k, _, c in samplers.workers.clients} if samplers.workers is not None else None)
         await asyncio.to_thread(samplers.nvml.open)
-        samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(self._on_xid, ev))
+        sampling = Sampling(
+            settings=s, samplers=samplers, executor=executor, restarter=self.restarter, metrics=self.metrics,
+            episodes=self.episodes, history=lambda: self.history, fold=self._fold, evaluate=self._evaluate,
+            spawn=self._spawn, clock=self.clock, wall_clock=self.wall_clock, read_token=self._read_token,
+            token=self._token, server_metrics_url=self.server_metrics_url)
+        samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(sampling.on_xid, ev))
         runner, port = await self._serve_http() if serve_http else (None, None)
         keep_out = KeepOut(s, self.placer, self.ledger, self.metrics, self.wall_clock, self.workload or "") \
             if self.placer is not None and self.ledger is not None and s.policy.placement.strategy != "off" else None
-        self._run = run = Running(session, samplers, executor, keep_out, runner, port, [])
+        restarts = Restarts(
+            settings=s, executor=executor, metrics=self.metrics, fold=self._fold, record=self._record,
+            clock=self.clock, history=lambda: self.history,
+            read_budget=self._read_budget if self.restart_events is not None else None, keep_out=keep_out,
+            worker_control=lambda k: samplers.workers.client(k) if samplers.workers is not None and k
+            else samplers.control,
+            spawn=self._spawn, restarted=self._restarted, escalate=self._escalate)
+        self._run = run = Running(session, samplers, executor, keep_out, restarts, sampling, runner, port, [])
         await self._learn_pod_gpus()
         if self.restart_events is not None:
             await self._read_budget()
         def periodic(name: str, interval: Callable[[], float], step: Callable[[], Any]) -> None:
             run.tasks.append(loop.create_task(self._periodic(name, interval, step)))
 
-        periodic("nvml", lambda: s.sampling.nvml_interval, self._sample_nvml)
-        periodic("canary", self._canary_delay, self._sample_canary)
+        periodic("nvml", lambda: s.sampling.nvml_interval, sampling.nvml)
+        periodic("canary", sampling.canary_delay, sampling.canary)
         periodic("tick", lambda: TICK_S, self._tick)
         run.tasks.append(loop.create_task(self._watch_loop_lag()))
         if self.restart_events is not None:
@@ -172,17 +186,17 @@ class Watchdog:
         if executor.pod_gpus_error is not None:
             run.tasks.append(loop.create_task(self._retry_pod_gpus()))
         if samplers.allocator is not None:
-            periodic("torch", lambda: s.sampling.torch_interval, self._sample_torch)
+            periodic("torch", lambda: s.sampling.torch_interval, sampling.torch)
         if samplers.server_metrics is not None:
-            periodic("server", self._server_delay, self._sample_server)
+            periodic("server", sampling.server_delay, sampling.server)
         if samplers.workers is not None:
-            periodic("workers", lambda: s.sampling.torch_interval, self._sample_workers)
-            rung = WorkerRung(s, samplers.workers, executor, self.metrics, self._fold, self._record, self.clock,
-                              self._read_budget if self.restart_events is not None else None,
+            periodic("workers", lambda: s.sampling.torch_interval, sampling.workers)
+            rung = WorkerRung(settings=s, sampler=samplers.workers, executor=executor, restarts=restarts,
+                              fold=self._fold, clock=self.clock, budget_from_events=self.restart_events is not None,
                               decided=lambda now, decisions: self._decided(now, decisions, recording.WORKERS))
             periodic("worker_canaries", lambda: s.canary.interval, lambda: rung.sample(lambda: self.history))
         if samplers.device_health is not None:
-            periodic("device_health", lambda: s.sampling.device_health_interval, self._sample_device_health)
+            periodic("device_health", lambda: s.sampling.device_health_interval, sampling.device_health)
         if keep_out is not None:
             periodic("placement", lambda: lift_interval(s.policy.placement.ttl), keep_out.reconcile)
         if s.policy.quarantine.enabled and samplers.control is not None:
@@ -266,15 +280,6 @@ class Watchdog:
         self._actions.add(task)
         task.add_done_callback(self._actions.discard)
 
-    def _canary_delay(self) -> float:
-        return policy.canary_delay(self.settings.canary, self.settings.policy, self.history, self.clock())
-
-    def _server_delay(self) -> float:
-        # A failed or timed-out scrape is tried again at the next tick, not a whole interval later.
-        last = self.history.server[-1] if self.history.server else None
-        return min(TICK_S, self.settings.sampling.server_interval) if last is not None and not last.reachable \
-            else self.settings.sampling.server_interval
-
     # -- the loop's own health ------------------------------------------------------------------
 
     async def _watch_loop_lag(self) -> None:
@@ -294,111 +299,6 @@ class Watchdog:
 
     async def _tick(self) -> None:
         self._last_tick = self.clock()
-        await self._evaluate()
-
-    # -- samplers ------------------------------------------------------------------------------
-
-    async def _sample_nvml(self) -> None:
-        readout = await self.running.samplers.nvml.sample(policy.our_gpus(self.history))
-        self._fold(readout)
-        for g in readout.gpus:
-            if g.lost:
-                log.error("gpu_lost", uuid=g.uuid, reason=g.reason)
-        await self._evaluate()
-
-    def _on_xid(self, ev: XidEvent) -> None:
-        h = self.history
-        gpu = next((g for g in h.gpus if g.uuid == ev.uuid and g.index is not None), None)
-        index = "" if gpu is None else str(gpu.index)
-        self.metrics.xid_errors.labels(gpu=index, uuid=ev.uuid or "", xid=str(ev.xid)).inc()
-        log.warning("xid_event", xid=ev.xid, uuid=ev.uuid, critical=ev.xid in policy.XID_CRITICAL,
-                    ours=policy.xid_is_ours(h, ev.uuid))
-        self._fold(ev)
-        self._spawn(self._evaluate())
-
-    async def _sample_torch(self) -> None:
-        samplers = self.running.samplers
-        assert samplers.allocator is not None and samplers.control is not None
-        sample = await samplers.allocator.sample()
-        if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
-            samplers.control.set_token(self._read_token())
-        self._fold(sample)
-        self.episodes.follow_idle_memory(sample)
-        await self._evaluate()
-
-    async def _sample_workers(self) -> None:
-        workers = self.running.samplers.workers
-        assert workers is not None
-        sample = await workers.sample()
-        if any((w.memory.error or "").startswith("unauthorized") for w in sample.workers):
-            workers.set_token(self._read_token() or self._token)
-        before = {w.worker: w.memory for w in self.history.workers.workers} if self.history.workers else {}
-        for w in sample.workers:
-            last, now = before.get(w.worker), w.memory
-            if now.reachable and (last is None or not last.reachable or last.instance_id != now.instance_id):
-                log.info("worker_seen", worker=w.worker, url=w.url, instance_id=now.instance_id, device=now.device,
-                         uuid=now.uuid)
-            elif not now.reachable and (last is None or last.reachable):
-                log.warning("worker_unreachable", worker=w.worker, url=w.url, error=now.error)
-            if now.poisoned and not (last is not None and last.poisoned):
-                # Its agent exits by itself and the pre-fork server starts another: nothing of ours to do.
-                log.warning("worker_poisoned", worker=w.worker, url=w.url, reason=now.poison_reason,
-                            action="none: the worker exits and its server replaces it")
-        self._fold(sample)
-
-    async def _sample_device_health(self) -> None:
-        device_health = self.running.samplers.device_health
-        assert device_health is not None
-        self._fold(await device_health.sample())
-        await self._evaluate()
-
-    async def _sample_server(self) -> None:
-        server_metrics = self.running.samplers.server_metrics
-        assert server_metrics is not None
-        sample = await server_metrics.sample()
-        last = self.history.server[-1] if self.history.server else None
-        if last is None or last.reachable != sample.reachable or last.server != sample.server:
-            if sample.reachable:
-                log.info("server_metrics", server=sample.server, url=self.server_metrics_url,
-                         recognised=sample.server != "unknown")
-            else:
-                log.warning("server_metrics_unavailable", url=self.server_metrics_url, error=sample.error)
-        self._fold(sample)
-        self.episodes.follow_target(self.settings.policy, self.history, self.clock())
-        await self._evaluate()
-
-    async def _sample_canary(self) -> None:
-        samplers = self.running.samplers
-        if self.history.restart_in_progress and not self.history.restart_waiting:
-            return
-        sample = await samplers.canary.sample()
-        if not sample.ok and samplers.control is not None and (
-                sample.error_class == "unreachable" or "(401)" in (sample.error or "")):
-            # The inference container may have (re)written the token file since we last read it.
-            samplers.control.set_token(self._read_token() or self._token)
-        served_before = self.history.served_at is not None
-        executor = self.executor
-        if sample.ok and sample.instance_id is not None and sample.instance_id != executor.quarantine_pushed_to:
-            # A new server process gets the workload's quarantine before this pod reads ready again,
-            # not at the next sync.
-            await executor.push_quarantine(sample.instance_id)
-        self._fold(sample)
-        # A drained server's answer is no cure: the verdict stays until a new process serves.
-        if sample.served:
-            await self.restarter.target_served(self.wall_clock())
-        if sample.served and not self.history.restart_in_progress:
-            # The ledger's bookkeeping in its own task: an API that is slow must not delay canaries.
-            self._spawn(self.executor.target_served())
-        if sample.ok:
-            self.metrics.canary_duration.observe(sample.latency_s)
-            if not served_before and self.history.served_at is not None:
-                log.info("target_serving", route=sample.route, latency_s=round(sample.latency_s, 4),
-                         starting_s=round(sample.at - max(self.history.started_at, self.history.epoch), 3))
-        else:
-            self.metrics.canary_failures.labels(error_class=sample.error_class or "other").inc()
-            log.warning("canary_failed", error_class=sample.error_class, latency_s=round(sample.latency_s, 4),
-                        error=sample.error, route=sample.route, starting=not served_before)
-        self.episodes.follow_target(self.settings.policy, self.history, self.clock())
         await self._evaluate()
 
     # -- outcomes of the executor's edges ---------------------------------------------------------
@@ -459,9 +359,10 @@ class Watchdog:
             if not self.executor.begin(0):
                 return  # another worker's restart is under way: decided again once it has ended
             self._fold(RestartBegun(now))
-            if self.executor.fleet.held is None:  # asked again while held: recorded once, as held
+            asked_again = self.executor.fleet.held is not None
+            if not asked_again:  # asked again while held: recorded once, as held
                 self._record(decision, "started", now)
-            self._spawn(self._restart(decision))
+            self._spawn(self.running.restarts.run(0, decision, asked_again))
         elif decision.action == "empty_cache":
             self._fold(CacheFlushRequested(now, decision.reason))
             self._record(decision, "started", now)
@@ -481,68 +382,13 @@ class Watchdog:
                         detail=decision.detail, ladder=dataclasses.asdict(self.history.ladder)
                         if self.history.ladder is not None else None)
 
-    async def _restart(self, decision: Decision) -> None:
-        try:
-            await self._restart_target(decision)
-        finally:
-            self.executor.end(0)  # begun by _act
-
-    async def _restart_target(self, decision: Decision) -> None:
-        # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it now,
-        # whether or not this restart goes ahead.
-        self._spawn(self.executor.report_driver_word(decision))
-        if decision.reason in CURING_REASONS:
-            # A request may have killed or wedged the engine (never so for drift, age or memory).
-            # What was in flight, read first (a poisoned server leaves a few seconds after it is seen):
-            # the query of death's evidence, recorded before anything restarts.
-            inflight = await self.executor.record_failure(decision)
-            if inflight is not None:
-                decision = dataclasses.replace(decision, detail={**decision.detail, "inflight": list(inflight)})
-        from_events = self.restart_events is not None
-        read_at = self.history.workload_read_at
-        asked_again = self.executor.fleet.held is not None
-        if from_events and (not asked_again or read_at is None or self.clock() - read_at >= BUDGET_FRESH_S):
-            # Another generation of this workload's pods may have restarted since the last read.
-            await self._read_budget()
-        if from_events:
-            if policy.budget_remaining(self.settings.policy, self.history, self.clock(), from_events) <= 0:
-                self._fold(RestartCancelled(self.clock()))  # the next evaluation reports it blocked
-                return
-        held = await self.executor.take_slot(decision)
-        if held is not None:
-            # The fleet's ledger says not now: nothing was done; asked again shortly (policy).
-            if self.executor.fleet_episode(held):
-                self._record(decision, held, self.clock())
-            self._fold(RestartHeld(self.clock(), decision.reason, held))
-            return
-        keep_out = self.running.keep_out
-        pod_rung = self.executor.slot_rung(decision) == RUNG_POD
-        if keep_out is not None and pod_rung:
-            # Before the pod goes: its replacement must not be placed on the card the evidence is about.
-            await keep_out.before_pod_rung(decision, self.history.pod_gpus, self.executor.suspects.values())
-        log.warning("decision", action="restart", reason=decision.reason, strategy=self.restarter.strategy,
-                    drain=decision.drain, detail=decision.detail,
-                    budget_remaining=policy.budget_remaining(self.settings.policy, self.history, self.clock(),
-                                                             from_events) - 1)
-        ended, record = await self.executor.restart(decision, self._fold)
-        if keep_out is not None:
-            if pod_rung:
-                self._spawn(keep_out.after_pod_rung(ended.done))
-            elif ended.done:
-                self._spawn(keep_out.remember_restart(decision, self.history.pod_gpus))
-        self._record(decision, record, ended.at)
-        self._fold(ended)
-        self.executor.restart_ended(ended)
-        if not ended.done:
-            await self.executor.release_slot(0, f"restart {record}")
-        if ended.done:
-            self.running.samplers.canary.forget()
-        if self.node is not None and decision.reason in CURING_REASONS and record != "reported":
-            self._spawn(self._escalate(decision.reason))
-        if ended.done and not ended.keep_unready:
+    def _restarted(self, ended: RestartEnded) -> None:
+        """A restart done: the canary's verdict is about the process gone."""
+        self.running.samplers.canary.forget()
+        if not ended.keep_unready:
             # Readiness needs a canary newer than the restart: take one now rather than at the
             # next interval (30 s by default), so a served-again model is routed to at once.
-            self._spawn(self._sample_canary())
+            self._spawn(self.running.sampling.canary())
 
     # -- views -------------------------------------------------------------------------------
 

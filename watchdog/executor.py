@@ -11,11 +11,11 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import functools
-from collections.abc import Callable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import escalation, fleet, ladder, placement, quarantine
+from gpu_watchdog.watchdog import escalation, fleet, ladder, placement, procedure, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
@@ -63,9 +63,6 @@ DRAIN_DEADLINE_MARGIN_S = 120.0
 # wanted: a wanted one is tried again within the longest backoff (15 min), so after twice that
 # without an attempt the restart is no longer wanted and the episode is over.
 NOT_RECORDED_HOLD_S = 1800.0
-# A restart asked again while the fleet holds it (every 2 s) reads the workload's Events again only
-# once they are this old.
-BUDGET_FRESH_S = 10.0
 # How long a restart waits for its failure's record (the Lease written) before it goes on beside it.
 RECORD_WAIT_S = 5.0
 # A failure whose record could not be written is tried again this long after, not at every
@@ -82,8 +79,9 @@ class ServerDrain:
     Without a control API (or a restart that asks for no drain) only the waiting is told."""
 
     def __init__(self, control: ControlClient | None, timeout: float, fold: Callable[[Outcome], None],
-                 clock: Callable[[], float]) -> None:
+                 clock: Callable[[], float], before_act: Callable[[float], Awaitable[bool]] | None = None) -> None:
         self.control = control
+        self._before_act = before_act
         self.timeout = timeout
         self.fold = fold
         self.clock = clock
@@ -101,6 +99,9 @@ class ServerDrain:
             log.info("drained", **{k: drained.get(k) for k in ("drained", "inflight", "queued")})
         except ControlError as exc:
             log.warning("drain_failed", error=str(exc))
+
+    async def before_act(self, at: float) -> bool:
+        return True if self._before_act is None else await self._before_act(at)
 
     async def lift(self, why: str) -> None:
         self.fold(RestartWaiting(self.clock(), True))
@@ -478,8 +479,11 @@ class Executor:
         started = self.clock()
         reported_only = self.restarter.strategy == "none"
         done, keep_unready, rung, record = False, False, decision.rung, "failed"
+        # A slot for our pod's replacement: the ledger hears when the pod goes (`fleet.acted`).
+        marks = self.fleet_on and self.fleet.slot_held and self.slot_rung(decision) == RUNG_POD
         drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
-                                         s.restart.drain_timeout, fold, self.clock)
+                                         s.restart.drain_timeout, fold, self.clock,
+                                         self._before_act if marks else None)
         try:
             outcome = await self.worker_exit(decision, 0, self.control) \
                 if decision.rung == RUNG_WORKER and not reported_only else None
@@ -491,6 +495,8 @@ class Executor:
                     decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)
                 outcome = await self.restarter.restart(decision, drain)
             done, rung = outcome.done, outcome.rung
+            if outcome.gone and marks:
+                await self._unmark()
             if done:
                 self.restart_failed = None
                 self.metrics.restarts.labels(reason=decision.reason, rung=rung).inc()
@@ -521,12 +527,35 @@ class Executor:
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id), record
 
+    async def _unmark(self) -> None:
+        """Our pod was gone already (removed by someone else, whenever): its replacement may be older
+        than any mark of ours, so the slot goes back as an unmarked one does."""
+        pod = self.settings.kubernetes.pod_name
+        try:
+            await self._update(lambda led, now: (fleet.acted(led, pod, None), None))
+        except Exception as exc:
+            log.warning("fleet_act_not_marked", error=str(exc)[:300],
+                        action=f"our pod was gone already; its slot lapses after"
+                               f" {self.settings.policy.fleet.slot_timeout:g}s")
+
+    async def _before_act(self, at: float) -> bool:
+        """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that
+        only a pod created after it gives our slot back (False: it could not; the act waits)."""
+        pod = self.settings.kubernetes.pod_name
+        try:
+            await self._update(lambda led, now: (fleet.acted(led, pod, at), None))
+        except Exception as exc:
+            log.warning("fleet_act_not_marked", error=str(exc)[:300],
+                        action="the pod is not evicted until the ledger knows when; retried with backoff")
+            return False
+        return True
+
     async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None,
                           untold: Callable[[str], None] = lambda why: None) -> RestartOutcome | None:
         """Worker `worker` leaves and its server starts it again, its Event written first as for any
         restart (refused: nothing done, `not_recorded`); None when it cannot be told, `untold` hearing
         why (the watched worker gets the container's rung then, as for one worker; another, once
-        `worker_rung.EXIT_TRIES` such tries ran for its process).
+        `procedure.EXIT_TRIES` such tries ran for its process).
 
         A poisoned worker exits by itself once its in-flight requests were read: telling it would
         only race the new process that replaces it, and its Event is written all the same. A hung
@@ -638,7 +667,7 @@ class Executor:
     def slot_rung(self, decision: Decision) -> str:
         """The rung a slot for this restart is taken for: only `container` restarts in place; evict and
         delete always replace the pod; a worker's restart is the worker's whatever the strategy."""
-        return decision.rung if self.restarter.strategy == "container" or decision.rung == RUNG_WORKER else RUNG_POD
+        return procedure.slot_rung(decision, self.restarter.strategy)
 
     async def take_slot(self, decision: Decision) -> str | None:
         """A slot for this restart from the workload's ledger; None: granted (or no ledger), else why not
@@ -930,7 +959,8 @@ class Executor:
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
           now: float, template: str | None) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
     """`fleet.take`, also handing back the ledger as written (for the view)."""
-    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template)
+    # Every pod's restart goes through `KubeRestarter`, which tells the ledger when the pod goes.
+    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template, marks=True)
     return new, (new, verdict)
 
 

@@ -46,6 +46,8 @@ HELD_NOTE_EVERY_S = 60.0  # a sidecar held by an open breaker says so in the led
 # template kept) still counts a pod created CLOCK_SKEW_S before it.
 CLOCK_SKEW_S = 2.0
 SLOT_WAIT_S = CLOCK_SKEW_S + 1.5
+# The API server stamps a pod's creation in whole seconds (rounded down).
+CREATED_ROUNDING_S = 1.0
 # Entries dated further ahead than this are not believed (a node's clock far off, or a forged
 # annotation): they would hold a slot or the breaker until they expired.
 FUTURE_S = 60.0
@@ -71,6 +73,13 @@ class Slot:
     template: str | None = None
     # The workload's replicas wanted when it was taken, plus the new pods counted as growth since.
     replicas: int | None = None
+    # When the pod's eviction (or deletion) that was accepted was asked (wall clock): its replacement
+    # is created after it, and a pod created while the restart waited (for its disruption budget, a
+    # drain) is a scale-up's or a rollout's, not the replacement. None: not known (the slot's time stands).
+    acted_at: float | None = None
+    # Its sidecar tells the ledger when the pod goes (`acted`) before it goes: until then no pod
+    # replaces it. False: a slot written by a sidecar that does not (any pod created after it may).
+    marked: bool = False
 
 
 @dataclass(frozen=True)
@@ -169,7 +178,8 @@ def _slot(s: dict[str, Any]) -> Slot:
     if replicas is not None and (isinstance(replicas, bool) or not isinstance(replicas, int) or replicas < 0):
         raise LedgerError(f"replicas: expected a count, got {replicas!r}")
     return Slot(_str(s, "pod"), _str(s, "reason"), _str(s, "rung"), _num(s, "at"),
-                _str(s, "template", optional=True), replicas)
+                _str(s, "template", optional=True), replicas,
+                None if s.get("acted_at") is None else _num(s, "acted_at"), s.get("marked") is True)
 
 
 def parse(text: str | None) -> Ledger:
@@ -277,9 +287,10 @@ def breaker_holds(breaker: Breaker, reason: str) -> bool:
 
 
 def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-         now: float, *, template: str | None = None) -> tuple[Ledger, Verdict]:
+         now: float, *, template: str | None = None, marks: bool = False) -> tuple[Ledger, Verdict]:
     """Ask for a slot to restart `pod` for `reason`: granted (and the restart recorded), held for want
-    of a slot, or held by the breaker (which this ask may open)."""
+    of a slot, or held by the breaker (which this ask may open). `marks`: the asker tells the ledger
+    when its pod goes (`acted`) before it goes, so that no pod replaces it until then."""
     ledger = prune(settings, ledger, now)
     limit = unavailable_slots(settings, replicas)
     figures: dict[str, Any] = {"replicas": replicas, "max_unavailable": limit,
@@ -310,7 +321,8 @@ def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str
             waiting = (*(w for w in ledger.waiting if w.pod != pod), Slot(pod, reason, rung, now, template, replicas))
             ledger = replace(ledger, waiting=waiting)
         return ledger, Verdict(UNAVAILABLE_LIMIT, {**figures, "restarting": sorted(s.pod for s in ledger.slots)})
-    ledger = replace(ledger, slots=(*ledger.slots, Slot(pod, reason, rung, now, template, replicas)),
+    ledger = replace(ledger, slots=(*ledger.slots, Slot(pod, reason, rung, now, template, replicas,
+                                                        marked=marks and rung == RUNG_POD)),
                      waiting=tuple(w for w in ledger.waiting if w.pod != pod),
                      restarts=(*ledger.restarts, FleetRestart(pod, reason, now, comeback))[-MAX_RESTARTS_KEPT:])
     return ledger, Verdict(GRANTED, {**figures, "unavailable": len(ledger.slots), "comeback": comeback})
@@ -340,6 +352,15 @@ def give_back(ledger: Ledger, pod: str, restarted: bool) -> Ledger:
     return replace(ledger, slots=slots, restarts=restarts, waiting=waiting)
 
 
+def acted(ledger: Ledger, pod: str, at: float | None) -> Ledger:
+    """Our pod's eviction (or deletion) is asked at `at` (told before it is asked; again after a try
+    the API refused): only a pod created after it (within CLOCK_SKEW_S) replaces it. None: our pod was
+    gone already, removed by someone else whenever: its slot goes back as an unmarked one does."""
+    return replace(ledger, slots=tuple(
+        (replace(s, acted_at=at) if at is not None else replace(s, acted_at=None, marked=False))
+        if s.pod == pod and s.rung == RUNG_POD else s for s in ledger.slots))
+
+
 def replaced(ledger: Ledger, pod: str, started_at: float, *, template: str | None = None,
              replicas: int | None = None) -> tuple[Ledger, Slot | None]:
     """A pod whose target serves for the first time (created at `started_at`, of pod template
@@ -347,7 +368,8 @@ def replaced(ledger: Ledger, pod: str, started_at: float, *, template: str | Non
     newest of those taken before the pod was created from its template. A StatefulSet's replacement
     has its predecessor's name: a slot of that name counts where it was taken before the pod was created.
 
-    Not every new pod is a replacement. One of another template (a rollout's) returns nothing. Where
+    Not every new pod is a replacement. One of another template (a rollout's) returns nothing, nor one
+    created before the slot's eviction was asked (`acted`: a scale-up's while the restart waited). Where
     more replicas are wanted now than when a slot was taken, the pod may be one of the new ones: it
     is counted as growth by every such slot (each then waits for one pod more) and returns nothing;
     the pods beyond the growth return the slots. Counted in either order, a slot goes back only once
@@ -355,6 +377,8 @@ def replaced(ledger: Ledger, pod: str, started_at: float, *, template: str | Non
     None when there is none."""
     candidates = sorted((s for s in ledger.slots if s.rung == RUNG_POD
                          and (s.at <= started_at + CLOCK_SKEW_S if s.template is None else s.at < started_at)
+                         and (s.acted_at - CLOCK_SKEW_S - CREATED_ROUNDING_S < started_at if s.acted_at is not None
+                              else not s.marked)
                          and (s.pod != pod or s.at < started_at)
                          and (template is None or s.template is None or s.template == template)),
                         key=lambda s: s.at)

@@ -120,6 +120,29 @@ class WorkerCanaries:
 
 
 @dataclass(frozen=True)
+class WorkerUntold:
+    """Another worker's control API could not tell its process (`instance_id`) to exit: why."""
+
+    at: float
+    worker: int
+    instance_id: str | None
+    error: str
+
+
+@dataclass(frozen=True)
+class Untold:
+    """A worker process its control API could not tell to exit: how many times running, and why."""
+
+    instance_id: str | None
+    tries: int
+    error: str
+
+    def same(self, instance_id: str | None) -> bool:
+        """Whether `instance_id` is this process (where either is unknown, the worker's is taken for it)."""
+        return self.instance_id is None or instance_id is None or self.instance_id == instance_id
+
+
+@dataclass(frozen=True)
 class WorkerRestarted:
     """Another worker's rung as it ended: carried out (`restart`: told to exit, or found gone; its
     server starts it again), or not (RESTART_FAILED, RESTART_REPORTED, RESTART_HELD with `why`)."""
@@ -257,6 +280,9 @@ class History:
     worker_canaries: dict[int, deque[CanarySample]] = field(default_factory=dict)
     # What became of each other worker's restarts: its own backoff, apart from the watched target's.
     worker_actions: dict[int, deque[ActionRecord]] = field(default_factory=dict)
+    # Each other worker's process its control API failed to tell to exit, and how many times running:
+    # counted anew once it serves again, or once a restart made it a new process.
+    untold: dict[int, Untold] = field(default_factory=dict)
     # The reason of the restart last reported blocked by the budget: reported once until one starts.
     blocked_reported: str | None = None
     restart_in_progress: bool = False

@@ -25,9 +25,11 @@ from gpu_watchdog.watchdog.samples import (
     PastRestart,
     ServerSample,
     TorchSample,
+    Untold,
     WorkerCanaries,
     WorkerRestarted,
     WorkersSample,
+    WorkerUntold,
     XidEvent,
 )
 from gpu_watchdog.watchdog.settings import AdmissionSettings
@@ -118,7 +120,7 @@ class AdmissionAnswered:
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
            | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
            | RestartWaiting | RestartHeld | DeviceHealthSample | DecisionRecord | WorkersSample | WorkerCanaries
-           | WorkerRestarted)
+           | WorkerRestarted | WorkerUntold)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -162,6 +164,14 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, WorkerCanaries):
         for k, c in outcome.canaries:
             h.worker_canaries.setdefault(k, deque(maxlen=WORKER_CANARIES_KEPT)).append(c)
+            if c.served:
+                h.untold.pop(k, None)  # it serves again: a later hang counts its failed exits anew
+    elif isinstance(outcome, WorkerUntold):
+        u = h.untold.get(outcome.worker)
+        same = u is not None and u.same(outcome.instance_id)
+        h.untold[outcome.worker] = Untold(
+            outcome.instance_id if outcome.instance_id is not None or u is None else u.instance_id,
+            u.tries + 1 if u is not None and same else 1, outcome.error)
     elif isinstance(outcome, WorkerRestarted):
         record = ActionRecord(outcome.at, outcome.action, outcome.reason, RUNG_WORKER, outcome.why)
         h.worker_actions.setdefault(outcome.worker, deque(maxlen=WORKER_CANARIES_KEPT)).append(record)
@@ -169,6 +179,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
             # Counted as a restart (the budget), and what that worker said before is about a process gone.
             h.actions.append(record)
             h.worker_canaries.pop(outcome.worker, None)
+            h.untold.pop(outcome.worker, None)
     elif isinstance(outcome, DecisionRecord):
         h.decisions.append(outcome)
         if outcome.outcome == BLOCKED_BY_BUDGET:
@@ -188,6 +199,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.epoch = outcome.at
         if outcome.rung == RUNG_WORKER:
             h.gone_instance = outcome.instance_id
+        else:
+            h.untold.clear()  # every worker is a new process now
         h.served_at = None
     elif isinstance(outcome, RestartCancelled):
         h.restart_in_progress, h.restart_waiting = False, False

@@ -47,7 +47,11 @@ def request_lines(pod: FleetPod) -> list[dict[str, Any]]:
 
 
 async def listed(fleet: Fleet, pod: FleetPod) -> list[str]:
-    """The fingerprints a pod's server refuses, where it serves ([] while it is down, starting or poisoned)."""
+    """The fingerprints a pod's server refuses, where it serves ([] while it is down, starting or poisoned,
+    or its readiness probe has not passed yet: a replacement's sidecar pushes the list before its model
+    has loaded, and a request sent then is told to come back later)."""
+    if not pod.ready:
+        return []
     try:
         memory = await fleet.control(pod, "GET", "/control/memory")
         if memory["poisoned"] or not memory["ready"]:

@@ -47,6 +47,9 @@ class RecordingDrain:
     async def lift(self, why: str) -> None:
         self.calls.append(f"lift:{why}")
 
+    async def before_act(self, at: float) -> bool:
+        return True
+
 
 def dry(req: Any) -> bool:
     return req.params.get("dryRun") == "All"

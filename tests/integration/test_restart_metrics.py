@@ -76,7 +76,7 @@ async def test_each_reason_counts_under_its_own_label(reason: str) -> None:
     await wd.start(serve_http=False)
     try:
         assert set(counts(wd).values()) == {0.0}  # every reason exported from the start
-        await wd._restart(Decision("restart", reason, {"why": "test"}))
+        await wd.running.restarts.run(0, Decision("restart", reason, {"why": "test"}))
         assert counts(wd) == {r: 1.0 if r == reason else 0.0 for r in RESTART_REASONS}
         assert restarter.calls == [reason]
         assert wd.history.actions[-1].reason == reason and wd.history.served_at is None
@@ -88,7 +88,7 @@ async def test_a_restart_that_did_not_happen_is_not_counted() -> None:
     wd = watchdog(Restarter(done=False))
     await wd.start(serve_http=False)
     try:
-        await wd._restart(Decision("restart", "hang", {}))
+        await wd.running.restarts.run(0, Decision("restart", "hang", {}))
         assert set(counts(wd).values()) == {0.0}
         assert wd.executor.restart_failed == "refused"
         assert wd.metrics.registry.get_sample_value(

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from gpu_watchdog.watchdog import fleet, quarantine
 from gpu_watchdog.watchdog.names import FLEET_HOLDS
-from tests.sim.world import World
+from tests.sim.world import Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
 KILLER_FAILURES = 3
@@ -30,15 +30,41 @@ def i1_max_unavailable(world: World) -> None:
         raise Broken(f"I1: {len(out)} replicas out because of us ({', '.join(out)}) with max_unavailable {limit}")
 
 
+def i2_event_first(world: World) -> None:
+    """I2: no restart without its recorded Event: every pod a sidecar removed has its restart Event,
+    written before the removal."""
+    for r in world.removals:
+        if r.by_us and not any(e.pod == r.pod and e.at <= r.at for e in world.events):
+            raise Broken(f"I2: {r.pod} removed by its sidecar at {r.at:.0f} with no restart Event before it")
+
+
+def i5_lineage_bounded(world: World) -> None:
+    """I5: the restarts of one lineage (here a node: a pod we restarted is replaced on its node) within
+    `restart_budget.window` are at most `max_restarts`, however many generations of pods took part."""
+    b = world.policy.restart_budget
+    recent: dict[str, int] = {}
+    for e in world.events:
+        if world.now - e.at < b.window:
+            recent[e.node] = recent.get(e.node, 0) + 1
+    for node, n in recent.items():
+        if n > b.max_restarts:
+            raise Broken(f"I5: {n} restarts on node {node} within {b.window:g}s (max_restarts {b.max_restarts})")
+
+
+def budget_holds(car: Sidecar) -> bool:
+    """Its restart is blocked by a budget it read (an unreadable one is read again within a minute)."""
+    return car.blocked and car.history.workload_restarts is not None
+
+
 def i4_no_zombie(world: World) -> None:
     """I4, once the world has settled (no new faults, every sidecar stepped, 600 s at most): a
     replica that cannot serve is restarted (or has its slot and is being), or held by a documented
-    holder that says so."""
+    holder that says so: the fleet's (FLEET_HOLDS) or the budget (blocked for the rest of its window)."""
     for pod in world.alive():
         car = world.sidecars.get(pod.name)
         # One its sidecar never saw serve is still starting (`policy.startup_timeout` bounds that).
         hung = pod.server.hung_since is not None and pod.served_once
-        if hung and (car is None or (car.held not in FLEET_HOLDS and not car.slot)):
+        if hung and (car is None or (car.held not in FLEET_HOLDS and not car.slot and not budget_holds(car))):
             raise Broken(f"I4: {pod.name} hung since {pod.server.hung_since:.0f}, neither restarted nor held"
                          f" ({None if car is None else car.held})")
 
@@ -86,7 +112,8 @@ def i8_lift_holds(world: World) -> None:
                          f" with {len(after)} failures after it")
 
 
-EVERY_STEP = (i1_max_unavailable, i6_answered_is_never_quarantined, i7_killer_refused, i8_lift_holds)
+EVERY_STEP = (i1_max_unavailable, i2_event_first, i5_lineage_bounded, i6_answered_is_never_quarantined,
+              i7_killer_refused, i8_lift_holds)
 SETTLED = (i4_no_zombie, i6_settled)
 
 

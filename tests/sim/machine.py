@@ -57,6 +57,12 @@ class FleetMachine(RuleBasedStateMachine):
         if pods:
             self.world.hang(pods[which % len(pods)])
 
+    @rule(which=st.integers(0, 63))
+    def a_node_sickens(self, which: int) -> None:
+        pods = self.world.alive()
+        if pods:
+            self.world.sicken(pods[which % len(pods)].node)
+
     @rule(replicas=st.integers(1, 8))
     def scaled(self, replicas: int) -> None:
         self.world.scale(replicas)

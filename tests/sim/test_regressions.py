@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from gpu_watchdog.watchdog import fleet
+from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim.machine import machine
-from tests.sim.world import Knobs
+from tests.sim.world import DETECT_S, Knobs
 
 Move = tuple[str, dict[str, Any]]
 
@@ -99,3 +101,41 @@ def test_i1_a_scale_ups_pod_created_as_the_slot_was_taken_is_not_its_replacement
         ("a_replica_hangs", {"which": 0}), ("time_passes_with_every_sidecar_acting", {"seconds": 3}),
         ("scaled_up_by_one", {}), ("scaled_up_by_one", {}), ("a_replica_hangs", {"which": 0}),
         ("a_sidecar_steps", {"which": 0}), SIDECARS, ("time_passes_with_every_sidecar_acting", {"seconds": 6})])
+
+
+def test_i1_a_pod_made_while_a_restart_waits_does_not_give_back_its_slot() -> None:
+    """Broke I1 (2 of 4 out with max_unavailable 1), first found by seed 12530 of the derandomized
+    run with 5 replicas and 8 decoys: a pod created after the slot was taken, but before the
+    eviction (here another pod's replacement, removed by someone else while our eviction waited for
+    its disruption budget), served first and gave the slot back; the eviction went on and the next
+    hang was granted. Now the ledger is told when the pod goes, before it goes (`fleet.acted`)."""
+    m = machine(Knobs(replicas=4, max_unavailable="1"))()
+    m.seeded(seed=0)
+    w = m.world
+    first, other, second = w.alive()[0], w.alive()[3], w.alive()[1]
+    w.hang(first)
+    for _ in range(int(DETECT_S) + 1):
+        w.tick()
+    while not w.sidecars[first.name].slot:
+        w.sidecar_step(first.name)
+    # Its eviction waits; meanwhile another pod is removed (not by us) and its replacement serves.
+    w.tick()
+    w._remove(other, "deleted by an operator", by_us=False)
+    stand_in = next(p for p in w.alive() if p.created_at == w.now and p is not first)
+    stand_in.ready_at = w.now + 1
+    for _ in range(int(fleet.SLOT_WAIT_S) + 1):
+        w.tick()
+        for name in [n for n in w.sidecars if n != first.name]:
+            w.sidecar_step(name)
+        m.holds()
+    for _ in range(10):  # the eviction goes ahead (its sidecar syncs, writes its Event first)
+        if first.alive:
+            w.sidecar_step(first.name)
+    assert not first.alive
+    replacement = next(p for p in w.alive() if p.replaces == first.name)
+    replacement.ready_at = w.now + 60
+    w.hang(second)
+    for _ in range(10):
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+    assert second.alive and w.sidecars[second.name].held == FLEET_UNAVAILABLE_LIMIT

@@ -1,7 +1,9 @@
 """A deterministic simulation of one workload: its Deployment and ReplicaSet controller, its pods
 with their servers, its Lease with `resourceVersion` compare-and-swap, Events, a request mix and a
-simulated clock; each pod's sidecar decides with the real fleet and quarantine rules
-(`watchdog.fleet`, `watchdog.quarantine`): the same functions the sidecar folds its Lease through.
+simulated clock; each pod's sidecar restarts through the real restart procedure
+(`watchdog.procedure`: its evidence, the budget read from the Events, a slot, the act) and decides
+with the real fleet, quarantine and budget rules (`watchdog.fleet`, `watchdog.quarantine`,
+`watchdog.policy`): the same functions the sidecar folds its Lease and its history through.
 
 The world is advanced by its scheduler (Hypothesis's stateful testing picks the steps and shrinks a
 failing run to the shortest one). A sidecar's read and its write of the Lease are two steps, so other
@@ -9,18 +11,25 @@ sidecars' writes come in between and are lost races (409), decided again on what
 as the real `LeaseLedger.update` does. Every invariant is a function of the world (`invariants.py`).
 
 What is simulated, not run: the canary (a hung server is seen after `DETECT_S`), the drain, the
-restart budget's Events count, the kubelet. What is real: which restart takes a slot, when a slot
-goes back, when the breaker opens, what counts as evidence, what is quarantined and when it clears.
+kubelet, the scheduler (a pod we restarted is replaced on its node: the lineage a restart loop is
+bounded in). What is real: the order of a restart's steps, whether the budget allows it, which
+restart takes a slot, when a slot goes back, when the breaker opens, what counts as evidence, what
+is quarantined and when it clears.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from gpu_watchdog.watchdog import fleet, quarantine
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RUNG_POD
-from gpu_watchdog.watchdog.settings import FleetSettings, QuarantineSettings
+from gpu_watchdog.watchdog import fleet, procedure, quarantine, state
+from gpu_watchdog.watchdog.app import BUDGET_READ_S
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
+from gpu_watchdog.watchdog.samples import History, PastRestart
+from gpu_watchdog.watchdog.settings import FleetSettings, PolicySettings, QuarantineSettings
 
 STEP_S = 1.0  # the clock advances this much per tick
 DETECT_S = 3.0  # a hung server is seen by its sidecar's canaries after this long
@@ -56,6 +65,7 @@ class Server:
 class Pod:
     name: str
     template: str
+    node: str
     created_at: float
     ready_at: float  # its model serves from then
     server: Server
@@ -97,11 +107,16 @@ class Pending:
 @dataclass
 class Sidecar:
     pod: str
+    history: History  # what the budget is counted from: our pod, its node, the Events as read
     pending: Pending | None = None
+    proc: Procedure | None = None  # the restart under way
+    step: Step | None = None  # its step whose write waits for its commit
     slot: bool = False  # holds a slot (granted, the eviction not yet done)
     slot_at: float = 0.0
     held: str | None = None  # why its restart is held (a FLEET_HOLDS name)
     held_since: float | None = None
+    event_written: bool = False  # its restart's Event (written once, before anything is done)
+    blocked: bool = False  # its restart is blocked by the budget (said; read again every BUDGET_READ_S)
     synced_at: float = -1e9
     recorded: set[tuple[str, str]] = field(default_factory=set)  # (process, reason) recorded
     unrecorded: list[quarantine.Failure] = field(default_factory=list)  # a write the API refused
@@ -120,6 +135,7 @@ class Event:
     pod: str
     at: float
     reason: str
+    node: str
 
 
 @dataclass(frozen=True)
@@ -138,6 +154,7 @@ class World:
         self.now = 1000.0
         self.fleet_settings = FleetSettings(max_unavailable=knobs.max_unavailable)
         self.q_settings = QuarantineSettings()
+        self.policy = dataclasses.replace(PolicySettings(), fleet=self.fleet_settings, quarantine=self.q_settings)
         self.lease = Lease()
         self._parsed: tuple[int, fleet.Ledger, quarantine.Records] | None = None
         self.desired = knobs.replicas
@@ -162,6 +179,7 @@ class World:
         self.answered_at: dict[str, float] = {}  # fingerprint -> last success anywhere
         self.lifted: dict[str, float] = {}  # an operator's lifts
         self.trace: list[str] = []
+        self.sick: set[str] = set()  # nodes whose servers hang once they served
         for _ in range(knobs.replicas):
             pod = self._create(growth=False, ready_now=True)
             pod.served_once, pod.first_served_at = True, self.now
@@ -169,15 +187,15 @@ class World:
     # -- the cluster -------------------------------------------------------------------------------
 
     def _create(self, growth: bool, replaces: str | None = None, ready_now: bool = False,
-                template: str | None = None) -> Pod:
+                template: str | None = None, node: str | None = None) -> Pod:
         self.names += 1
         name = f"p{self.names}"
         server = Server(f"{name}-1", self.now)
         load = 0.0 if ready_now else float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
-        pod = Pod(name, template or self.template, self.now, self.now + load, server,
+        pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
                   replaces=replaces, growth=growth)
         self.pods[name] = pod
-        self.sidecars[name] = Sidecar(name)
+        self.sidecars[name] = Sidecar(name, History(started_at=self.now, epoch=self.now, pod=name, node=pod.node))
         return pod
 
     def alive(self) -> list[Pod]:
@@ -215,7 +233,9 @@ class World:
         self.removals.append(Removal(pod.name, self.now, reason, by_us))
         self.sidecars.pop(pod.name, None)
         if len([p for p in self.alive() if p.template == pod.template]) < self.rs.get(pod.template, 0):
-            self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template)
+            # Where the pod's GPU frees, its replacement goes: a restart loop stays on one node.
+            self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template,
+                         node=pod.node if by_us else None)
 
     def scale(self, replicas: int) -> None:
         self.desired = replicas
@@ -269,6 +289,12 @@ class World:
         if pod.serves(self.now):
             pod.server.hung_since = self.now
             self.trace.append(f"{self.now:.0f} hang {pod.name}")
+
+    def sicken(self, node: str) -> None:
+        """A node whose GPU wedges every server on it once it has served: a pod restarted there is
+        replaced there and hangs again, a restart loop the lineage's budget must bound (I5)."""
+        self.sick.add(node)
+        self.trace.append(f"{self.now:.0f} sick {node}")
 
     def popular_traffic(self) -> None:
         """The popular request and one-offs answered by every serving replica that does not refuse them."""
@@ -332,6 +358,7 @@ class World:
             pod.starts += 1
             pod.server = Server(f"{name}-{pod.starts}", self.now, refuses=set(server.refuses))
         if pod.serves(self.now):
+            car.blocked = False  # no restart wanted: nothing held back any more
             if not pod.served_once:
                 version, ledger, _ = self._read()
                 new, _slot = fleet.replaced(ledger, name, pod.created_at, template=pod.template,
@@ -347,19 +374,57 @@ class World:
             return
         hung = server.hung_since is not None and self.now - server.hung_since >= DETECT_S
         if hung and pod.served_once:
-            if car.slot:
-                if self.now - car.slot_at >= fleet.SLOT_WAIT_S:  # as `Executor.restart` waits
-                    self._evict(car, pod)
-                return
-            failure = quarantine.Failure(self.now, name, server.process, HANG, tuple(server.inflight), None,
+            self._restart_step(car, pod)
+
+    def _restart_step(self, car: Sidecar, pod: Pod) -> None:
+        """The next step of its restart, through the real procedure: begun as the loop begins one
+        (asked again while held; while the budget blocks it, once the Events are read again)."""
+        if car.proc is None:
+            read_at = car.history.workload_read_at
+            if car.blocked and read_at is not None and self.now - read_at < BUDGET_READ_S \
+                    and procedure.budget_spent(self.policy, car.history, self.now, True):
+                return  # the policy decides it blocked (said once) until the next read
+            decision = Decision("restart", HANG, {"evidence": "canary"}, drain=False,
+                                instance_id=pod.server.process, rung=RUNG_POD)
+            car.proc = procedure.begin(self.policy, car.history, 0, decision, self.now, from_events=True,
+                                       asked_again=car.held is not None)
+        step = procedure.next_step(self.policy, car.history, car.proc, Facts(self.now, "evict", slot_held=car.slot))
+        assert step is not None
+        server = pod.server
+        if step.kind == procedure.EVIDENCE:
+            failure = quarantine.Failure(self.now, pod.name, server.process, HANG, tuple(server.inflight), None,
                                          tuple(server.completed))
-            if (server.process, HANG) not in car.recorded:
-                self._begin_record(car, failure)  # evidence first, whatever the slot says
-                return
+            self._begin_record(car, failure)  # written beside the restart: committed at its next step
+            car.proc = procedure.advance(car.proc, step, inflight=failure.inflight)
+        elif step.kind == procedure.READ_BUDGET:
+            self._read_budget(car)
+            car.proc = procedure.advance(car.proc, step)
+        elif step.kind == procedure.BLOCKED:
+            car.blocked, car.proc = True, None
+        elif step.kind == procedure.TAKE_SLOT:
             version, ledger, _ = self._read()
-            new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, name, HANG, RUNG_POD, self.now,
-                                      template=pod.template)
-            car.pending = Pending("take", version, ledger=new, verdict=verdict)
+            new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, pod.name, HANG, RUNG_POD, self.now,
+                                      template=pod.template, marks=True)
+            car.pending, car.step = Pending("take", version, ledger=new, verdict=verdict), step
+        elif step.kind == procedure.HELD:
+            if car.held is None:
+                car.held_since = self.now
+            car.held, car.proc = car.proc.held, None
+        elif step.kind == procedure.RESTART:
+            if self.now - car.slot_at >= fleet.SLOT_WAIT_S:  # as `Executor.restart` waits
+                self._evict(car, pod)
+        else:
+            raise AssertionError(f"a step the pod's restart never takes: {step.kind}")
+
+    def _read_budget(self, car: Sidecar) -> None:
+        """The workload's restart Events, as `Executor.read_budget` folds them (unreadable: None)."""
+        restarts: tuple[PastRestart, ...] | None
+        if self.random.random() < self.knobs.api_error_rate:
+            self.api_errors += 1
+            restarts = None
+        else:
+            restarts = tuple(PastRestart(e.at, e.pod, e.node) for e in self.events)
+        state.reduce(car.history, state.WorkloadRestarts(self.now, self.now, restarts, self.desired))
 
     def _sync(self, car: Sidecar, pod: Pod) -> None:
         version, _, records = self._read()
@@ -386,6 +451,9 @@ class World:
             assert p.failure is not None
             self._begin_record(car, p.failure)  # decided again on what the winner wrote
             return
+        if result == "error" and p.what == "take" and car.proc is not None and car.step is not None:
+            car.proc = procedure.advance(car.proc, car.step, held=FLEET_LEDGER_UNKNOWN)  # as `take_slot`
+            return
         if result != "ok":
             if p.what == "record":
                 assert p.failure is not None
@@ -404,22 +472,25 @@ class World:
         elif p.what == "replaced":
             pod.served_once = True
         elif p.what == "give_back":
-            car.held, car.held_since = None, None
+            car.held, car.held_since, car.proc = None, None, None
         elif p.what == "take":
-            assert p.verdict is not None
+            assert p.verdict is not None and car.proc is not None and car.step is not None
             if p.verdict.granted:
-                car.slot, car.slot_at, car.held, car.held_since = True, self.now, None, None
-            else:
-                if car.held is None:
-                    car.held_since = self.now
-                car.held = p.verdict.outcome
+                car.slot, car.slot_at, car.held, car.held_since, car.blocked = True, self.now, None, None, False
+            car.proc = procedure.advance(car.proc, car.step, held=None if p.verdict.granted else p.verdict.outcome)
 
     def _evict(self, car: Sidecar, pod: Pod) -> None:
-        """The Event first, then the eviction: no restart without its record."""
-        if self.random.random() < self.knobs.api_error_rate:
-            self.api_errors += 1
-            return  # the Event refused: nothing done, tried again
-        self.events.append(Event(pod.name, self.now, HANG))
+        """As `KubeRestarter.restart`: the Event first, then the ledger told when the pod goes
+        (`fleet.acted`), then the eviction; a refused write is tried again at its next step."""
+        if not car.event_written:
+            if self.random.random() < self.knobs.api_error_rate:
+                self.api_errors += 1
+                return  # the Event refused: nothing done, tried again
+            self.events.append(Event(pod.name, self.now, HANG, pod.node))
+            car.event_written = True
+        version, ledger, _ = self._read()
+        if self._write(version, ledger=fleet.acted(ledger, pod.name, self.now)) != "ok":
+            return  # not evicted until the ledger knows when
         self._remove(pod, HANG, by_us=True)
         self.trace.append(f"{self.now:.0f} evict {pod.name}")
 
@@ -430,8 +501,12 @@ class World:
         (each restart waits its turn for a slot: a replacement loading, a scale-up's pods serving
         first), 30 s at least and `rounds` at most."""
         for n in range(rounds):
-            # Past the first 30 s (every sidecar has synced a few times), until none is left hung.
-            if n >= 30 and not any(p.server.hung_since is not None and p.served_once for p in self.alive()):
+            # Past the first 30 s (every sidecar has synced a few times), until none is left hung but
+            # those the budget blocks (for the rest of its window).
+            if n >= 30 and not any(p.server.hung_since is not None and p.served_once
+                                   and not (self.sidecars[p.name].blocked
+                                            and self.sidecars[p.name].history.workload_restarts is not None)
+                                   for p in self.alive()):
                 break
             self.tick()
             self.popular_traffic()
@@ -450,3 +525,5 @@ class World:
         for pod in self.alive():
             if pod.first_served_at is None and pod.serves(self.now):
                 pod.first_served_at = self.now
+            if pod.node in self.sick and pod.served_once:
+                self.hang(pod)

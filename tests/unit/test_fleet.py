@@ -393,3 +393,59 @@ def test_a_slot_of_a_ledger_written_before_templates_were_kept_still_goes_back()
         .slots[0] == fleet.Slot("a", HANG, RUNG_POD, 1.0, "h", 4)
     with pytest.raises(LedgerError, match="replicas"):
         fleet.parse(old.replace('"at": 100.0', '"at": 100.0, "replicas": -1'))
+
+
+def test_a_pod_created_while_the_restart_waited_is_not_its_replacement() -> None:
+    """Slot taken at 100 with 4 replicas wanted; scaled up and back down while the eviction waited for
+    its disruption budget, a pod made then (at 105) serves. Before the ledger knew when the pod went,
+    that pod gave the slot back and the next hang was granted: two replicas down with
+    max_unavailable 1. Now no pod replaces a marked slot before `acted`, and only one created after
+    the eviction was asked (at 130) does."""
+    one = FleetSettings(max_unavailable="1")
+    ledger, _ = fleet.take(one, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1", marks=True)
+    assert ledger.slots[0].marked and ledger.slots[0].acted_at is None
+    ledger, slot = fleet.replaced(ledger, "grown", 105.0, template="h1", replicas=4)
+    assert slot is None and len(ledger.slots) == 1
+    ledger = fleet.acted(ledger, "a", 130.0)
+    ledger, slot = fleet.replaced(ledger, "grown", 105.0, template="h1", replicas=4)
+    assert slot is None
+    _, verdict = fleet.take(one, ledger, 4, "b", HANG, RUNG_POD, 131.0, template="h1", marks=True)
+    assert verdict.outcome == UNAVAILABLE_LIMIT
+    # Within the clocks' skew of the eviction's ask, and after it: the replacement.
+    ledger, slot = fleet.replaced(ledger, "a2", 130.0 - fleet.CLOCK_SKEW_S / 2, template="h1", replicas=4)
+    assert slot is not None and slot.pod == "a" and ledger.slots == ()
+    # A slot its sidecar does not mark (a ledger of an older sidecar) goes back as before.
+    ledger, _ = fleet.take(one, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1")
+    assert not ledger.slots[0].marked
+    _, slot = fleet.replaced(ledger, "grown", 105.0, template="h1", replicas=4)
+    assert slot is not None
+
+
+def test_when_the_pod_went_is_kept_in_the_ledger_and_checked() -> None:
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1", marks=True)
+    ledger = fleet.acted(ledger, "a", 130.5)
+    assert fleet.parse(fleet.dump(ledger)).slots == ledger.slots
+    text = fleet.dump(ledger)
+    with pytest.raises(LedgerError, match="acted_at"):
+        fleet.parse(text.replace('"acted_at":130.5', '"acted_at":"soon"'))
+    # In-place slots are the sidecar's own to give back: never marked.
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_CONTAINER, 100.0, marks=True)
+    assert not ledger.slots[0].marked
+
+
+def test_a_replacement_stamped_in_whole_seconds_by_a_clock_behind_ours_still_counts() -> None:
+    """Our clock 1.9 s ahead (within CLOCK_SKEW_S), the eviction asked at 100.3 by it: the replacement,
+    created 0.5 s later, is stamped 98 by the API server's clock, in whole seconds."""
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 90.0, template="h1", marks=True)
+    ledger = fleet.acted(ledger, "a", 100.3)
+    _, slot = fleet.replaced(ledger, "a2", float(int(100.3 + 0.5 - 1.9)), template="h1", replicas=4)
+    assert slot is not None and slot.pod == "a"
+
+
+def test_a_pod_gone_already_unmarks_its_slot() -> None:
+    """Removed by someone else (whenever): its replacement may be older than any mark of ours."""
+    ledger, _ = fleet.take(S, Ledger(), 4, "a", HANG, RUNG_POD, 100.0, template="h1", marks=True)
+    ledger = fleet.acted(ledger, "a", None)
+    assert not ledger.slots[0].marked and ledger.slots[0].acted_at is None
+    _, slot = fleet.replaced(ledger, "a2", 101.0, template="h1", replicas=4)
+    assert slot is not None and slot.pod == "a"

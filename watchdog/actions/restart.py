@@ -45,6 +45,8 @@ class RestartOutcome:
     not_recorded: bool = False
     # Its Event was written (whatever became of the restart after it).
     recorded: bool = False
+    # The pod was gone already (404): removed by someone else, whenever.
+    gone: bool = False
 
 
 class DrainHandle(Protocol):
@@ -53,10 +55,14 @@ class DrainHandle(Protocol):
     `begin` stops the server admitting (bounded, and lifted by the server itself at a deadline);
     `lift` ends it and says the restart is waiting, the server serving as before. Both are
     idempotent and never raise: a drain that cannot be lifted ends at the server's deadline.
+    `before_act` is told, just before a pod's eviction or deletion is first asked (and again after the
+    API refused it), when (wall clock); False: not now (what must know it first could not be told),
+    and the act waits as for a refusal.
     """
 
     async def begin(self) -> None: ...
     async def lift(self, why: str) -> None: ...
+    async def before_act(self, at: float) -> bool: ...
 
 
 class Restarter(Protocol):
@@ -104,12 +110,18 @@ def note_for(decision: Decision, action: str = "Evict") -> str:
     return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
 
 
+class ActDeferred(RuntimeError):
+    """The act is not asked now (`DrainHandle.before_act`): retried as after a refusal."""
+
+
 class KubeRestarter:
     """Evict (or delete) our pod; a PodDisruptionBudget's 429 means wait and retry, staying unready."""
 
     def __init__(self, pod: PodActions, settings: RestartSettings, sleep: Sleep = asyncio.sleep,
-                 workload: str | None = None, node: str | None = None) -> None:
+                 workload: str | None = None, node: str | None = None,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         self.pod = pod
+        self.wall_clock = wall_clock
         self.settings = settings
         self.workload = workload
         self.node = node
@@ -142,8 +154,12 @@ class KubeRestarter:
         grace = None if s.grace_period is None else int(s.grace_period)
         action = "Evict" if self.strategy == "evict" else "Delete"
         recorded = False
+        # Whether the last try is known not to have acted: an answer that timed out or failed on the
+        # server's side may have evicted the pod, and its replacement is created from then on.
+        refused = True
         delay = s.retry_initial
         for attempt in range(1, s.max_attempts + 1):
+            acting = False
             try:
                 await asyncio.to_thread(self._act, grace, True)
                 if not recorded:
@@ -152,6 +168,9 @@ class KubeRestarter:
                         return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
                     recorded = True
                 await drain.begin()
+                if refused and not await drain.before_act(self.wall_clock()):
+                    raise ActDeferred("the workload's ledger could not be told when the pod goes")
+                refused, acting = False, True
                 await asyncio.to_thread(self._act, grace, False)
                 log.warning("pod_restart_requested", strategy=self.strategy, reason=decision.reason,
                             pod=self.pod.pod_name, namespace=self.pod.namespace, attempt=attempt)
@@ -161,13 +180,18 @@ class KubeRestarter:
             except Exception as exc:
                 status = getattr(exc, "status", None)
                 if status == 404:
-                    return RestartOutcome(True, "pod already gone", attempt, recorded=recorded)
+                    return RestartOutcome(True, "pod already gone", attempt, recorded=recorded, gone=True)
+                if acting:  # the API's answer to the act itself: a 4xx is a refusal, anything else may have acted
+                    refused = isinstance(status, int) and 400 <= status < 500 and status != 408
                 # Not now: the server serves on while we wait (the disruption budget refuses exactly
                 # when the other replicas are short).
                 await drain.lift("eviction_refused" if status == 429 else "restart_api_error")
                 if status == 429:
                     log.warning("eviction_blocked_by_pdb", attempt=attempt, retry_in_s=delay,
                                 pod=self.pod.pod_name)
+                elif isinstance(exc, ActDeferred):
+                    log.warning("eviction_deferred", attempt=attempt, retry_in_s=delay, pod=self.pod.pod_name,
+                                why=str(exc))
                 else:
                     log.error("restart_api_error", strategy=self.strategy, attempt=attempt, status=status,
                               error=_describe(exc), retry_in_s=delay)

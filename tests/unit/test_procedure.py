@@ -1,0 +1,218 @@
+"""The restart procedure on traces: which step comes next, for the watched target and for another
+worker, from what the steps before answered and what the history (built by folding) says."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from gpu_watchdog.watchdog import procedure
+from gpu_watchdog.watchdog.names import (
+    FLEET_UNAVAILABLE_LIMIT,
+    FRAGMENTATION_DRIFT,
+    HANG,
+    RUNG_CONTAINER,
+    RUNG_POD,
+    RUNG_WORKER,
+)
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.procedure import (
+    BLOCKED,
+    EVIDENCE,
+    EXIT,
+    EXIT_FAILED,
+    EXIT_TRIES,
+    EXITED,
+    FALL_BACK,
+    HELD,
+    KEEP_OUT,
+    READ_BUDGET,
+    REPORTED,
+    RESTART,
+    SWAP_SLOT,
+    TAKE_SLOT,
+    Facts,
+    Procedure,
+    Step,
+)
+from gpu_watchdog.watchdog.samples import CanarySample, WorkerCanaries, WorkerUntold
+from gpu_watchdog.watchdog.settings import Settings
+from gpu_watchdog.watchdog.state import WorkloadRestarts
+from tests.traces import Trace
+
+S = Settings()
+Answer = Callable[[Trace, Step], dict[str, Any]]
+
+
+def target(reason: str = HANG, rung: str = RUNG_POD) -> Decision:
+    return Decision("restart", reason, {"evidence": "canary"}, rung=rung, instance_id="p1")
+
+
+def worker(k: int = 1, instance: str = "w1") -> Decision:
+    return Decision("restart", HANG, {"worker": k, "evidence": "worker_canary"}, drain=False, instance_id=instance,
+                    rung=RUNG_WORKER)
+
+
+def walk(trace: Trace, p: Procedure, facts: Facts, answers: dict[str, Answer] | None = None
+         ) -> tuple[list[str], Procedure, list[Step]]:
+    """The procedure to its end, each step answered by `answers` (default: granted, left, nothing read)."""
+    kinds: list[str] = []
+    steps: list[Step] = []
+    while (step := procedure.next_step(S.policy, trace.history, p, facts)) is not None:
+        kinds.append(step.kind)
+        steps.append(step)
+        answer = (answers or {}).get(step.kind)
+        kw = answer(trace, step) if answer is not None else (
+            {"exit": procedure.LEFT} if step.kind == EXIT else {})
+        p = procedure.advance(p, step, **kw)
+        assert len(kinds) < 20, kinds
+    return kinds, p, steps
+
+
+def read_budget(at: float, restarts: tuple[Any, ...] | None = ()) -> Answer:
+    def answer(trace: Trace, step: Step) -> dict[str, Any]:
+        trace.fold(WorkloadRestarts(at, 1_800_000_000.0 + at, restarts, 4))
+        return {}
+    return answer
+
+
+def untold(at: float, error: str = "timed out") -> Answer:
+    def answer(trace: Trace, step: Step) -> dict[str, Any]:
+        trace.fold(WorkerUntold(at, int(step.decision.detail["worker"]), step.decision.instance_id, error))
+        return {"exit": procedure.UNTOLD, "exit_detail": error}
+    return answer
+
+
+def test_the_target_s_pod_restart_records_its_evidence_reads_the_budget_takes_a_slot_and_keeps_the_card_out() -> None:
+    trace = Trace(S, budget_from_events=True)
+    p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=True)
+    kinds, p, steps = walk(trace, p, Facts(now=40.0, strategy="evict", keep_out=True),
+                           {EVIDENCE: lambda t, s: {"inflight": ("fp-a", "fp-b")}, READ_BUDGET: read_budget(40.0)})
+    assert kinds == [EVIDENCE, READ_BUDGET, TAKE_SLOT, KEEP_OUT, RESTART]
+    # What was in flight goes with the restart (its Event names it).
+    assert steps[-1].decision.detail["inflight"] == ["fp-a", "fp-b"]
+    # In place, the card is not the evidence's: nothing kept out.
+    trace = Trace(S, budget_from_events=True)
+    p = procedure.begin(S.policy, trace.history, 0, target(rung=RUNG_CONTAINER), 40.0, from_events=True)
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="container", keep_out=True),
+                       {READ_BUDGET: read_budget(40.0)})
+    assert kinds == [EVIDENCE, READ_BUDGET, TAKE_SLOT, RESTART]
+
+
+def test_evidence_is_recorded_even_where_the_budget_then_blocks_the_restart() -> None:
+    trace = Trace(S, budget_from_events=True)
+    p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=True)
+    kinds, p, steps = walk(trace, p, Facts(now=40.0, strategy="evict"), {READ_BUDGET: read_budget(40.0, None)})
+    assert kinds == [EVIDENCE, READ_BUDGET, BLOCKED]
+    assert steps[-1].decision.blocked_by == "restart_budget_unknown" and not steps[-1].decision.allowed
+
+
+def test_a_held_restart_does_nothing_more_and_one_asked_again_reads_the_budget_only_when_stale() -> None:
+    trace = Trace(S, budget_from_events=True).fold(WorkloadRestarts(30.0, 1_800_000_030.0, (), 4))
+    facts = Facts(now=35.0, strategy="evict", keep_out=True)
+    p = procedure.begin(S.policy, trace.history, 0, target(), 35.0, from_events=True, asked_again=True)
+    kinds, p, _ = walk(trace, p, facts, {TAKE_SLOT: lambda t, s: {"held": FLEET_UNAVAILABLE_LIMIT}})
+    assert kinds == [EVIDENCE, TAKE_SLOT, HELD] and p.held == FLEET_UNAVAILABLE_LIMIT
+    p = procedure.begin(S.policy, trace.history, 0, target(), 45.0, from_events=True, asked_again=True)
+    kinds, _, _ = walk(trace, p, Facts(now=45.0, strategy="evict"), {READ_BUDGET: read_budget(45.0)})
+    assert kinds[:3] == [EVIDENCE, READ_BUDGET, TAKE_SLOT]
+
+
+def test_a_reason_no_request_causes_records_no_evidence() -> None:
+    trace = Trace(S)
+    p = procedure.begin(S.policy, trace.history, 0, target(FRAGMENTATION_DRIFT), 40.0, from_events=False)
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="evict"))
+    assert kinds == [TAKE_SLOT, RESTART]
+
+
+def test_another_worker_is_told_to_exit_after_its_evidence_and_slot() -> None:
+    trace = Trace(S, worker_count=2)
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="container"))
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXITED]
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="none"))
+    assert kinds == [EVIDENCE, REPORTED]  # reported only: neither slot nor exit
+    for refused in (procedure.REFUSED, procedure.NOT_RECORDED):
+        p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+        kinds, p, _ = walk(trace, p, Facts(now=40.0, strategy="container"),
+                           {EXIT: lambda t, s, r=refused: {"exit": r, "exit_detail": "no"}})
+        assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED] and p.exit == refused
+
+
+def test_a_worker_that_cannot_be_told_twice_running_falls_back_to_the_container() -> None:
+    trace = Trace(S, worker_count=2)
+    facts = Facts(now=40.0, strategy="container", slot_held=True)
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    kinds, _, _ = walk(trace, p, facts, {EXIT: untold(40.0)})
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED]  # once: tried again after its backoff
+    assert trace.history.untold[1].tries == 1
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 80.0, from_events=False)
+    kinds, p, steps = walk(trace, p, facts, {EXIT: untold(80.0)})
+    assert trace.history.untold[1].tries == EXIT_TRIES
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, RESTART]
+    act = steps[-1].decision
+    assert (act.rung, act.drain, act.detail["exit_tries"], act.detail["exit_error"]) == (
+        RUNG_CONTAINER, True, EXIT_TRIES, "timed out")
+
+
+def test_a_worker_s_fallback_to_the_pod_swaps_its_slot_for_the_pod_s_and_keeps_the_card_out() -> None:
+    trace = Trace(S, worker_count=2).fold(WorkerUntold(30.0, 1, "w1", "timed out"))
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True, keep_out=True),
+                           {EXIT: untold(40.0)})
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, KEEP_OUT, RESTART]
+    # The second slot is the pod's: under evict, the container's rung replaces the pod.
+    assert steps[5].decision.rung == RUNG_CONTAINER and procedure.slot_rung(steps[5].decision, "evict") == RUNG_POD
+    # The pod's slot refused: held, nothing restarted.
+    trace = Trace(S, worker_count=2).fold(WorkerUntold(30.0, 1, "w1", "timed out"))
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    answers: dict[str, Answer] = {EXIT: untold(40.0)}
+    slots: list[Step] = []
+
+    def second_refused(t: Trace, step: Step) -> dict[str, Any]:
+        slots.append(step)
+        return {"held": FLEET_UNAVAILABLE_LIMIT if len(slots) == 2 else None}
+
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True),
+                       {**answers, TAKE_SLOT: second_refused})
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, HELD]
+    # Another worker's in-place restart holds the slot: it is not given back from under it.
+    trace = Trace(S, worker_count=2).fold(WorkerUntold(30.0, 1, "w1", "timed out"))
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True, in_place=True), answers)
+    assert SWAP_SLOT not in kinds and kinds[-1] == RESTART
+
+
+def test_a_process_told_in_vain_before_is_not_told_again_and_one_that_served_since_is() -> None:
+    trace = Trace(S, worker_count=2).fold(WorkerUntold(30.0, 1, "w1", "timed out"),
+                                          WorkerUntold(70.0, 1, "w1", "timed out"))
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 100.0, from_events=False)
+    assert p.untold is not None and p.decision.rung == RUNG_CONTAINER
+    kinds, _, steps = walk(trace, p, Facts(now=100.0, strategy="container", slot_held=True))
+    assert kinds == [EVIDENCE, TAKE_SLOT, FALL_BACK, RESTART]
+    assert steps[1].decision.rung == RUNG_CONTAINER  # its slot is the container's
+    # Another process of that worker (or the same one, once it served) is told anew.
+    p = procedure.begin(S.policy, trace.history, 1, worker(instance="w2"), 100.0, from_events=False)
+    assert p.untold is None
+    trace.fold(WorkerCanaries(90.0, ((1, CanarySample(90.0, True, 0.01, None, instance_id="w1")),)))
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 100.0, from_events=False)
+    assert p.untold is None and 1 not in trace.history.untold
+    kinds, _, _ = walk(trace, p, Facts(now=100.0, strategy="container"))
+    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXITED]
+
+
+def test_a_worker_s_spent_budget_blocks_after_its_evidence() -> None:
+    trace = Trace(S, worker_count=2, budget_from_events=True)
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=True)
+    kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="container"), {READ_BUDGET: read_budget(40.0, None)})
+    assert kinds == [EVIDENCE, READ_BUDGET, BLOCKED] and steps[-1].decision.blocked_by == "restart_budget_unknown"
+
+
+def test_an_exit_answer_the_procedure_does_not_know_is_refused() -> None:
+    trace = Trace(S, worker_count=2)
+    p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
+    with pytest.raises(ValueError, match="exit answers one of"):
+        procedure.advance(p, Step(EXIT, p.decision), exit="maybe")

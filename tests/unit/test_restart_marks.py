@@ -1,0 +1,82 @@
+"""When the workload's ledger is told that our pod goes (`DrainHandle.before_act`): before the first
+eviction, and again only after the API refused one. An attempt whose answer was lost may have
+evicted the pod, so its replacement is created from then on and the mark must stay where it was."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gpu_watchdog.watchdog.actions.kube_api import ApiError
+from gpu_watchdog.watchdog.actions.restart import KubeRestarter
+from gpu_watchdog.watchdog.names import HANG
+from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.settings import RestartSettings
+
+
+class Pod:
+    """Our pod's API: the dry runs pass; the real evictions answer `answers` in turn."""
+
+    pod_name, namespace = "llm-0", "serving"
+
+    def __init__(self, answers: list[BaseException | None]) -> None:
+        self.answers = answers
+        self.evictions = 0
+
+    def evict(self, name: str, namespace: str, grace: int | None, dry_run: bool = False) -> None:
+        if dry_run:
+            return
+        self.evictions += 1
+        answer = self.answers.pop(0)
+        if answer is not None:
+            raise answer
+
+    def record_event(self, *args: Any, **kwargs: Any) -> None:
+        return None
+
+
+class Drain:
+    def __init__(self, ledger_ok: list[bool] | None = None) -> None:
+        self.marks: list[float] = []
+        self.ledger_ok = ledger_ok or []
+
+    async def begin(self) -> None:
+        return None
+
+    async def lift(self, why: str) -> None:
+        return None
+
+    async def before_act(self, at: float) -> bool:
+        ok = self.ledger_ok.pop(0) if self.ledger_ok else True
+        if ok:
+            self.marks.append(at)
+        return ok
+
+
+async def restart(answers: list[BaseException | None], drain: Drain) -> tuple[Any, Pod]:
+    clock = iter(float(t) for t in range(100, 200, 10))
+    pod = Pod(answers)
+    restarter = KubeRestarter(pod, RestartSettings(retry_initial=0.001, retry_max=0.001, max_attempts=5),  # type: ignore[arg-type]
+                              wall_clock=lambda: next(clock))
+    return await restarter.restart(Decision("restart", HANG, {}), drain), pod
+
+
+async def test_a_lost_answer_keeps_the_mark_a_refusal_moves_it() -> None:
+    drain = Drain()
+    outcome, pod = await restart([TimeoutError("read timed out"), None], drain)
+    assert outcome.done and pod.evictions == 2
+    assert drain.marks == [100.0]  # the first try may have evicted it: its mark stands
+    drain = Drain()
+    outcome, pod = await restart([ApiError(429, "Too Many Requests", "disruption budget"), None], drain)
+    assert outcome.done and drain.marks == [100.0, 110.0]  # refused: nothing went, the mark follows the next try
+    drain = Drain()
+    outcome, pod = await restart([ApiError(503, "Service Unavailable", ""), None], drain)
+    assert outcome.done and drain.marks == [100.0]  # the server's own failure may have acted
+
+
+async def test_no_eviction_until_the_ledger_is_told_and_a_pod_gone_already_says_so() -> None:
+    drain = Drain(ledger_ok=[False, True])
+    outcome, pod = await restart([None], drain)
+    assert outcome.done and pod.evictions == 1 and drain.marks == [110.0]
+    drain = Drain()
+    outcome, _ = await restart([ApiError(404, "Not Found", "")], drain)
+    assert outcome.done and outcome.gone
