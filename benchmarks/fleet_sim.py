@@ -1,7 +1,8 @@
 """The fleet's simulation at length: many more runs than CI's fixed seeds, each checked after every
 move against the invariants (`tests/sim/invariants.py`), and the figures: runs (seeds) explored,
-simulated seconds (one a tick) and how many a second of real time, and F (the killer's failures in the records when it
-was refused) at 0, 4 and 8 decoys.
+simulated seconds (one a tick) and how many a second of real time, the sidecars' steps and how many a
+second, the restarts the budget blocked, and F (the killer's failures in the records when it was
+refused) at 0, 4 and 8 decoys.
 
     python -m gpu_watchdog.benchmarks.fleet_sim [--runs N] [--steps N] [--seed S]
 
@@ -34,8 +35,8 @@ CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, m
 
 
 def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
-    figures: dict[str, Any] = {"runs": 0, "ticks": 0, "evictions": 0, "killer_failures": 0,
-                               "lost_races": 0, "api_errors": 0, "F": Counter()}
+    figures: dict[str, Any] = {"runs": 0, "ticks": 0, "sidecar_steps": 0, "evictions": 0, "budget_blocks": 0,
+                               "killer_failures": 0, "lost_races": 0, "api_errors": 0, "F": Counter()}
     base = machine(knobs)
 
     class Counted(base):  # type: ignore[misc, valid-type]
@@ -44,7 +45,9 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
             w = self.world
             figures["runs"] += 1
             figures["ticks"] += w.steps
+            figures["sidecar_steps"] += w.sidecar_steps
             figures["evictions"] += sum(1 for r in w.removals if r.by_us)
+            figures["budget_blocks"] += w.budget_blocks
             figures["killer_failures"] += w.killer_failures
             figures["lost_races"] += w.lost_races
             figures["api_errors"] += w.api_errors
@@ -57,6 +60,7 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
     elapsed = time.perf_counter() - started
     f = figures.pop("F")
     return {**figures, "seconds": round(elapsed, 1), "simulated_s_per_s": round(figures["ticks"] / elapsed),
+            "sidecar_steps_per_s": round(figures["sidecar_steps"] / elapsed),
             "F": {str(k): v for k, v in sorted(f.items())}, "F_max": max(f, default=None)}
 
 

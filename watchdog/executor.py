@@ -79,7 +79,7 @@ class ServerDrain:
     Without a control API (or a restart that asks for no drain) only the waiting is told."""
 
     def __init__(self, control: ControlClient | None, timeout: float, fold: Callable[[Outcome], None],
-                 clock: Callable[[], float], before_act: Callable[[float], Awaitable[bool]] | None = None) -> None:
+                 clock: Callable[[], float], before_act: Callable[[float], Awaitable[None]] | None = None) -> None:
         self.control = control
         self._before_act = before_act
         self.timeout = timeout
@@ -100,8 +100,9 @@ class ServerDrain:
         except ControlError as exc:
             log.warning("drain_failed", error=str(exc))
 
-    async def before_act(self, at: float) -> bool:
-        return True if self._before_act is None else await self._before_act(at)
+    async def before_act(self, at: float) -> None:
+        if self._before_act is not None:
+            await self._before_act(at)
 
     async def lift(self, why: str) -> None:
         self.fold(RestartWaiting(self.clock(), True))
@@ -538,17 +539,18 @@ class Executor:
                         action=f"our pod was gone already; its slot lapses after"
                                f" {self.settings.policy.fleet.slot_timeout:g}s")
 
-    async def _before_act(self, at: float) -> bool:
+    async def _before_act(self, at: float) -> None:
         """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that
-        only a pod created after it gives our slot back (False: it could not; the act waits)."""
+        only a pod created after it gives our slot back. Where it cannot be told the pod goes all the
+        same: its slot, marked, is then given back by no pod and lapses at `slot_timeout` (the fleet
+        waits longer; never two replicas down), rather than this one staying a zombie."""
         pod = self.settings.kubernetes.pod_name
         try:
             await self._update(lambda led, now: (fleet.acted(led, pod, at), None))
         except Exception as exc:
             log.warning("fleet_act_not_marked", error=str(exc)[:300],
-                        action="the pod is not evicted until the ledger knows when; retried with backoff")
-            return False
-        return True
+                        action=f"evicting all the same; our slot lapses after"
+                               f" {self.settings.policy.fleet.slot_timeout:g}s")
 
     async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None,
                           untold: Callable[[str], None] = lambda why: None) -> RestartOutcome | None:

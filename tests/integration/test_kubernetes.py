@@ -47,8 +47,8 @@ class RecordingDrain:
     async def lift(self, why: str) -> None:
         self.calls.append(f"lift:{why}")
 
-    async def before_act(self, at: float) -> bool:
-        return True
+    async def before_act(self, at: float) -> None:
+        return None
 
 
 def dry(req: Any) -> bool:

@@ -165,6 +165,8 @@ class World:
         self.removals: list[Removal] = []
         self.events: list[Event] = []
         self.steps = 0
+        self.sidecar_steps = 0  # sidecar moves taken (each a step of a sidecar's loop)
+        self.budget_blocks = 0  # restarts the budget blocked (a sick node's restart loop bounded)
         self.names = 0
         self.lost_races = 0
         self.api_errors = 0
@@ -347,6 +349,7 @@ class World:
         pod = self.pods[name]
         if car is None or not pod.alive:
             return
+        self.sidecar_steps += 1
         if car.pending is not None:
             self._commit(car, pod)
             return
@@ -401,6 +404,7 @@ class World:
             car.proc = procedure.advance(car.proc, step)
         elif step.kind == procedure.BLOCKED:
             car.blocked, car.proc = True, None
+            self.budget_blocks += 1
         elif step.kind == procedure.TAKE_SLOT:
             version, ledger, _ = self._read()
             new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, pod.name, HANG, RUNG_POD, self.now,
@@ -480,8 +484,9 @@ class World:
             car.proc = procedure.advance(car.proc, car.step, held=None if p.verdict.granted else p.verdict.outcome)
 
     def _evict(self, car: Sidecar, pod: Pod) -> None:
-        """As `KubeRestarter.restart`: the Event first, then the ledger told when the pod goes
-        (`fleet.acted`), then the eviction; a refused write is tried again at its next step."""
+        """As `KubeRestarter.restart`: the Event first (refused: tried again at its next step), then the
+        ledger told when the pod goes (`fleet.acted`; refused, the pod goes all the same and its
+        marked slot lapses at `slot_timeout`), then the eviction."""
         if not car.event_written:
             if self.random.random() < self.knobs.api_error_rate:
                 self.api_errors += 1
@@ -489,8 +494,7 @@ class World:
             self.events.append(Event(pod.name, self.now, HANG, pod.node))
             car.event_written = True
         version, ledger, _ = self._read()
-        if self._write(version, ledger=fleet.acted(ledger, pod.name, self.now)) != "ok":
-            return  # not evicted until the ledger knows when
+        self._write(version, ledger=fleet.acted(ledger, pod.name, self.now))
         self._remove(pod, HANG, by_us=True)
         self.trace.append(f"{self.now:.0f} evict {pod.name}")
 

@@ -45,11 +45,10 @@ class Drain:
     async def lift(self, why: str) -> None:
         return None
 
-    async def before_act(self, at: float) -> bool:
-        ok = self.ledger_ok.pop(0) if self.ledger_ok else True
-        if ok:
+    async def before_act(self, at: float) -> None:
+        # The executor's: a ledger that cannot be told is said, and the act goes on.
+        if not self.ledger_ok or self.ledger_ok.pop(0):
             self.marks.append(at)
-        return ok
 
 
 async def restart(answers: list[BaseException | None], drain: Drain) -> tuple[Any, Pod]:
@@ -73,10 +72,10 @@ async def test_a_lost_answer_keeps_the_mark_a_refusal_moves_it() -> None:
     assert outcome.done and drain.marks == [100.0]  # the server's own failure may have acted
 
 
-async def test_no_eviction_until_the_ledger_is_told_and_a_pod_gone_already_says_so() -> None:
-    drain = Drain(ledger_ok=[False, True])
+async def test_a_ledger_that_cannot_be_told_never_holds_the_eviction_and_a_pod_gone_already_says_so() -> None:
+    drain = Drain(ledger_ok=[False])
     outcome, pod = await restart([None], drain)
-    assert outcome.done and pod.evictions == 1 and drain.marks == [110.0]
+    assert outcome.done and pod.evictions == 1 and drain.marks == []
     drain = Drain()
     outcome, _ = await restart([ApiError(404, "Not Found", "")], drain)
     assert outcome.done and outcome.gone

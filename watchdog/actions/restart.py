@@ -56,13 +56,12 @@ class DrainHandle(Protocol):
     `lift` ends it and says the restart is waiting, the server serving as before. Both are
     idempotent and never raise: a drain that cannot be lifted ends at the server's deadline.
     `before_act` is told, just before a pod's eviction or deletion is first asked (and again after the
-    API refused it), when (wall clock); False: not now (what must know it first could not be told),
-    and the act waits as for a refusal.
+    API refused it), when (wall clock); it never raises, and the act goes on whatever it could do.
     """
 
     async def begin(self) -> None: ...
     async def lift(self, why: str) -> None: ...
-    async def before_act(self, at: float) -> bool: ...
+    async def before_act(self, at: float) -> None: ...
 
 
 class Restarter(Protocol):
@@ -108,10 +107,6 @@ def note_for(decision: Decision, action: str = "Evict") -> str:
     what = {"RestartContainer": "its inference container in place",
             WORKER_ACTION: f"worker {decision.detail.get('worker', 0)} of its server"}.get(action, "this pod")
     return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
-
-
-class ActDeferred(RuntimeError):
-    """The act is not asked now (`DrainHandle.before_act`): retried as after a refusal."""
 
 
 class KubeRestarter:
@@ -168,8 +163,8 @@ class KubeRestarter:
                         return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
                     recorded = True
                 await drain.begin()
-                if refused and not await drain.before_act(self.wall_clock()):
-                    raise ActDeferred("the workload's ledger could not be told when the pod goes")
+                if refused:
+                    await drain.before_act(self.wall_clock())
                 refused, acting = False, True
                 await asyncio.to_thread(self._act, grace, False)
                 log.warning("pod_restart_requested", strategy=self.strategy, reason=decision.reason,
@@ -189,9 +184,6 @@ class KubeRestarter:
                 if status == 429:
                     log.warning("eviction_blocked_by_pdb", attempt=attempt, retry_in_s=delay,
                                 pod=self.pod.pod_name)
-                elif isinstance(exc, ActDeferred):
-                    log.warning("eviction_deferred", attempt=attempt, retry_in_s=delay, pod=self.pod.pod_name,
-                                why=str(exc))
                 else:
                     log.error("restart_api_error", strategy=self.strategy, attempt=attempt, status=status,
                               error=_describe(exc), retry_in_s=delay)
