@@ -4,8 +4,9 @@ broke. Checked after every step of every run (`test_invariants.py`) and of the b
 from __future__ import annotations
 
 from gpu_watchdog.watchdog import fleet, quarantine
+from gpu_watchdog.watchdog.app import BUDGET_READ_S
 from gpu_watchdog.watchdog.names import FLEET_HOLDS
-from tests.sim.world import Sidecar, World
+from tests.sim.world import STEP_S, Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
 KILLER_FAILURES = 3
@@ -51,9 +52,13 @@ def i5_lineage_bounded(world: World) -> None:
             raise Broken(f"I5: {n} restarts on node {node} within {b.window:g}s (max_restarts {b.max_restarts})")
 
 
-def budget_holds(car: Sidecar) -> bool:
-    """Its restart is blocked by a budget it read (an unreadable one is read again within a minute)."""
-    return car.blocked and car.history.workload_restarts is not None
+def budget_holds(car: Sidecar, now: float) -> bool:
+    """Its restart is blocked by the budget (`restart_budget`, `restart_loop`), or by Events it could not
+    read the last time, read again within a minute (`restart_budget_unknown`): a holder that ends by
+    itself, once the window passes or the Events can be read."""
+    read_at = car.history.workload_read_at
+    return car.blocked and read_at is not None and (
+        car.history.workload_restarts is not None or now - read_at <= BUDGET_READ_S + STEP_S)
 
 
 def i4_no_zombie(world: World) -> None:
@@ -64,7 +69,8 @@ def i4_no_zombie(world: World) -> None:
         car = world.sidecars.get(pod.name)
         # One its sidecar never saw serve is still starting (`policy.startup_timeout` bounds that).
         hung = pod.server.hung_since is not None and pod.served_once
-        if hung and (car is None or (car.held not in FLEET_HOLDS and not car.slot and not budget_holds(car))):
+        held = car is not None and (car.held in FLEET_HOLDS or car.slot or budget_holds(car, world.now))
+        if hung and not held:
             raise Broken(f"I4: {pod.name} hung since {pod.server.hung_since:.0f}, neither restarted nor held"
                          f" ({None if car is None else car.held})")
 

@@ -511,7 +511,7 @@ class World:
                                    and not (self.sidecars[p.name].blocked
                                             and self.sidecars[p.name].history.workload_restarts is not None)
                                    for p in self.alive()):
-                break
+                break  # the rest is held by a budget it read, for the rest of its window
             self.tick()
             self.popular_traffic()
             for _ in range(3):
