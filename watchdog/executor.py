@@ -484,7 +484,7 @@ class Executor:
         marks = self.fleet_on and self.fleet.slot_held and self.slot_rung(decision) == RUNG_POD
         drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
                                          s.restart.drain_timeout, fold, self.clock,
-                                         self._before_act if marks else None)
+                                         self._mark if marks else None)
         try:
             outcome = await self.worker_exit(decision, 0, self.control) \
                 if decision.rung == RUNG_WORKER and not reported_only else None
@@ -497,7 +497,7 @@ class Executor:
                 outcome = await self.restarter.restart(decision, drain)
             done, rung = outcome.done, outcome.rung
             if outcome.gone and marks:
-                await self._unmark()
+                await self._mark(None)
             if done:
                 self.restart_failed = None
                 self.metrics.restarts.labels(reason=decision.reason, rung=rung).inc()
@@ -528,29 +528,20 @@ class Executor:
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id), record
 
-    async def _unmark(self) -> None:
-        """Our pod was gone already (removed by someone else, whenever): its replacement may be older
-        than any mark of ours, so the slot goes back as an unmarked one does."""
-        pod = self.settings.kubernetes.pod_name
-        try:
-            await self._update(lambda led, now: (fleet.acted(led, pod, None), None))
-        except Exception as exc:
-            log.warning("fleet_act_not_marked", error=str(exc)[:300],
-                        action=f"our pod was gone already; its slot lapses after"
-                               f" {self.settings.policy.fleet.slot_timeout:g}s")
-
-    async def _before_act(self, at: float) -> None:
+    async def _mark(self, at: float | None) -> None:
         """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that
-        only a pod created after it gives our slot back. Where it cannot be told the pod goes all the
-        same: its slot, marked, is then given back by no pod and lapses at `slot_timeout` (the fleet
-        waits longer; never two replicas down), rather than this one staying a zombie."""
+        only a pod created after it gives our slot back. None: our pod was gone already (removed by
+        someone else, whenever), its replacement maybe older than any mark: the slot goes back as an
+        unmarked one does. Where the ledger cannot be told the pod goes all the same: its slot,
+        marked, is then given back by no pod and lapses at `slot_timeout` (the fleet waits longer;
+        never two replicas down), rather than this one staying a zombie."""
         pod = self.settings.kubernetes.pod_name
         try:
             await self._update(lambda led, now: (fleet.acted(led, pod, at), None))
         except Exception as exc:
             log.warning("fleet_act_not_marked", error=str(exc)[:300],
-                        action=f"evicting all the same; our slot lapses after"
-                               f" {self.settings.policy.fleet.slot_timeout:g}s")
+                        action=("our pod was gone already" if at is None else "evicting all the same")
+                        + f"; our slot lapses after {self.settings.policy.fleet.slot_timeout:g}s")
 
     async def worker_exit(self, decision: Decision, worker: int, control: ControlClient | None,
                           untold: Callable[[str], None] = lambda why: None) -> RestartOutcome | None:

@@ -42,19 +42,25 @@ def mapped_packages(pid: int) -> set[str]:
             if "site-packages/" in line and ".so" in line}
 
 
-def test_local_mode_stays_within_64_mib(tmp_path: Path) -> None:
-    server = start_server(tmp_path)
-    token_file = tmp_path / "token"
-    token_file.write_text(server.token + "\n")
-    wport = free_port()
+def write_config(tmp_path: Path, server: Any, token_file: Path, port: int, mode: dict[str, Any]) -> Path:
+    """The sidecar's config for both modes: the same target and loops, `mode` its restart and API."""
     config = tmp_path / "watchdog.yaml"
     config.write_text(yaml.safe_dump({
         "target": {"control_url": server.control, "openai_url": server.url, "token_file": str(token_file)},
         "sampling": {"torch_interval": "200ms"},
         "canary": {"interval": "300ms", "timeout": "2s"},
-        "restart": {"strategy": "none"},
-        "server": {"host": "127.0.0.1", "port": wport},
+        "server": {"host": "127.0.0.1", "port": port},
+        **mode,
     }))
+    return config
+
+
+def test_local_mode_stays_within_64_mib(tmp_path: Path) -> None:
+    server = start_server(tmp_path)
+    token_file = tmp_path / "token"
+    token_file.write_text(server.token + "\n")
+    wport = free_port()
+    config = write_config(tmp_path, server, token_file, wport, {"restart": {"strategy": "none"}})
     watchdog = spawn(["run", "--config", str(config)], tmp_path / "watchdog.log", env={"GPU_WATCHDOG_TOKEN": ""})
     try:
         wait_http(f"http://127.0.0.1:{wport}/readyz", watchdog)
@@ -100,17 +106,12 @@ async def test_kubernetes_mode_stays_within_64_mib(kmock: Any, tmp_path: Path) -
     token_file = tmp_path / "token"
     token_file.write_text(server.token + "\n")
     wport = free_port()
-    config = tmp_path / "watchdog.yaml"
-    config.write_text(yaml.safe_dump({
-        "target": {"control_url": server.control, "openai_url": server.url, "token_file": str(token_file)},
-        "sampling": {"torch_interval": "200ms"},
-        "canary": {"interval": "300ms", "timeout": "2s"},
+    config = write_config(tmp_path, server, token_file, wport, {
         "restart": {"strategy": "evict"},
         "policy": {"fleet": {"enabled": True}, "quarantine": {"enabled": True}},
         "kubernetes": {"pod_name": "${POD_NAME}", "namespace": "${POD_NAMESPACE}", "node_name": "${NODE_NAME}",
                        "kubeconfig": str(kubeconfig)},
-        "server": {"host": "127.0.0.1", "port": wport},
-    }))
+    })
     env = {"POD_NAME": pod_name, "POD_NAMESPACE": ns, "NODE_NAME": "node-0", "GPU_WATCHDOG_TOKEN": "",
            "GPU_WATCHDOG_WORKLOAD": "", "PYTHONPROFILEIMPORTTIME": "1"}
     watchdog = spawn(["run", "--config", str(config)], tmp_path / "watchdog.log", env=env)
