@@ -11,7 +11,7 @@ from __future__ import annotations
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import idle_memory, policy
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.samples import History, TorchSample
+from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import PolicySettings
 
 log = logs.get("watchdog")
@@ -20,7 +20,7 @@ log = logs.get("watchdog")
 class Episodes:
     def __init__(self, metrics: WatchdogMetrics) -> None:
         self.metrics = metrics
-        self.idle_memory: idle_memory.IdleMemory | None = None
+        # Which episodes were told as begun: the loop's own log bookkeeping (the figures are the fold's).
         self._saturated = False
         self._progress_unknown = False
 
@@ -44,9 +44,8 @@ class Episodes:
             log.info("progress_unknown_ended", canary=ended, state=policy.target_state(history, settings, now))
         self._progress_unknown = unknown
 
-    def follow_idle_memory(self, sample: TorchSample) -> None:
-        before = self.idle_memory
-        self.idle_memory = after = idle_memory.observe(before, sample)
+    def follow_idle_memory(self, before: idle_memory.IdleMemory | None, after: idle_memory.IdleMemory | None) -> None:
+        """The fold's idle-memory figures before and after an allocator sample (`History.idle_memory`)."""
         if after is None:
             return
         # A new process starts from its own baseline: only a change within one process is news.

@@ -1,9 +1,11 @@
-"""The watchdog's effects: each performs one action at its edge and returns what happened.
+"""The watchdog's effects: each performs one action at its edge and tells what happened.
 
-It decides nothing: the loop (`watchdog.app`) hands it a decision, folds the outcome it returns
-into the history with `state.reduce`, and the policy reads the history again. Failures at an edge
-(an API that refuses, a control API that hangs) come back as outcomes and log lines, never as
-exceptions that could take the loop down.
+It decides nothing and remembers nothing: the loop (`watchdog.app`) hands it a decision, and what an
+edge answers is folded into the history (`state.reduce`, the edges' facts in `watchdog.edges`),
+where the executor reads it back. It keeps its clients, and the work in flight (a lock that puts
+the ledger's writes one at a time, the reports written beside the loop, the evidence being read)
+and nothing else. Failures at an edge (an API that refuses, a control API that hangs) come back as
+outcomes and log lines, never as exceptions that could take the loop down.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import escalation, fleet, ladder, placement, procedure, quarantine
+from gpu_watchdog.watchdog import edges, escalation, fleet, ladder, placement, procedure, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
@@ -26,8 +28,9 @@ from gpu_watchdog.watchdog.actions.restart import (
     RestartOutcome,
 )
 from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
+from gpu_watchdog.watchdog.edges import EdgeFacts
 from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
-from gpu_watchdog.watchdog.fleet import FleetView, Ledger
+from gpu_watchdog.watchdog.fleet import Breaker, FleetView, Ledger, OwnPod
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.names import (
@@ -39,7 +42,7 @@ from gpu_watchdog.watchdog.names import (
     RUNG_WORKER,
 )
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import PastRestart
+from gpu_watchdog.watchdog.samples import History, PastRestart
 from gpu_watchdog.watchdog.settings import Settings
 from gpu_watchdog.watchdog.state import (
     AdmissionAnswered,
@@ -54,15 +57,9 @@ T = TypeVar("T")
 
 log = logs.get("watchdog")
 
-POD_GPUS_RETRY_S, POD_GPUS_RETRY_MAX_S = 5.0, 300.0
-ESCALATION_RETRY_S, ESCALATION_RETRY_MAX_S = 30.0, 3600.0
 # The server lifts a drain by itself this long after `drain_timeout`, should we never say more
 # (a sidecar killed mid-restart): an accepted eviction replaces the pod well before.
 DRAIN_DEADLINE_MARGIN_S = 120.0
-# `restart_not_recorded` is said while the last attempt's Event was refused and a restart is still
-# wanted: a wanted one is tried again within the longest backoff (15 min), so after twice that
-# without an attempt the restart is no longer wanted and the episode is over.
-NOT_RECORDED_HOLD_S = 1800.0
 # How long a restart waits for its failure's record (the Lease written) before it goes on beside it.
 RECORD_WAIT_S = 5.0
 # A failure whose record could not be written is tried again this long after, not at every
@@ -142,11 +139,12 @@ class FleetLedger(Protocol):
 
 
 class Executor:
-    def __init__(self, settings: Settings, restarter: Restarter, metrics: WatchdogMetrics,
+    def __init__(self, *, settings: Settings, restarter: Restarter, metrics: WatchdogMetrics,
                  clock: Callable[[], float], wall_clock: Callable[[], float], control: ControlClient | None,
-                 node: NodeReporter | None, restart_events: RestartEvents | None, workload: str | None,
-                 pod_gpus: Callable[[], tuple[str, ...] | None], ledger: FleetLedger | None = None,
-                 worker_controls: Mapping[int, ControlClient] | None = None) -> None:
+                 history: Callable[[], History], fold: Callable[[Outcome], None],
+                 node: NodeReporter | None = None, restart_events: RestartEvents | None = None,
+                 workload: str | None = None, pod_gpus: Callable[[], tuple[str, ...] | None] = lambda: None,
+                 ledger: FleetLedger | None = None, worker_controls: Mapping[int, ControlClient] | None = None) -> None:
         self.settings = settings
         self.restarter = restarter
         self.metrics = metrics
@@ -155,60 +153,36 @@ class Executor:
         self.clock = clock
         self.wall_clock = wall_clock  # Events carry wall-clock times
         self.control = control
+        self.history = history  # the fold, read back: every fact an edge said lives there
+        self.fold = fold
         self.node = node
         self.restart_events = restart_events
         self.workload = workload
         self._pod_gpus = pod_gpus
-        # What the edges last said, reported once per kind rather than at every attempt.
-        self.restart_failed: str | None = None
-        self.restart_not_recorded: str | None = None
-        self.not_recorded_at = 0.0
-        self.budget_read_error: str | None = None
-        self.pod_gpus_error: str | None = None
-        self.pod_gpus_retry_s = POD_GPUS_RETRY_S
-        self.suspects: dict[str, Suspect] = {}
-        self.ignored_records: set[tuple[str, float]] = set()
-        self._escalation_errors: set[str] = set()
-        self.escalation_retry_at = 0.0
-        self._escalation_backoff = ESCALATION_RETRY_S
         # The workload's ledger: replicas always (the budget grows with them); slots and the breaker
         # where `policy.fleet.enabled`.
         self.ledger = ledger
         self.fleet_on = ledger is not None and settings.policy.fleet.enabled
-        self.replicas: int | None = None
-        self.replicas_error: str | None = None
-        self.own_pod: fleet.OwnPod | None = None  # read once: a pod's creation and template never change
-        self.fleet = FleetView(lease=ledger.name if ledger is not None else "")
-        self._fleet_held_since = 0.0
-        self._slot_taken_at = float("-inf")
-        self._breakers_seen: set[float] = set()
-        self._reports: set[asyncio.Task[None]] = set()
-        self._held_new = False
-        self._held_episode: tuple[str, str] | None = None
+        # The work in flight, not facts: the ledger's writes one at a time, the reports written beside
+        # the loop, and the evidence being read or written now (asked again meanwhile: a blocked
+        # restart, at every evaluation, gets the first ask's fingerprints, and no second read).
         self._ledger_lock = asyncio.Lock()
-        # The workers (0: the watched target) whose in-place restart holds our slot until they serve
-        # again, each with the process it replaced (None: any answer after the restart is the new one);
-        # and whether the slot is for our pod's replacement instead, which gives it back itself.
-        self._in_place: dict[int, str | None] = {}
-        self._slot_for_pod = False
-        # The workers whose restart is under way now (0: the target's): one at a time, so that two
-        # never spend the budget's last restart, and our slot is theirs until each has ended.
-        self._acting: set[int] = set()
-        self._give_back_pending: bool | None = None
-        self._came_back_done = False
-        self._came_back_failed = False
-        # The query of death: the workload's failures and quarantine (the Lease's, else this pod's own).
-        self.records = quarantine.Records()
-        self.records_error: str | None = None
-        self.records_read_at: float | None = None
-        self._failures_seen: dict[tuple[str, str | None], tuple[str, ...] | None] = {}
-        # Those being read or written now: asked again meanwhile (a blocked restart, at every
-        # evaluation), the first ask's fingerprints, and no second read or record.
+        self._reports: set[asyncio.Task[None]] = set()
         self._failures_pending: dict[tuple[str, str | None], asyncio.Future[tuple[str, ...] | None]] = {}
-        self._failures_failed_at: dict[tuple[str, str | None], float] = {}  # a write refused: not before RECORD_RETRY_S
-        self._pushed: list[dict[str, Any]] | None = None
-        self.quarantine_pushed_to: str | None = None  # the server process the list last reached
-        self.worker_pushed_to: dict[int, str] = {}  # the same, for each other worker
+        if ledger is not None and self.edge.fleet.lease != ledger.name:
+            self.fold(edges.FleetSeen(dataclasses.replace(self.edge.fleet, lease=ledger.name)))
+
+    @property
+    def edge(self) -> EdgeFacts:
+        return self.history().edge
+
+    @property
+    def fleet(self) -> FleetView:
+        return self.edge.fleet
+
+    @property
+    def suspects(self) -> tuple[Suspect, ...]:
+        return self.edge.suspects
 
     # -- the bundled server's control API ----------------------------------------------------
 
@@ -253,12 +227,14 @@ class Executor:
         if not s.enabled or control is None:
             return None
         key = (decision.reason, decision.instance_id)
-        if key in self._failures_seen:
-            return self._failures_seen[key]  # asked again (held, blocked): recorded once
+        seen = edges.evidence_seen(self.edge, *key)
+        if seen is not None:
+            return seen.inflight  # asked again (held, blocked): recorded once
         pending = self._failures_pending.get(key)
         if pending is not None:
             return await asyncio.shield(pending)  # asked again while it is read or written
-        if self.clock() - self._failures_failed_at.get(key, float("-inf")) < RECORD_RETRY_S:
+        refused = edges.refused_at(self.edge, *key)
+        if refused is not None and self.clock() - refused < RECORD_RETRY_S:
             return None  # its record was refused a moment ago: tried again later, not at every evaluation
         loop = asyncio.get_running_loop()
         read: asyncio.Future[tuple[str, ...] | None] = loop.create_future()
@@ -270,7 +246,8 @@ class Executor:
         except (ControlError, quarantine.RecordsError) as exc:
             log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
                         action="restarting without them")
-            self._failures_seen[key] = None  # said once: a restart asked again does not ask again
+            # Said once: a restart asked again does not ask again.
+            self.fold(edges.EvidenceRead(edges.Evidence(decision.reason, decision.instance_id, None)))
         finally:
             read.set_result(None if failure is None else failure.inflight)
             if failure is None:
@@ -299,21 +276,21 @@ class Executor:
 
         ledger = self.ledger
         try:
-            self.records, new, removed = await self._update_records(add)
-            self.records_error = None
+            records, new, removed = await self._update_records(add)
         except Exception as exc:
-            self.records_error = str(exc)[:300]
-            self._failures_failed_at[key] = self.clock()
-            log.error("failure_not_recorded", reason=decision.reason, error=self.records_error,
+            error = str(exc)[:300]
+            self.fold(edges.RecordsSeen(None, error))
+            self.fold(edges.EvidenceRefused(edges.Refused(key[0], key[1], self.clock())))
+            log.error("failure_not_recorded", reason=decision.reason, error=error,
                       action=f"this failure does not count toward a quarantine yet; tried again in {RECORD_RETRY_S:g}s"
                              " if it is asked again")
             return
-        self._failures_failed_at.pop(key, None)
+        self.fold(edges.RecordsSeen(records))
         # Recorded once: a restart asked again while held neither reads nor writes again.
-        self._failures_seen[key] = self._failures_seen[(decision.reason, failure.process)] = failure.inflight
+        self.fold(edges.EvidenceRead(edges.Evidence(key[0], key[1], failure.inflight), process=failure.process))
         log.warning("failure_recorded", reason=decision.reason, process=failure.process,
                     inflight=list(failure.inflight), newest=failure.newest,
-                    workload_failures=len(self.records.failures))
+                    workload_failures=len(records.failures))
         for q in new:
             log.error("request_quarantined", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
                       failures=len(q.failures), workload=self.workload,
@@ -330,7 +307,7 @@ class Executor:
         """The records as `decide` changes them: in the Lease (our writes one at a time), else this
         sidecar's own."""
         if self.ledger is None:
-            return decide(self.records, self.wall_clock())[1]
+            return decide(self.edge.records, self.wall_clock())[1]
         async with self._ledger_lock:
             return await asyncio.to_thread(self.ledger.update_records, decide)
 
@@ -343,16 +320,17 @@ class Executor:
         if ledger is not None:
             try:
                 # A read needs no turn of the ledger's lock: a restart's bookkeeping never waits on it.
-                self.records = await asyncio.to_thread(ledger.read_records)
-                if self.records_error is not None:
+                records = await asyncio.to_thread(ledger.read_records)
+                if self.edge.records_error is not None:
                     log.info("quarantine_records_read", workload=self.workload)
-                self.records_error = None
-                self.records_read_at = self.clock()
+                if records != self.edge.records or self.edge.records_error is not None:
+                    self.fold(edges.RecordsSeen(records))
             except Exception as exc:
-                if self.records_error is None:
+                if self.edge.records_error is None:
                     log.warning("quarantine_records_unknown", error=str(exc)[:300],
                                 action="the list last read stays in force")
-                self.records_error = str(exc)[:300]
+                if self.edge.records_error != str(exc)[:300]:
+                    self.fold(edges.RecordsSeen(None, str(exc)[:300]))
         await self._clear_answered()
         await self.push_quarantine()
 
@@ -370,7 +348,7 @@ class Executor:
         lately are cleared in the records, fleet-wide: a request answered anywhere is no killer, and
         an entry of one is removed. Asked only while the records hold against some."""
         s = self.settings.policy.quarantine
-        against = quarantine.held_against(s, self.records, self.wall_clock())
+        against = quarantine.held_against(s, self.edge.records, self.wall_clock())
         if self.control is None or not against:
             return
         answered: set[str] = set()
@@ -390,11 +368,12 @@ class Executor:
             return out, (out, removed)
 
         try:
-            self.records, removed = await self._update_records(add)
+            records, removed = await self._update_records(add)
         except Exception as exc:
             log.warning("quarantine_clear_not_recorded", fingerprints=sorted(new), error=str(exc)[:300],
                         action="tried again at the next sync")
             return
+        self.fold(edges.RecordsSeen(records, self.edge.records_error))
         log.info("quarantine_cleared", fingerprints=sorted(new), pod=pod,
                  why="answered successfully here: no longer a suspect anywhere in the workload")
         self._removed(removed, pod)
@@ -413,7 +392,7 @@ class Executor:
         if self.control is None or not self.settings.policy.quarantine.enabled:
             return
         now = self.wall_clock()
-        entries = quarantine.server_entries(self.records, now)
+        entries = quarantine.server_entries(self.edge.records, now)
         self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
         for k in self.worker_controls:
             # Beside this: a hung worker slow to answer delays neither the target's list nor its canary.
@@ -421,9 +400,9 @@ class Executor:
             self._reports.add(task)
             task.add_done_callback(self._reports.discard)
         if await self._push(self.control, entries):
-            self._pushed = entries
-            if instance_id is not None:
-                self.quarantine_pushed_to = instance_id
+            fingerprints = tuple(e["fingerprint"] for e in entries)
+            if fingerprints != self.edge.pushed or (instance_id is not None and instance_id != self.edge.pushed_to):
+                self.fold(edges.QuarantinePushed(0, instance_id, fingerprints))
 
     async def push_quarantine_to(self, worker: int, instance_id: str | None,
                                  entries: list[dict[str, Any]] | None = None) -> None:
@@ -432,9 +411,9 @@ class Executor:
         if control is None or not self.settings.policy.quarantine.enabled:
             return
         if entries is None:
-            entries = quarantine.server_entries(self.records, self.wall_clock())
+            entries = quarantine.server_entries(self.edge.records, self.wall_clock())
         if await self._push(control, entries, worker) and instance_id is not None:
-            self.worker_pushed_to[worker] = instance_id
+            self.fold(edges.QuarantinePushed(worker, instance_id, tuple(e["fingerprint"] for e in entries)))
 
     async def _push(self, control: ControlClient, entries: list[dict[str, Any]], worker: int = 0) -> bool:
         try:
@@ -461,14 +440,6 @@ class Executor:
         self._reports.add(task)
         task.add_done_callback(self._reports.discard)
 
-    def quarantine_status(self) -> dict[str, Any]:
-        now = self.wall_clock()
-        return {"enabled": self.settings.policy.quarantine.enabled,
-                "records": "lease" if self.ledger is not None else "this sidecar",
-                "entries": [quarantine.describe(q, now) for q in self.records.quarantined if now < q.until],
-                "failures": len(self.records.failures), "error": self.records_error,
-                "pushed": None if self._pushed is None else [e["fingerprint"] for e in self._pushed]}
-
     # -- restarts ------------------------------------------------------------------------------
 
     async def restart(self, decision: Decision, fold: Callable[[Outcome], None]) -> tuple[RestartEnded, str]:
@@ -480,6 +451,8 @@ class Executor:
         started = self.clock()
         reported_only = self.restarter.strategy == "none"
         done, keep_unready, rung, record = False, False, decision.rung, "failed"
+        detail: str | None = None
+        recorded: bool | None = None
         # A slot for our pod's replacement: the ledger hears when the pod goes (`fleet.acted`).
         marks = self.fleet_on and self.fleet.slot_held and self.slot_rung(decision) == RUNG_POD
         drain: DrainHandle = ServerDrain(self.control if decision.drain and not reported_only else None,
@@ -488,18 +461,19 @@ class Executor:
         try:
             outcome = await self.worker_exit(decision, 0, self.control) \
                 if decision.rung == RUNG_WORKER and not reported_only else None
-            if outcome is None and self.fleet.slot_held and self.restarter.strategy in ("evict", "delete"):
+            taken_at = self.edge.slot_taken_at
+            if outcome is None and self.fleet.slot_held and self.restarter.strategy in ("evict", "delete") \
+                    and taken_at is not None:
                 # The pod's replacement must be created after the slot by either clock (`fleet.replaced`).
-                await asyncio.sleep(max(0.0, fleet.SLOT_WAIT_S - (self.clock() - self._slot_taken_at)))
+                await asyncio.sleep(max(0.0, fleet.SLOT_WAIT_S - (self.clock() - taken_at)))
             if outcome is None:
                 if decision.rung == RUNG_WORKER:
                     decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)
                 outcome = await self.restarter.restart(decision, drain)
-            done, rung = outcome.done, outcome.rung
+            done, rung, detail = outcome.done, outcome.rung, outcome.detail
             if outcome.gone and marks:
                 await self._mark(None)
             if done:
-                self.restart_failed = None
                 self.metrics.restarts.labels(reason=decision.reason, rung=rung).inc()
                 # An evicted or deleted pod is going away: it stays unready until it has.
                 keep_unready = rung == RUNG_POD and self.restarter.strategy in ("evict", "delete", "container")
@@ -507,13 +481,17 @@ class Executor:
             elif reported_only:
                 record = "reported"
             else:
-                self.restart_failed = outcome.detail
                 await drain.lift("restart_failed")
+            episode = edges.not_recorded_now(self.edge, self.clock())
             if outcome.not_recorded:
-                record = "not_recorded"
-                self.note_not_recorded(decision, outcome.detail)
+                record, recorded = "not_recorded", False
+                if episode is None:
+                    log.error(NOT_RECORDED, reason=decision.reason, detail=outcome.detail,
+                              action="no restart until its Event can be written; retried with backoff")
             elif outcome.recorded:
-                self.note_recorded(decision)
+                recorded = True
+                if episode is not None:
+                    log.info("restart_recorded_again", reason=decision.reason)
             log.warning("restart_finished", reason=decision.reason, strategy=self.restarter.strategy, rung=rung,
                         done=done, detail=outcome.detail, attempts=outcome.attempts,
                         seconds=round(self.clock() - started, 3))
@@ -522,11 +500,11 @@ class Executor:
             await drain.lift("watchdog_stopping")
             raise
         except Exception as exc:
-            self.restart_failed = repr(exc)
+            detail = repr(exc)
             log.exception("restart_failed", reason=decision.reason, error=repr(exc))
             await drain.lift("restart_failed")
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
-                            decision.instance_id), record
+                            decision.instance_id, detail=detail, recorded=recorded), record
 
     async def _mark(self, at: float | None) -> None:
         """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that
@@ -578,24 +556,19 @@ class Executor:
         return RestartOutcome(True, "the worker was told to exit; its server starts it again", rung=RUNG_WORKER,
                               recorded=True)
 
-    def note_not_recorded(self, decision: Decision, detail: str) -> None:
-        """An episode: said when it starts, again when an Event is written, and over when no restart is
-        wanted any more (see NOT_RECORDED_HOLD_S)."""
-        if self.not_recorded_now() is None:
+    def not_recorded_said(self, decision: Decision, detail: str, recorded: bool) -> None:
+        """A worker's Event refused (`recorded` False) or written again: the episode said when it starts
+        and when it ends (the fold keeps it; see `edges.NOT_RECORDED_HOLD_S`)."""
+        episode = edges.not_recorded_now(self.edge, self.clock())
+        if not recorded and episode is None:
             log.error(NOT_RECORDED, reason=decision.reason, detail=detail,
                       action="no restart until its Event can be written; retried with backoff")
-        self.restart_not_recorded, self.not_recorded_at = detail, self.clock()
-
-    def note_recorded(self, decision: Decision) -> None:
-        if self.not_recorded_now() is not None:
+        elif recorded and episode is not None:
             log.info("restart_recorded_again", reason=decision.reason)
-        self.restart_not_recorded = None
 
     def not_recorded_now(self) -> str | None:
         """Why the last restart wanted was not carried out for want of its Event; None: no such episode."""
-        if self.restart_not_recorded is None or self.clock() - self.not_recorded_at >= NOT_RECORDED_HOLD_S:
-            return None
-        return self.restart_not_recorded
+        return edges.not_recorded_now(self.edge, self.clock())
 
     async def read_budget(self) -> WorkloadRestarts:
         """The workload's restarts from the Events; unreadable, slow or partial means spent (fail safe)."""
@@ -604,19 +577,17 @@ class Executor:
             records = await asyncio.to_thread(self.restart_events.restart_records)
         except Exception as exc:
             error = f"{getattr(exc, 'status', None) or type(exc).__name__}: {str(exc)[:200]}"
-            if error != self.budget_read_error:
+            if error != self.edge.budget_read_error:
                 log.error("restart_budget_unknown", error=error, action="no restarts until the Events can be read",
                           workload=self.workload)
-            self.budget_read_error = error
-            return WorkloadRestarts(self.clock(), self.wall_clock(), None)
-        if self.budget_read_error is not None:
+            return WorkloadRestarts(self.clock(), self.wall_clock(), None, error=error)
+        if self.edge.budget_read_error is not None:
             log.info("restart_budget_read", workload=self.workload, restarts=len(records))
-        self.budget_read_error = None
         await self.read_fleet()
         wall_now = self.wall_clock()
         past = tuple(PastRestart(r.at, r.pod, r.node, r.gpus)
                      for r in workload_restarts(self._believable(records, wall_now), self.workload))
-        return WorkloadRestarts(self.clock(), wall_now, past, self.replicas)
+        return WorkloadRestarts(self.clock(), wall_now, past, self.edge.replicas)
 
     # -- the workload's ledger -------------------------------------------------------------------------
     # Every read and write of the ledger goes through `_ledger_lock`: a canary's bookkeeping (leaving
@@ -627,34 +598,37 @@ class Executor:
         async with self._ledger_lock:
             return await asyncio.to_thread(self.ledger.update, decide)
 
+    def _seen(self, replicas: int | None, ledger: Ledger | None, error: str | None = None) -> None:
+        self.fold(edges.FleetSeen(fleet_view(self.fleet, self.settings, replicas, ledger, error)))
+
     async def read_fleet(self) -> None:
         """The replicas (kept from the last read when this one fails: a count that is briefly unreadable
         has not changed) and, where the ledger is on, the slots and the breaker as they stand."""
         if self.ledger is None:
             return
         try:
-            self.replicas = await asyncio.to_thread(self.ledger.replicas)
-            if self.replicas_error is not None:
-                log.info("replicas_read", workload=self.workload, replicas=self.replicas)
-            self.replicas_error = None
+            replicas = await asyncio.to_thread(self.ledger.replicas)
+            if self.edge.replicas_error is not None:
+                log.info("replicas_read", workload=self.workload, replicas=replicas)
+            self.fold(edges.ReplicasRead(replicas))
         except Exception as exc:
             # Keyed by status (or type) alone: a real API server's error text carries a fresh Audit-Id.
             error = str(getattr(exc, "status", None) or type(exc).__name__)
-            if error != self.replicas_error:
+            if error != self.edge.replicas_error:
                 log.warning("replicas_unknown", workload=self.workload, error=f"{error}: {str(exc)[:200]}",
-                            replicas=self.replicas, action="the last count stands; none read yet counts as one")
-            self.replicas_error = error
+                            replicas=self.edge.replicas, action="the last count stands; none read yet counts as one")
+            self.fold(edges.ReplicasRead(None, error))
+        replicas = self.edge.replicas
         if not self.fleet_on:
-            self.fleet = fleet_view(self.fleet, self.settings, self.replicas, None)
+            self._seen(replicas, None)
             return
         try:
             async with self._ledger_lock:
                 ledger = await asyncio.to_thread(self.ledger.read)
         except Exception as exc:
-            self.fleet = fleet_view(self.fleet, self.settings, self.replicas, None, error=str(exc))
+            self._seen(replicas, None, error=str(exc))
             return
-        self.fleet = fleet_view(self.fleet, self.settings, self.replicas,
-                                fleet.prune(self.settings.policy.fleet, ledger, self.wall_clock()))
+        self._seen(replicas, fleet.prune(self.settings.policy.fleet, ledger, self.wall_clock()))
         self._breaker_seen(self.fleet.breaker, opened_here=False)
 
     def slot_rung(self, decision: Decision) -> str:
@@ -668,7 +642,7 @@ class Executor:
         if not self.fleet_on or self.ledger is None:
             return None
         s = self.settings.policy.fleet
-        pod, replicas = self.settings.kubernetes.pod_name, self.replicas
+        pod, replicas = self.settings.kubernetes.pod_name, self.edge.replicas
         rung = self.slot_rung(decision)
         try:
             template = (await self._own_pod()).template
@@ -679,18 +653,16 @@ class Executor:
             ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
                                                                         rung, now, template))
         except Exception as exc:
-            self.fleet = fleet_view(self.fleet, self.settings, replicas, None, error=str(exc))
+            self._seen(replicas, None, error=str(exc))
             self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)})
             return FLEET_LEDGER_UNKNOWN
-        self.fleet = fleet_view(self.fleet, self.settings, replicas, ledger)
+        self._seen(replicas, ledger)
         if verdict.granted:
             if self.fleet.held is not None:
                 log.info("fleet_slot_taken", reason=decision.reason,
-                         waited_s=round(self.clock() - self._fleet_held_since, 3), **verdict.detail)
-            self._fleet_held_since = 0.0
-            self._slot_taken_at = self.clock()
-            self._in_place.pop(int(decision.detail.get("worker", 0)), None)  # its restart begins again
-            self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={}, slot_held=True)
+                         waited_s=round(self.clock() - self.edge.held_since, 3), **verdict.detail)
+            # Its restart begins again: no longer one that holds the slot in place.
+            self.fold(edges.SlotTaken(self.clock(), int(decision.detail.get("worker", 0))))
             return None
         if verdict.opened and ledger.breaker is not None:
             self._breaker_seen(ledger.breaker, opened_here=True)
@@ -699,21 +671,16 @@ class Executor:
 
     def fleet_episode(self, why: str | None) -> bool:
         """Whether the hold just returned began a new episode (a new why or reason), to be recorded once."""
-        return why is not None and self._held_new
+        return why is not None and self.edge.held_anew
 
     def _held(self, decision: Decision, why: str, detail: dict[str, Any]) -> None:
-        episode = (why, decision.reason)
-        self._held_new = self._held_episode != episode
-        if self._held_new:
+        if self.edge.held_episode != (why, decision.reason):
             log.warning(why, reason=decision.reason, workload=self.workload, lease=self.fleet.lease,
                         action="restart held" + (": the next slot that frees is taken" if why != FLEET_BREAKER_OPEN
                                                  else ": restarts stop fleet-wide until the breaker closes"),
                         **detail)
             self.metrics.fleet_held.labels(why=why).inc()
-            if not self._fleet_held_since:
-                self._fleet_held_since = self.clock()
-        self._held_episode = episode
-        self.fleet = dataclasses.replace(self.fleet, held=why, held_detail=detail)
+        self.fold(edges.Held(self.clock(), why, decision.reason, detail))
 
     async def end_hold(self) -> None:
         """No restart is wanted any more (the target recovered, or the rule no longer holds): the hold is
@@ -721,8 +688,7 @@ class Executor:
         if self.fleet.held is None:
             return
         log.info("fleet_hold_over", why=self.fleet.held, action="no restart wanted any more")
-        self.fleet = dataclasses.replace(self.fleet, held=None, held_detail={})
-        self._fleet_held_since, self._held_episode = 0.0, None
+        self.fold(edges.HoldEnded())
         if self.ledger is None or self.fleet.slot_held:
             return
         pod = self.settings.kubernetes.pod_name
@@ -732,10 +698,10 @@ class Executor:
             log.warning("fleet_wait_not_withdrawn", error=str(exc)[:300],
                         action=f"it lapses after {self.settings.policy.fleet.slot_timeout:g}s")
 
-    def _breaker_seen(self, breaker: fleet.Breaker | None, opened_here: bool) -> None:
-        if breaker is None or breaker.opened_at in self._breakers_seen:
+    def _breaker_seen(self, breaker: Breaker | None, opened_here: bool) -> None:
+        if breaker is None or breaker.opened_at in self.edge.breakers_said:
             return
-        self._breakers_seen.add(breaker.opened_at)
+        self.fold(edges.BreakerSaid(breaker.opened_at))
         log.error("fleet_breaker_opened" if opened_here else "fleet_breaker_open", workload=self.workload,
                   reason=breaker.reason, failed=list(breaker.restarted), replicas=breaker.replicas,
                   opened_by=breaker.opened_by, action="no restarts for this reason fleet-wide: reporting only;"
@@ -743,57 +709,43 @@ class Executor:
         if opened_here and self.ledger is not None:
             self._report_breaker(breaker)
 
-    def _report_breaker(self, breaker: fleet.Breaker) -> None:
+    def _report_breaker(self, breaker: Breaker) -> None:
         ledger = self.ledger
         assert ledger is not None
         self._report(lambda: ledger.report_breaker(breaker), "fleet_breaker_event_failed")
 
     def begin(self, worker: int) -> bool:
         """A restart of `worker` (0: the target) begins; False: another is under way (asked again later)."""
-        if self._acting:
+        if self.edge.acting:
             return False
-        self._acting.add(worker)
+        self.fold(edges.Acting(worker, True))
         return True
 
     def end(self, worker: int) -> None:
-        self._acting.discard(worker)
+        if worker in self.edge.acting:
+            self.fold(edges.Acting(worker, False))
 
     def acting(self) -> bool:
-        return bool(self._acting)
+        return bool(self.edge.acting)
 
     async def release_slot(self, worker: int, why: str) -> None:
         """`worker`'s restart did not happen: our slot back (no restart of the fleet's either), unless
         another worker's restart holds it still."""
-        if (self._acting - {worker}) or self._in_place:
+        if any(k != worker for k in self.edge.acting) or self.edge.in_place:
             return
         await self.give_back_slot(False, why)
 
-    def restart_ended(self, ended: RestartEnded) -> None:
-        """An in-place restart done: its slot is given back once the target serves again; a pod's,
-        once its replacement does."""
-        if not (self.fleet.slot_held and ended.done):
-            return
-        if ended.rung in (RUNG_CONTAINER, RUNG_WORKER):
-            self._in_place[0] = None
-        else:
-            self._slot_for_pod = True
-
-    def worker_restarted(self, worker: int, instance_id: str | None) -> None:
-        """Another worker's restart done: the slot it took is given back once that worker serves again
-        (a process other than `instance_id`, which was told to leave)."""
-        if self.fleet.slot_held:
-            self._in_place[worker] = instance_id
-
     def restarting_workers(self) -> dict[int, str | None]:
-        return dict(self._in_place)
+        return {p.worker: p.instance_id for p in self.edge.in_place}
 
     async def served(self, worker: int, instance_id: str | None) -> None:
         """Worker `worker` served a canary (0: the watched target, with no restart of ours in
         progress): once every worker restarted in place serves again, our slot goes back."""
-        if worker in self._in_place and (self._in_place[worker] is None or instance_id != self._in_place[worker]):
-            del self._in_place[worker]
-            if self.fleet.slot_held and not self._in_place and not self._acting and not self._slot_for_pod:
-                await self.give_back_slot(True, "target_serves" if worker == 0 else f"worker_{worker}_serves")
+        if not edges.in_place_served(self.edge, worker, instance_id):
+            return
+        self.fold(edges.InPlaceServed(worker))
+        if edges.slot_back_due(self.edge):
+            await self.give_back_slot(True, "target_serves" if worker == 0 else f"worker_{worker}_serves")
 
     async def give_back_slot(self, restarted: bool, why: str) -> None:
         """Our slot back to the fleet: our target serves again after an in-place restart, or the restart
@@ -802,19 +754,17 @@ class Executor:
             return
         pod = self.settings.kubernetes.pod_name
         # A give-back that failed is tried again as it was first asked.
-        restarted = self._give_back_pending if self._give_back_pending is not None else restarted
+        pending = self.edge.give_back_pending
+        restarted = pending if pending is not None else restarted
         try:
             await self._update(lambda led, now: (fleet.give_back(led, pod, restarted), None))
         except Exception as exc:
-            if self._give_back_pending is None:  # said once: it is tried again at every canary served
+            if self.edge.give_back_pending is None:  # said once: it is tried again at every canary served
                 log.warning("fleet_slot_not_given_back", why=why, error=str(exc)[:300],
                             action=f"tried again; it lapses after {self.settings.policy.fleet.slot_timeout:g}s")
-            self._give_back_pending = restarted
+            self.fold(edges.SlotNotGivenBack(restarted))
             return
-        self._give_back_pending = None
-        self._in_place.clear()
-        self._slot_for_pod = False
-        self.fleet = dataclasses.replace(self.fleet, slot_held=False)
+        self.fold(edges.SlotGivenBack())
         log.info("fleet_slot_given_back", why=why, restarted=restarted)
 
     async def target_served(self) -> None:
@@ -823,11 +773,13 @@ class Executor:
         replica our pod replaced is back."""
         if not self.fleet_on:
             return
-        if self.fleet.slot_held and self._give_back_pending is not None:
+        if self.fleet.slot_held and self.edge.give_back_pending is not None:
             await self.give_back_slot(True, "target_serves")
         await self.served(0, None)
-        if not self._came_back_done:
-            self._came_back_done = await self.came_back()
+        if not self.edge.came_back:
+            told = await self.came_back()
+            if told or not self.edge.came_back_failed:
+                self.fold(edges.CameBack(told))
 
     async def came_back(self) -> bool:
         """Our target serves for the first time: if our pod replaced one that was restarting, that
@@ -846,59 +798,57 @@ class Executor:
             slot = await self._update(lambda led, now: fleet.replaced(led, pod, created, template=own.template,
                                                                       replicas=replicas))
         except Exception as exc:
-            if not self._came_back_failed:
+            if not self.edge.came_back_failed:
                 log.warning("fleet_replacement_not_recorded", error=str(exc)[:300],
                             action="tried again at the next canary served")
-            self._came_back_failed = True
             return False
         if slot is not None:
             log.info("fleet_replica_back", replaced=slot.pod, reason=slot.reason,
                      restarting_s=round(self.wall_clock() - slot.at, 3))
         return True
 
-    async def _own_pod(self) -> fleet.OwnPod:
-        if self.own_pod is None:
+    async def _own_pod(self) -> OwnPod:
+        own = self.edge.own_pod
+        if own is None:
             assert self.ledger is not None
-            self.own_pod = await asyncio.to_thread(self.ledger.own_pod)
-        return self.own_pod
+            own = await asyncio.to_thread(self.ledger.own_pod)
+            self.fold(edges.OwnPodRead(own))
+        return own
 
     def _believable(self, records: list[RestartRecord], wall_now: float) -> list[RestartRecord]:
         kept, ignored = escalation.believable(records, wall_now)
-        seen = {(r.pod, r.at) for r in ignored}
-        if ignored and seen != self.ignored_records:
+        seen = tuple(sorted({(r.pod, r.at) for r in ignored}))
+        if ignored and seen != self.edge.ignored_records:
             log.warning("restart_records_ignored", why="dated in the future", count=len(ignored),
                         pods=sorted({r.pod for r in ignored}),
                         ahead_s=round(max(r.at for r in ignored) - wall_now, 1))
-        self.ignored_records = seen
+        if seen != self.edge.ignored_records:
+            self.fold(edges.RecordsIgnored(seen))
         return kept
 
     # -- which GPUs, and those restarts did not cure -------------------------------------------
 
     def next_pod_gpus_wait(self) -> float:
-        """How long to wait before asking the kubelet again: doubled after each ask, up to a bound."""
-        wait = self.pod_gpus_retry_s
-        self.pod_gpus_retry_s = min(wait * 2, POD_GPUS_RETRY_MAX_S)
-        return wait
+        """How long to wait before asking the kubelet again: doubled after each refusal, up to a bound."""
+        return edges.pod_gpus_wait(self.edge.pod_gpus_tries)
 
-    async def learn_pod_gpus(self) -> PodGpus | None:
-        """The kubelet's answer; None while it has none (the error is kept and said once)."""
+    async def learn_pod_gpus(self) -> PodGpus:
+        """The kubelet's answer (no UUIDs while it has none; the error said once)."""
         try:
             uuids = await asyncio.to_thread(self._pod_gpus)
         except Exception as exc:  # the kubelet socket missing, refused, slow: say so, go on without
             error = str(exc)[:300]
-            if error != self.pod_gpus_error:
-                log.warning("pod_gpus_unknown", error=error, retry_in_s=self.pod_gpus_retry_s)
-            self.pod_gpus_error = error
-            return None
-        self.pod_gpus_error = None
-        if uuids is None:
-            return None
-        log.info("pod_gpus", uuids=list(uuids), source="kubelet")
+            if error != self.edge.pod_gpus_error:
+                log.warning("pod_gpus_unknown", error=error,
+                            retry_in_s=edges.pod_gpus_wait(self.edge.pod_gpus_tries + 1))
+            return PodGpus(None, error)
+        if uuids is not None:
+            log.info("pod_gpus", uuids=list(uuids), source="kubelet")
         return PodGpus(uuids)
 
     async def escalate(self, why: str, ours: tuple[str, ...] | None) -> None:
         """Read the namespace's restart Events back; report our GPUs that restarts did not cure."""
-        if self.node is None or self.clock() < self.escalation_retry_at:
+        if self.node is None or self.clock() < self.edge.escalation_retry_at:
             return
         try:
             records = await asyncio.to_thread(self.node.restart_records)
@@ -906,9 +856,10 @@ class Executor:
             self._escalation_failed("list_events", exc)
             return
         wall_now = self.wall_clock()
+        reported = {sp.uuid for sp in self.suspects}
         for suspect in escalation.suspects(self.settings.policy.escalation, self._believable(records, wall_now),
                                            wall_now, ours):
-            if suspect.uuid in self.suspects:
+            if suspect.uuid in reported:
                 continue
             log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, restarts=len(suspect.restarts),
                       reasons=suspect.reasons, xids=suspect.xids, action="report", trigger=why,
@@ -918,35 +869,34 @@ class Executor:
             except Exception as exc:
                 self._escalation_failed("report", exc)
                 continue  # not marked: reported again on the next look
-            self.suspects[suspect.uuid] = suspect
-        self._escalation_backoff = ESCALATION_RETRY_S
+            self.fold(edges.SuspectReported(suspect))
+        if self.edge.escalation_failures:
+            self.fold(edges.EscalationLooked())
 
     async def report_driver_word(self, decision: Decision) -> None:
         """A restart decided on the driver's word that the GPU needs a reset or the node a reboot: the
         Node hears of it now (the same Event and opt-in condition as `escalate`), once per GPU."""
         suspect = escalation.driver_says(decision.reason, decision.detail)
-        if self.node is None or suspect is None or suspect.uuid in self.suspects \
-                or self.clock() < self.escalation_retry_at:
+        if self.node is None or suspect is None or any(sp.uuid == suspect.uuid for sp in self.suspects) \
+                or self.clock() < self.edge.escalation_retry_at:
             return
-        self.suspects[suspect.uuid] = suspect  # taken before the call: a second decision must not report it twice
+        self.fold(edges.SuspectReported(suspect))  # taken before the call: a second decision must not report it twice
         log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, driver_says=suspect.driver_says,
                   node_action=suspect.node_action, xids=suspect.xids, action="report", trigger="driver",
                   node_condition=self.node.node_condition)
         try:
             await asyncio.to_thread(self.node.report, suspect, self.settings.kubernetes.pod_name)
         except Exception as exc:
-            del self.suspects[suspect.uuid]  # not reported: said again at the next such decision
+            self.fold(edges.SuspectWithdrawn(suspect.uuid))  # not reported: said again at the next such decision
             self._escalation_failed("report", exc)
 
     def _escalation_failed(self, step: str, exc: BaseException) -> None:
         status = getattr(exc, "status", None)
         key = f"{step}:{status or type(exc).__name__}"
-        if key not in self._escalation_errors:
-            self._escalation_errors.add(key)
+        if key not in self.edge.escalation_said:
             log.warning("escalation_failed", step=step, status=status, error=str(exc)[:300],
-                        retry_in_s=self._escalation_backoff)
-        self.escalation_retry_at = self.clock() + self._escalation_backoff
-        self._escalation_backoff = min(self._escalation_backoff * 2, ESCALATION_RETRY_MAX_S)
+                        retry_in_s=edges.escalation_backoff(self.edge))
+        self.fold(edges.EscalationFailed(self.clock(), key))
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,

@@ -12,37 +12,12 @@ Pure: no I/O and no clock; the loop folds each allocator sample in.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
-from gpu_watchdog.watchdog.samples import TorchSample
+# The record lives with the history that holds it; its rule is here.
+from gpu_watchdog.watchdog.samples import WARN_RATIO, IdleMemory, TorchSample
 
-# Growth of active memory at idle, as a share of the card, above which the watchdog logs a
-# warning. The alert rule (GPUMemoryGrowsAtIdle) uses the same figure.
-WARN_RATIO = 0.05
-
-
-@dataclass(frozen=True)
-class IdleMemory:
-    instance_id: str | None
-    baseline_bytes: int  # active bytes at this process's first idle sample
-    current_bytes: int  # active bytes at its latest idle sample
-    total_bytes: int
-    first_at: float
-    at: float
-    idle_samples: int
-
-    @property
-    def growth_bytes(self) -> int:
-        return self.current_bytes - self.baseline_bytes
-
-    @property
-    def growth_ratio(self) -> float:
-        return self.growth_bytes / self.total_bytes if self.total_bytes > 0 else 0.0
-
-    @property
-    def growing(self) -> bool:
-        return self.growth_ratio >= WARN_RATIO
-
+__all__ = ["WARN_RATIO", "IdleMemory", "observe"]
 
 def observe(prev: IdleMemory | None, sample: TorchSample) -> IdleMemory | None:
     """Fold one allocator sample in; None until a CUDA process has been seen idle."""

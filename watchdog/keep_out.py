@@ -13,11 +13,12 @@ from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog import edges, placement
 from gpu_watchdog.watchdog.escalation import Suspect
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.placement import Card, Records, Remediation, Taint, Verdict
 from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 T = TypeVar("T")
@@ -52,8 +53,9 @@ class CardPlacer(Protocol):
 
 
 class KeepOut:
-    def __init__(self, settings: Settings, placer: CardPlacer, ledger: PlacementLedger, metrics: WatchdogMetrics,
-                 wall_clock: Callable[[], float], workload: str) -> None:
+    def __init__(self, *, settings: Settings, placer: CardPlacer, ledger: PlacementLedger, metrics: WatchdogMetrics,
+                 wall_clock: Callable[[], float], workload: str, history: Callable[[], History],
+                 fold: Callable[[Any], None]) -> None:
         self.settings = settings
         self.placer = placer
         self.ledger = ledger
@@ -63,10 +65,12 @@ class KeepOut:
         self.node = settings.kubernetes.node_name
         self.namespace = settings.kubernetes.namespace
         self.workload = workload
-        self._said: set[str] = set()  # episodes said once: capped, a card not known, an edge's error kind
-        self.recent: list[dict[str, Any]] = []
-        self.error: str | None = None
-        # A device's taint placed before our restart, to become NoExecute once the restart is accepted.
+        # What was done, the last error and the episodes said once (capped, a card not known, an edge's
+        # error kind) are the fold's (`edges.EdgeFacts.placement_*`).
+        self.history = history
+        self.fold = fold
+        # In flight, not a fact: a device's taint placed before our restart, to become NoExecute once
+        # the restart is accepted (one restart at a time).
         self._escalate: Taint | None = None
         # The restart waits this long for its card's taint at most: a slow API never holds a dead GPU.
         self.deadline = max(5.0, 2 * settings.kubernetes.request_timeout)
@@ -164,7 +168,8 @@ class KeepOut:
                        action="nothing more tainted: many cards failing at once is not many bad cards;"
                               " the restart goes on")
             return "capped"
-        self._said.discard("capped")
+        if "capped" in self.history().edge.placement_said:
+            self.fold(edges.PlacementSaid("capped", said=False))
         taint = verdict.taint
         assert taint is not None
         if verdict.outcome == "already":
@@ -241,7 +246,8 @@ class KeepOut:
     async def _guarded(self, step: str, work: Any) -> None:
         try:
             await work
-            self.error = None
+            if self.history().edge.placement_error is not None:
+                self.fold(edges.PlacementFailed(None))
         except Exception as exc:
             self._failed(step, exc)
 
@@ -289,30 +295,25 @@ class KeepOut:
         log.info("placement_lifted", card=taint.card, target=taint.target, kind=taint.kind, outcome=outcome,
                  why="expired", placed_by=taint.pod)
 
-    def status(self) -> dict[str, Any]:
-        s = self.settings.policy.placement
-        return {"strategy": s.strategy, "effect": s.effect, "max_nodes": s.max_nodes, "max_percent": s.max_percent,
-                "recent": list(self.recent), "error": self.error}
-
     def _did(self, action: str, card: Card, why: str, taint: Taint | None) -> None:
         if action != "tainted":
             self.metrics.placement_actions.labels(action=action).inc()
-        self.recent = [*self.recent, {"at": self.wall_clock(), "action": action, "card": card.id, "node": card.node,
-                                      "evidence": why, "target": None if taint is None else taint.target}
-                       ][-RECENT_KEPT:]
+        self.fold(edges.PlacementDone({"at": self.wall_clock(), "action": action, "card": card.id, "node": card.node,
+                                       "evidence": why, "target": None if taint is None else taint.target},
+                                      RECENT_KEPT))
 
     def _once(self, key: str, event: str, **fields: Any) -> None:
-        if key not in self._said:
-            self._said.add(key)
+        if key not in self.history().edge.placement_said:
+            self.fold(edges.PlacementSaid(key))
             log.error(event, **fields)
 
     def _failed(self, step: str, exc: BaseException) -> None:
         status = getattr(exc, "status", None)
-        self.error = f"{step}: {status or type(exc).__name__}: {str(exc)[:200]}"
         self.metrics.placement_actions.labels(action="failed").inc()
         key = f"{step}:{status or type(exc).__name__}"
-        if key not in self._said:
-            self._said.add(key)
+        said = key in self.history().edge.placement_said
+        self.fold(edges.PlacementFailed(f"{step}: {status or type(exc).__name__}: {str(exc)[:200]}", key))
+        if not said:
             log.warning("placement_failed", step=step, status=status, error=str(exc)[:300],
                         action="nothing tainted; the restart goes on" if step == "before_restart"
                         else "tried again at the next reconcile")

@@ -76,6 +76,7 @@ class Procedure:
     untold: Untold | None = None  # the worker's process, failed to be told EXIT_TRIES times before
     exit: str | None = None  # what the worker's exit answered: one of EXIT_ANSWERS
     exit_detail: str = ""
+    exit_recorded: bool = False  # the exit's Event was written
 
     def did(self, step: str) -> bool:
         return step in self.done
@@ -148,7 +149,7 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
 
 
 def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, held: str | None = None,
-            exit: str | None = None, exit_detail: str = "") -> Procedure:
+            exit: str | None = None, exit_detail: str = "", exit_recorded: bool = False) -> Procedure:
     """`p` once `step` was performed: `inflight`, the fingerprints its evidence read (None: none);
     `held`, why the ledger said not now (None: a slot was granted); `exit`, what the worker's exit
     answered (one of EXIT_ANSWERS) and why."""
@@ -161,7 +162,7 @@ def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, h
     if step.kind == EXIT:
         if exit not in EXIT_ANSWERS:
             raise ValueError(f"a worker's exit answers one of {EXIT_ANSWERS}, not {exit!r}")
-        out = dataclasses.replace(out, exit=exit, exit_detail=exit_detail)
+        out = dataclasses.replace(out, exit=exit, exit_detail=exit_detail, exit_recorded=exit_recorded)
     return out
 
 

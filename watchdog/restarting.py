@@ -134,22 +134,24 @@ class Restarts:
         elif kind == procedure.KEEP_OUT:
             assert self.keep_out is not None
             # Before the pod goes: its replacement must not be placed on the card the evidence is about.
-            await self.keep_out.before_pod_rung(d, self.history().pod_gpus, ex.suspects.values())
+            await self.keep_out.before_pod_rung(d, self.history().pod_gpus, ex.suspects)
         elif kind == procedure.EXIT:
             return await self._exit(p, step)
         elif kind == procedure.EXITED:
-            ex.worker_restarted(k, d.instance_id)
+            # Folded: our slot (if any) is held until that worker serves again as a new process.
             self.metrics.restarts.labels(reason=d.reason, rung=RUNG_WORKER).inc()
-            self._ended(d, k, "restart", "done")
+            self._ended(d, k, "restart", "done", detail=p.exit_detail, recorded=True if p.exit_recorded else None)
             log.warning("restart_finished", reason=d.reason, rung=RUNG_WORKER, worker=k, done=True,
                         detail=p.exit_detail)
         elif kind == procedure.EXIT_FAILED:
             detail = p.exit_detail or "its control API refused the exit"
             await ex.release_slot(k, "restart failed")
-            if p.exit == procedure.NOT_RECORDED:
-                ex.note_not_recorded(d, detail)
+            refused = p.exit == procedure.NOT_RECORDED
+            if refused:
+                ex.not_recorded_said(d, detail, recorded=False)
             log.error("restart_failed", reason=d.reason, rung=RUNG_WORKER, worker=k, error=detail)
-            self._ended(d, k, RESTART_FAILED, "not_recorded" if p.exit == procedure.NOT_RECORDED else "failed")
+            self._ended(d, k, RESTART_FAILED, "not_recorded" if refused else "failed", detail=detail,
+                        recorded=False if refused else None)
         elif kind == procedure.FALL_BACK:
             if p.did(procedure.EXIT):
                 self.record(p.decision, "failed", now)
@@ -178,8 +180,9 @@ class Restarts:
             return procedure.advance(p, step, exit=procedure.UNTOLD, exit_detail=error)
         if outcome.done:
             if outcome.recorded:
-                ex.note_recorded(d)
-            return procedure.advance(p, step, exit=procedure.LEFT, exit_detail=outcome.detail)
+                ex.not_recorded_said(d, outcome.detail, recorded=True)
+            return procedure.advance(p, step, exit=procedure.LEFT, exit_detail=outcome.detail,
+                                     exit_recorded=outcome.recorded)
         return procedure.advance(p, step, exit=procedure.NOT_RECORDED if outcome.not_recorded else procedure.REFUSED,
                                  exit_detail=outcome.detail)
 
@@ -204,8 +207,7 @@ class Restarts:
             elif ended.done:
                 self.spawn(self.keep_out.remember_restart(d, h.pod_gpus))
         self.record(d, record, ended.at)
-        self.fold(ended)
-        ex.restart_ended(ended)
+        self.fold(ended)  # an in-place restart done holds our slot until the target serves again
         if not ended.done:
             await ex.release_slot(k, f"restart {record}")
             if k:
@@ -215,8 +217,10 @@ class Restarts:
         if d.reason in CURING_REASONS and record != "reported":
             self.spawn(self.escalate(d.reason))
 
-    def _ended(self, decision: Decision, k: int, action: str, record: str | None, why: str = "") -> None:
-        self.fold(WorkerRestarted(self.clock(), k, decision.reason, decision.instance_id, action, why))
+    def _ended(self, decision: Decision, k: int, action: str, record: str | None, why: str = "",
+               detail: str | None = None, recorded: bool | None = None) -> None:
+        self.fold(WorkerRestarted(self.clock(), k, decision.reason, decision.instance_id, action, why, detail,
+                                  recorded))
         if record is not None:
             self.record(decision, record, self.clock())
 

@@ -6,6 +6,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_watchdog.watchdog.edges import EdgeFacts
 from gpu_watchdog.watchdog.records import Ladder
 
 
@@ -153,6 +154,8 @@ class WorkerRestarted:
     instance_id: str | None
     action: str = "restart"
     why: str = ""
+    detail: str | None = None  # what its exit answered
+    recorded: bool | None = None  # its Event written (True), refused (False), or not tried
 
 
 @dataclass(frozen=True)
@@ -239,6 +242,35 @@ class PastRestart:
     gpus: tuple[str, ...] = ()
 
 
+# Growth of active memory at idle, as a share of the card, above which the watchdog logs a
+# warning. The alert rule (GPUMemoryGrowsAtIdle) uses the same figure.
+WARN_RATIO = 0.05
+
+
+@dataclass(frozen=True)
+class IdleMemory:
+    instance_id: str | None
+    baseline_bytes: int  # active bytes at this process's first idle sample
+    current_bytes: int  # active bytes at its latest idle sample
+    total_bytes: int
+    first_at: float
+    at: float
+    idle_samples: int
+
+    @property
+    def growth_bytes(self) -> int:
+        return self.current_bytes - self.baseline_bytes
+
+    @property
+    def growth_ratio(self) -> float:
+        return self.growth_bytes / self.total_bytes if self.total_bytes > 0 else 0.0
+
+    @property
+    def growing(self) -> bool:
+        return self.growth_ratio >= WARN_RATIO
+
+
+
 @dataclass
 class History:
     """Everything the policy may look at. The loop appends; the policy only reads."""
@@ -289,6 +321,17 @@ class History:
     # A restart in progress that waits for permission (the disruption budget) with nothing drained:
     # the server serves as before, and is ready while its evidence says it can serve.
     restart_waiting: bool = False
+    # Active memory at idle against this process's first idle figure (`watchdog.idle_memory`).
+    idle_memory: IdleMemory | None = None
+    # Who we are beyond the pod: how restarts are carried out, whether the budget is the workload's
+    # (counted from its restart Events), the workload, and the server's metrics page if any.
+    strategy: str = "none"
+    budget_from_events: bool = False
+    workload: str | None = None
+    server_metrics_url: str | None = None
+    keeps_out: bool = False  # a card the evidence is about is kept out of placement (`policy.placement`)
+    # What the edges said (the API, the ledger, the kubelet, the control API): `watchdog.edges`.
+    edge: EdgeFacts = field(default_factory=EdgeFacts)
 
     def canaries_since_epoch(self) -> list[CanarySample]:
         return [c for c in self.canaries if c.at >= self.epoch and not self._gone(c.instance_id)]

@@ -12,6 +12,7 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import policy
 from gpu_watchdog.watchdog.actions.restart import Restarter
+from gpu_watchdog.watchdog.edges import CanaryDescribed
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
@@ -81,8 +82,9 @@ class Sampling:
         sample = await samplers.allocator.sample()
         if not sample.reachable and sample.error and sample.error.startswith("unauthorized"):
             samplers.control.set_token(self.read_token())
+        before = self.history().idle_memory
         self.fold(sample)
-        self.episodes.follow_idle_memory(sample)
+        self.episodes.follow_idle_memory(before, self.history().idle_memory)
         await self.evaluate()
 
     async def workers(self) -> None:
@@ -132,13 +134,16 @@ class Sampling:
         if self.history().restart_in_progress and not self.history().restart_waiting:
             return
         sample = await samplers.canary.sample()
+        described = samplers.canary.describe()
+        if described != self.history().edge.canary:
+            self.fold(CanaryDescribed(described))
         if not sample.ok and samplers.control is not None and (
                 sample.error_class == "unreachable" or "(401)" in (sample.error or "")):
             # The inference container may have (re)written the token file since we last read it.
             samplers.control.set_token(self.read_token() or self.token)
         served_before = self.history().served_at is not None
         executor = self.executor
-        if sample.ok and sample.instance_id is not None and sample.instance_id != executor.quarantine_pushed_to:
+        if sample.ok and sample.instance_id is not None and sample.instance_id != executor.edge.pushed_to:
             # A new server process gets the workload's quarantine before this pod reads ready again,
             # not at the next sync.
             await executor.push_quarantine(sample.instance_id)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass, replace
 
-from gpu_watchdog.watchdog import ladder
+from gpu_watchdog.watchdog import edges, idle_memory, ladder
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.records import Failure, Ladder
 from gpu_watchdog.watchdog.samples import (
@@ -40,9 +40,11 @@ WORKER_CANARIES_KEPT = 32
 
 @dataclass(frozen=True)
 class PodGpus:
-    """The kubelet's answer: the UUIDs this pod got (empty when it got none)."""
+    """The kubelet's answer: the UUIDs this pod got (empty when it got none; None: no answer, and
+    `error` says why where it refused)."""
 
-    uuids: tuple[str, ...]
+    uuids: tuple[str, ...] | None
+    error: str | None = None
 
 
 @dataclass(frozen=True)
@@ -69,6 +71,8 @@ class RestartEnded:
     reported_only: bool = False
     rung: str = RUNG_POD
     instance_id: str | None = None  # the process restarted, where known
+    detail: str | None = None  # what the restarter said (None: nothing new, as for an exception)
+    recorded: bool | None = None  # its Event written (True), refused (False), or not tried
 
 
 @dataclass(frozen=True)
@@ -97,6 +101,7 @@ class WorkloadRestarts:
     restarts: tuple[PastRestart, ...] | None  # wall-clock times
     # The workload's desired replicas, read with them; None: not known.
     replicas: int | None = None
+    error: str | None = None  # why they could not be read
 
 
 @dataclass(frozen=True)
@@ -120,12 +125,14 @@ class AdmissionAnswered:
 Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
            | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
            | RestartWaiting | RestartHeld | DeviceHealthSample | DecisionRecord | WorkersSample | WorkerCanaries
-           | WorkerRestarted | WorkerUntold)
+           | WorkerRestarted | WorkerUntold | edges.EdgeOutcome)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
     """Fold one outcome into the history (in place: the deques are bounded logs) and return it."""
-    if isinstance(outcome, CanarySample):
+    if isinstance(outcome, edges.EDGE_OUTCOMES):
+        h.edge = edges.fold(h.edge, outcome)
+    elif isinstance(outcome, CanarySample):
         h.canaries.append(outcome)
         if outcome.served and h.served_at is None and outcome.at >= h.epoch:
             h.served_at = outcome.at
@@ -145,6 +152,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, TorchSample):
         h.torch.append(outcome)
         h.ladder = observe_ladder(h.ladder, outcome, admission)
+        h.idle_memory = idle_memory.observe(h.idle_memory, outcome)
     elif isinstance(outcome, GpuReadout):
         h.gpus, h.gpus_visible = outcome.gpus, outcome.visible
     elif isinstance(outcome, XidEvent):
@@ -153,7 +161,10 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         if outcome.read:  # an unreadable status says nothing of the devices: the last read stands
             h.device_health = outcome
     elif isinstance(outcome, PodGpus):
-        h.pod_gpus = outcome.uuids or None
+        if outcome.uuids is not None:
+            h.pod_gpus = outcome.uuids or None
+        h.edge = replace(h.edge, pod_gpus_error=outcome.error,
+                         pod_gpus_tries=h.edge.pod_gpus_tries + (outcome.error is not None))
     elif isinstance(outcome, RestartBegun):
         # Nothing is drained or done until the restarter says so (after asking the disruption
         # budget and writing the Event): the server serves meanwhile.
@@ -174,6 +185,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
             u.tries + 1 if u is not None and same else 1, outcome.error)
     elif isinstance(outcome, WorkerRestarted):
         record = ActionRecord(outcome.at, outcome.action, outcome.reason, RUNG_WORKER, outcome.why)
+        h.edge = edges.worker_restarted(h.edge, outcome.worker, outcome.instance_id, outcome.action == "restart",
+                                        outcome.detail, outcome.recorded, outcome.at)
         h.worker_actions.setdefault(outcome.worker, deque(maxlen=WORKER_CANARIES_KEPT)).append(record)
         if outcome.action == "restart":
             # Counted as a restart (the budget), and what that worker said before is about a process gone.
@@ -188,6 +201,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):
         h.restart_in_progress, h.restart_waiting = outcome.keep_unready, False
+        h.edge = edges.restart_ended(h.edge, outcome.at, outcome.done, outcome.rung != RUNG_POD, outcome.detail,
+                                     outcome.reported_only, outcome.recorded)
         if not outcome.done:
             # Nothing was restarted: the process, its evidence and its service go on as they were,
             # and the restart budget is not spent.
@@ -213,6 +228,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, WorkloadRestarts):
         h.workload_read_at = outcome.at
         h.replicas = outcome.replicas
+        h.edge = replace(h.edge, budget_read_error=outcome.error)
         h.workload_restarts = None if outcome.restarts is None else tuple(
             replace(r, at=outcome.at - (outcome.wall_now - r.at)) for r in outcome.restarts)
     elif isinstance(outcome, CacheFlushRequested):

@@ -1,45 +1,26 @@
-"""What the watchdog shows: states, readiness, `/status` and the metrics snapshot, built from state."""
+"""What the watchdog shows: states, readiness, `/status` and the metrics snapshot, built from the fold
+alone (the history, its edges' facts among it) and the settings."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Any
 
-from gpu_watchdog.watchdog import names, policy
-from gpu_watchdog.watchdog.escalation import Suspect
+from gpu_watchdog.watchdog import edges, names, policy
 from gpu_watchdog.watchdog.fleet import FleetView
-from gpu_watchdog.watchdog.idle_memory import IdleMemory
 from gpu_watchdog.watchdog.metrics import Snapshot, WorkerRow
 from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 
-@dataclasses.dataclass(frozen=True)
-class Extras:
-    """What the loop knows beyond the history: its samplers' situation and its own bookkeeping."""
-
-    nvml_available: bool
-    server_metrics_url: str | None
-    canary: dict[str, Any]
-    strategy: str
-    restart_failed: str | None
-    restart_not_recorded: str | None
-    idle_memory: IdleMemory | None
-    pod_gpus_error: str | None
-    suspects: tuple[Suspect, ...] = ()
-    # The restart budget is the workload's, counted from the restart Events (Kubernetes strategies).
-    budget_from_events: bool = False
-    workload: str | None = None
-    budget_read_error: str | None = None
-    loop_lag: dict[str, float] | None = None  # the sidecar's own event-loop lag: last, p99, max
-    ignored_records: int = 0  # restart records dated in the future at the last read, not counted
-    fleet: FleetView | None = None  # the workload's ledger, where restarts go through one
-    quarantine: dict[str, Any] | None = None  # the query of death: failures recorded, fingerprints refused
-    placement: dict[str, Any] | None = None  # cards kept out of placement: the strategy and what was done
+def fleet_of(h: History) -> FleetView | None:
+    """The workload's ledger as last seen, where restarts go through one."""
+    return h.edge.fleet if h.edge.fleet.lease else None
 
 
-def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[str]:
+def states(settings: Settings, h: History, now: float) -> frozenset[str]:
     out: set[str] = set()
+    e = h.edge
     target = policy.target_state(h, settings.policy, now)
     if target is not None and (not h.restart_in_progress or h.restart_waiting):
         out.add(target)
@@ -47,22 +28,22 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
     last_torch = h.torch[-1] if h.torch else None
     if h.restart_in_progress:
         out.add(names.RESTART_WAITING if h.restart_waiting else names.RESTARTING)
-    if x.restart_not_recorded is not None:
+    if edges.not_recorded_now(e, now) is not None:
         out.add(names.RESTART_NOT_RECORDED)
     if last_canary is not None and not last_canary.ok and target not in (names.SATURATED, names.PROGRESS_UNKNOWN):
         out.add(names.CANARY_FAILING)
     if (last_canary is not None and last_canary.error_class == "unreachable") or (
             last_torch is not None and not last_torch.reachable):
         out.add(names.TARGET_UNREACHABLE)
-    if policy.budget_remaining(settings.policy, h, now, x.budget_from_events) <= 0:
+    if policy.budget_remaining(settings.policy, h, now, h.budget_from_events) <= 0:
         out.add(names.BUDGET_EXHAUSTED)
-    if not x.nvml_available:
+    if not e.nvml_available:
         out.add(names.NVML_UNAVAILABLE)
     elif policy.gpus_unknown(h):
         out.add(names.GPUS_UNKNOWN)
-    if x.suspects:
+    if e.suspects:
         out.add(names.GPU_SUSPECT)
-    f = x.fleet
+    f = fleet_of(h)
     if f is not None:
         if f.held is not None:
             out.add(f.held)
@@ -70,7 +51,7 @@ def states(settings: Settings, h: History, now: float, x: Extras) -> frozenset[s
             out.add(names.FLEET_BREAKER_OPEN)
         if f.error is not None:
             out.add(names.FLEET_LEDGER_UNKNOWN)
-    if x.server_metrics_url is not None and (not h.server or not h.server[-1].reachable):
+    if h.server_metrics_url is not None and (not h.server or not h.server[-1].reachable):
         out.add(names.SERVER_METRICS_UNAVAILABLE)
     return frozenset(out)
 
@@ -91,19 +72,19 @@ def ready(settings: Settings, h: History, now: float) -> tuple[bool, dict[str, A
     return False, {"ready": False, "reason": reason}
 
 
-def snapshot(settings: Settings, h: History, now: float, x: Extras) -> Snapshot:
+def snapshot(settings: Settings, h: History, now: float) -> Snapshot:
     return Snapshot(
         gpus=h.gpus,
         torch=next((t for t in reversed(h.torch) if t.reachable), None),
         canary=h.canaries[-1] if h.canaries else None,
         server=next((s for s in reversed(h.server) if s.reachable), None),
-        budget_remaining=policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
-        states=states(settings, h, now, x),
-        idle_memory=x.idle_memory,
-        suspects=tuple(sp.uuid for sp in x.suspects),
+        budget_remaining=policy.budget_remaining(settings.policy, h, now, h.budget_from_events),
+        states=states(settings, h, now),
+        idle_memory=h.idle_memory,
+        suspects=tuple(sp.uuid for sp in h.edge.suspects),
         admission_limit=h.ladder.limit if h.ladder is not None else None,
-        fleet=x.fleet,
-        workload=x.workload,
+        fleet=fleet_of(h),
+        workload=h.workload,
         workers=_workers_snapshot(settings, h),
     )
 
@@ -117,7 +98,7 @@ def _workers_snapshot(settings: Settings, h: History) -> tuple[WorkerRow, ...]:
     return (first, *others)
 
 
-def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, Any]:
+def status(settings: Settings, h: History, now: float, wall_now: float) -> dict[str, Any]:
     def asdict(obj: Any) -> Any:
         return None if obj is None else dataclasses.asdict(obj)
 
@@ -125,57 +106,58 @@ def status(settings: Settings, h: History, now: float, x: Extras) -> dict[str, A
     unknown, unknown_figures = policy.progress_unknown(settings.policy, h, now)
     ours = policy.our_gpus(h)
     unavailable = next((g.reason for g in h.gpus if not g.available), None)
+    e, fleet, idle = h.edge, fleet_of(h), h.idle_memory
     return {
-        "states": sorted(states(settings, h, now, x)),
+        "states": sorted(states(settings, h, now)),
         "ready": policy.serviceable(h, settings.policy, now),
-        "strategy": x.strategy,
+        "strategy": h.strategy,
         "target": {"state": policy.target_state(h, settings.policy, now), "served_at_s": None
-                   if h.served_at is None else round(h.served_at - h.started_at, 3), "canary": x.canary,
+                   if h.served_at is None else round(h.served_at - h.started_at, 3), "canary": h.edge.canary,
                    "saturation": sat_figures if sat else None,
                    # The server said so in its last canary answer: drained (by us, an operator or its
                    # own shutdown), admitting nothing; a control drain ends at its deadline.
                    "draining": bool(h.canaries and h.canaries[-1].draining),
                    "progress_unknown": unknown_figures if unknown else None},
-        "nvml": {"available": x.nvml_available, "reason": unavailable},
+        "nvml": {"available": e.nvml_available, "reason": unavailable},
         "gpus": {"ours": list(ours) if ours else None, "source": "kubelet" if h.pod_gpus else
                  "inference process" if ours else None, "visible": h.gpus_visible,
-                 "pod_resources_error": x.pod_gpus_error,
+                 "pod_resources_error": e.pod_gpus_error,
                  "note": f"{h.gpus_visible} GPUs visible and the pod's are unknown: not sampled, and no Xid"
                          " restarts" if policy.gpus_unknown(h) else None},
-        "server_metrics": {"url": x.server_metrics_url,
+        "server_metrics": {"url": h.server_metrics_url,
                            "last": asdict(h.server[-1] if h.server else None)},
         "uptime_s": round(now - h.started_at, 3),
-        "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now, x.budget_from_events),
-        "restart_budget": {"scope": "workload" if x.budget_from_events else "pod",
-                           "workload": x.workload, "read_error": x.budget_read_error,
+        "restart_budget_remaining": policy.budget_remaining(settings.policy, h, now, h.budget_from_events),
+        "restart_budget": {"scope": "workload" if h.budget_from_events else "pod",
+                           "workload": h.workload, "read_error": e.budget_read_error,
                            "replicas": h.replicas,
                            "allowance": policy.workload_allowance(settings.policy, h.replicas)
-                           if x.budget_from_events else None,
+                           if h.budget_from_events else None,
                            "lineage_bound": settings.policy.restart_budget.max_restarts,
                            "read_s_ago": None if h.workload_read_at is None else round(now - h.workload_read_at, 1),
-                           "ignored_future_records": x.ignored_records},
-        "event_loop_lag_s": x.loop_lag,
+                           "ignored_future_records": len(e.ignored_records)},
+        "event_loop_lag_s": e.loop_lag,
         "workers": workers_status(settings, h, now),
         "restart_in_progress": h.restart_in_progress,
         "restart_waiting": h.restart_waiting,
-        "restart_failed": x.restart_failed,
-        "restart_not_recorded": x.restart_not_recorded,
-        "fleet": None if x.fleet is None else fleet_status(x.fleet),
-        "quarantine": x.quarantine,
-        "placement": x.placement,
+        "restart_failed": e.restart_failed,
+        "restart_not_recorded": edges.not_recorded_now(e, now),
+        "fleet": None if fleet is None else fleet_status(fleet),
+        "quarantine": edges.quarantine_status(e, settings.policy.quarantine.enabled, fleet is not None, wall_now),
+        "placement": edges.placement_status(e, settings.policy.placement) if h.keeps_out else None,
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},
-        "idle_memory": None if x.idle_memory is None else {
-            **dataclasses.asdict(x.idle_memory), "growth_bytes": x.idle_memory.growth_bytes,
-            "growth_ratio": round(x.idle_memory.growth_ratio, 6), "growing": x.idle_memory.growing},
+        "idle_memory": None if idle is None else {
+            **dataclasses.asdict(idle), "growth_bytes": idle.growth_bytes,
+            "growth_ratio": round(idle.growth_ratio, 6), "growing": idle.growing},
         "admission": None if h.ladder is None else {
             **dataclasses.asdict(h.ladder), "enabled": settings.policy.admission.enabled,
             # Seconds of the limit in full use (only those count) before the next probe.
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
             else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
-                         "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in x.suspects],
+                         "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in e.suspects],
         "last_decisions": [d.to_json() for d in list(h.decisions)[-20:]],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }

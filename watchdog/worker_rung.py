@@ -40,7 +40,7 @@ class WorkerRung:
             newest = canaries[-1] if canaries else None
             if newest is None or not newest.ok:
                 continue
-            if newest.instance_id is not None and newest.instance_id != ex.worker_pushed_to.get(k):
+            if newest.instance_id is not None and newest.instance_id != ex.edge.worker_pushed_to.get(k):
                 # A new process of that worker gets the workload's quarantine now, not at the next sync.
                 await ex.push_quarantine_to(k, newest.instance_id)
             if newest.served and k in ex.restarting_workers():

@@ -23,6 +23,7 @@ from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
 from gpu_watchdog.watchdog.policy import Decision
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster
+from tests.traces import Trace
 
 NS, WORKLOAD, POD, NODE = "serving", "llm", "llm-5c9d7b6f4x-abcde", "node-a"
 CARD = "gpu.nvidia.com/node-a/gpu-0"
@@ -71,7 +72,9 @@ def keep_out(cluster: Cluster, clock: Clock, pod: str = POD, node: str = NODE,
     ledger = LeaseLedger(api, NS, f"gpu-watchdog-{WORKLOAD}", WORKLOAD, pod, 5.0, wall_clock=clock)
     metrics = WatchdogMetrics(lambda: None)  # type: ignore[arg-type, return-value]
     placer = Placer(api, NS, pod, node, WORKLOAD, 5.0)
-    return KeepOut(settings, placer, ledger, metrics, clock, WORKLOAD), metrics, ledger
+    trace = Trace(settings)
+    return KeepOut(settings=settings, placer=placer, ledger=ledger, metrics=metrics, wall_clock=clock,
+                   workload=WORKLOAD, history=lambda: trace.history, fold=trace.fold), metrics, ledger
 
 
 def counted(metrics: WatchdogMetrics, action: str) -> float:
@@ -135,7 +138,8 @@ async def test_an_api_that_refuses_the_taint_never_holds_the_restart_and_leaves_
     kmock.kube_version = "1.37"
     effects, metrics, ledger = keep_out(kmock, Clock(T0))
     assert await effects.before_pod_rung(lost_context("device_health", resource_id=CARD), None, ()) == "failed"
-    assert counted(metrics, "failed") == 1 and effects.error is not None and "403" in effects.error
+    error = effects.history().edge.placement_error
+    assert counted(metrics, "failed") == 1 and error is not None and "403" in error
     # Forgotten: it neither counts against the bound nor waits to be lifted.
     assert (await asyncio.to_thread(ledger.read_placement)).taints == ()
 

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
+from gpu_watchdog.watchdog import edges
 from gpu_watchdog.watchdog.actions.kube import PodActions
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import annotations_for, event_reason, note_for
@@ -108,15 +109,17 @@ async def test_restarts_for_another_gpu_or_for_age_are_nothing(kmock: Any, api: 
 
 
 async def test_a_403_on_listing_events_is_reported_once_never_a_crash(kmock: Any, api: client.ApiClient,
+                                                                   monkeypatch: pytest.MonkeyPatch,
                                                                    capsys: pytest.CaptureFixture[str]) -> None:
     forbidden = kmock[f"get /apis/events.k8s.io/v1/namespaces/{NS}/events"] << 403 << {
         "kind": "Status", "code": 403, "message": "events is forbidden: cannot list resource"}
+    # The backoff would hold the next look for 30 s.
+    monkeypatch.setattr(edges, "ESCALATION_RETRY_S", 0.0)
     wd = watchdog(api, condition=False)
     await wd.start(serve_http=False)
     try:
         await asyncio.sleep(0.3)
-        wd.executor.escalation_retry_at = 0.0  # the backoff would hold the next look for 30 s
-        await wd._escalate("hang")
+        await wd.escalate("hang")
         ok, _ = wd.healthy()
         assert ok and wd.suspects == {}
     finally:

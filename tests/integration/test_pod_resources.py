@@ -172,10 +172,10 @@ async def test_without_the_kubelet_a_multi_gpu_node_is_reported_not_guessed(tmp_
 
 async def test_a_kubelet_that_answers_later_is_asked_again_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """The socket may not be there yet, or refuse at first: asked again, ever less often, until it answers."""
-    from gpu_watchdog.watchdog import executor
+    from gpu_watchdog.watchdog import edges
     from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter
 
-    monkeypatch.setattr(executor, "POD_GPUS_RETRY_S", 0.05)
+    monkeypatch.setattr(edges, "POD_GPUS_RETRY_S", 0.05)
     calls: list[int] = []
 
     def kubelet_late() -> tuple[str, ...]:
@@ -192,6 +192,7 @@ async def test_a_kubelet_that_answers_later_is_asked_again_with_backoff(monkeypa
         status = wd.status()
         assert len(calls) == 3 and status["gpus"]["ours"] == [B, C] and status["gpus"]["source"] == "kubelet"
         assert status["gpus"]["pod_resources_error"] is None
-        assert wd.executor.pod_gpus_retry_s == 0.2  # doubled after each failed ask
+        # Two refusals, the wait doubled after each.
+        assert wd.history.edge.pod_gpus_tries == 2 and [edges.pod_gpus_wait(n) for n in (1, 2, 3)] == [0.05, 0.1, 0.2]
     finally:
         await wd.stop()

@@ -90,7 +90,7 @@ async def test_a_restart_that_did_not_happen_is_not_counted() -> None:
     try:
         await wd.running.restarts.run(0, Decision("restart", "hang", {}))
         assert set(counts(wd).values()) == {0.0}
-        assert wd.executor.restart_failed == "refused"
+        assert wd.history.edge.restart_failed == "refused"
         assert wd.metrics.registry.get_sample_value(
             "gpu_watchdog_decisions_total", {"action": "restart", "reason": "hang", "outcome": "failed"}) == 1.0
     finally:

@@ -11,6 +11,7 @@ from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS
 from gpu_watchdog.watchdog.policy import Decision
+from tests.traces import Trace
 
 
 class Control:
@@ -37,9 +38,11 @@ async def test_a_refused_record_is_tried_again_after_a_while_not_at_every_evalua
     now = [100.0]
     ledger = RefusingLedger()
     settings = from_mapping({"restart": {"strategy": "none"}, "kubernetes": {"pod_name": "demo-abc-12345"}})
-    ex = Executor(settings, Restarter(), WatchdogMetrics(lambda: None), lambda: now[0],  # type: ignore[arg-type]
-                  lambda: 1_800_000_000.0 + now[0], Control(), None, None, "demo",  # type: ignore[arg-type]
-                  lambda: None, ledger)  # type: ignore[arg-type]
+    trace = Trace(settings)
+    ex = Executor(settings=settings, restarter=Restarter(), metrics=WatchdogMetrics(lambda: None),  # type: ignore[arg-type]
+                  clock=lambda: now[0], wall_clock=lambda: 1_800_000_000.0 + now[0],
+                  control=Control(), history=lambda: trace.history, fold=trace.fold,  # type: ignore[arg-type]
+                  workload="demo", ledger=ledger)  # type: ignore[arg-type]
     decision = Decision("restart", CONTEXT_LOSS, {}, drain=False, allowed=False, blocked_by="restart_budget",
                         instance_id="p1")
     assert await ex.record_failure(decision) == ("aaaaaaaaaaaaaaaa",)
@@ -50,4 +53,4 @@ async def test_a_refused_record_is_tried_again_after_a_while_not_at_every_evalua
     assert ledger.writes == 1
     now[0] += executor_module.RECORD_RETRY_S
     await ex.record_failure(decision)
-    assert ledger.writes == 2 and ex.records_error is not None
+    assert ledger.writes == 2 and trace.history.edge.records_error is not None

@@ -7,10 +7,12 @@ from typing import Any
 
 from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, RestartOutcome
 from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.executor import NOT_RECORDED_HOLD_S, Executor
+from gpu_watchdog.watchdog.edges import NOT_RECORDED_HOLD_S
+from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.names import HANG
 from gpu_watchdog.watchdog.policy import Decision
+from tests.traces import Trace
 
 
 class Scripted:
@@ -28,8 +30,10 @@ class Scripted:
 def executor(restarter: Scripted, now: list[float]) -> Executor:
     settings = from_mapping({"target": {"openai_url": "http://127.0.0.1:9", "metrics_url": None},
                              "kubernetes": {"pod_name": "model-0", "namespace": "serving"}})
-    return Executor(settings, restarter, WatchdogMetrics(lambda: None),  # type: ignore[arg-type]
-                    lambda: now[0], lambda: 1e9 + now[0], None, None, None, "model", lambda: None)
+    trace = Trace(settings)
+    return Executor(settings=settings, restarter=restarter, metrics=WatchdogMetrics(lambda: None),  # type: ignore[arg-type]
+                    clock=lambda: now[0], wall_clock=lambda: 1e9 + now[0], control=None,
+                    history=lambda: trace.history, fold=trace.fold, workload="model")
 
 
 REFUSED = RestartOutcome(False, f"{NOT_RECORDED}: HTTP 403 Forbidden", not_recorded=True)
@@ -42,7 +46,8 @@ async def test_not_recorded_is_an_episode_over_when_an_event_is_written(capsys: 
                            RestartOutcome(True, "evict accepted", recorded=True)), now)
     outcomes = []
     for _ in range(4):
-        _, record = await ex.restart(DECISION, lambda _: None)
+        ended, record = await ex.restart(DECISION, ex.fold)
+        ex.fold(ended)  # as the restart procedure folds it
         outcomes.append((record, ex.not_recorded_now() is not None))
         now[0] += 60
     # Refused twice (one episode); a try that never reached the Event (a disruption budget's
@@ -55,7 +60,8 @@ async def test_not_recorded_is_an_episode_over_when_an_event_is_written(capsys: 
 async def test_not_recorded_ends_when_no_restart_is_wanted_any_more() -> None:
     now = [0.0]
     ex = executor(Scripted(REFUSED), now)
-    await ex.restart(DECISION, lambda _: None)
+    ended, _ = await ex.restart(DECISION, ex.fold)
+    ex.fold(ended)
     now[0] = NOT_RECORDED_HOLD_S - 1
     assert ex.not_recorded_now() is not None
     now[0] = NOT_RECORDED_HOLD_S + 1  # no attempt for longer than the longest backoff allows
