@@ -144,7 +144,7 @@ class Agent:
         return generate_latest(self.metrics.registry)
 
     def screen_body(self, account: RequestAccount, raw: bytes) -> None:
-        """One request's body, for the framework glue: fingerprinted, refused (`Quarantined`, 422)
+        """One request's body, for the framework glue: fingerprinted, refused (`QuarantinedRequest`, 422)
         if quarantined, else booked in flight until `request_done`."""
         screen = self.guard.screen
         screen.screened(account, screen.of_raw(raw, self._describe_work))

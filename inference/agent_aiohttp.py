@@ -12,9 +12,8 @@ from aiohttp import web
 
 from gpu_watchdog.inference.agent import METRICS_CONTENT_TYPE, Agent
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
-from gpu_watchdog.inference.http_control import Handler
-from gpu_watchdog.inference.http_errors import error_response
-from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined, RequestAccount
+from gpu_watchdog.inference.http_errors import Route, error_response
+from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, QuarantinedRequest, RequestAccount
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -24,7 +23,7 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
     retry_after = agent.settings.retry_after_s
 
     @web.middleware
-    async def observe(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def observe(request: web.Request, handler: Route) -> web.StreamResponse:
         if request.path == metrics_path:
             # Scrapes are not requests: counted, they would pass for progress while the model hangs.
             return await handler(request)
@@ -43,7 +42,7 @@ def install(app: web.Application, agent: Agent, metrics_path: str = "/metrics") 
             response = await handler(request)
             status = response.status
             return response
-        except Quarantined as exc:
+        except QuarantinedRequest as exc:
             status = exc.status
             return web.json_response(exc.body(), status=status)
         except ANSWERED as exc:

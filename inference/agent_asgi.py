@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from gpu_watchdog.inference.agent import METRICS_CONTENT_TYPE, Agent
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from gpu_watchdog.inference.http_errors import error_response
-from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, Quarantined, RequestAccount
+from gpu_watchdog.inference.screen import MARKED, SCREEN_MAX_BYTES, QuarantinedRequest, RequestAccount
 
 ANSWERED = (AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 BODY_METHODS = frozenset({"POST", "PUT", "PATCH"})
@@ -61,7 +61,7 @@ class _Observe:
             if scope["method"] in BODY_METHODS:
                 receive = await self._screened(receive, account)
             await self.app(scope, receive, sending)
-        except Quarantined as exc:
+        except QuarantinedRequest as exc:
             status = exc.status
             await _send_json(send, status, exc.body())
         finally:
@@ -74,7 +74,7 @@ class _Observe:
 
     async def _screened(self, receive: Receive, account: RequestAccount) -> Receive:
         """The body read whole (the app reads it again from the returned `receive`), fingerprinted,
-        refused if quarantined (`Quarantined`), else booked in flight."""
+        refused if quarantined (`QuarantinedRequest`), else booked in flight."""
         chunks: list[bytes] = []
         size, whole = 0, False
         after: list[Message] = []

@@ -36,7 +36,7 @@ from gpu_watchdog.inference.model import LoadedModel
 from gpu_watchdog.inference.prefill import PrefillSteps
 from gpu_watchdog.inference.prefix_cache import PrefixCache
 from gpu_watchdog.inference.sampling import sample, token_logprobs
-from gpu_watchdog.inference.sequence import Outcome, Partial, Seq
+from gpu_watchdog.inference.sequence import Partial, RowOutcome, Seq
 from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
 
@@ -84,8 +84,8 @@ class DecodeLoop(PrefillSteps, LoopThread):
 
     def enqueue(self, seq: Seq) -> None:
         with self._cond:
-            if self.poisoned is not None:
-                raise context_lost(self.poisoned)
+            if self.poison_reason is not None:
+                raise context_lost(self.poison_reason)
             if seq.canary:
                 self._waiting.appendleft(seq)
             else:
@@ -143,9 +143,9 @@ class DecodeLoop(PrefillSteps, LoopThread):
 
         `in_flight`: the loop thread's sequences of the failed step, answered `FatalCudaError` here."""
         with self._cond:
-            first = self.poisoned is None
+            first = self.poison_reason is None
             if first:
-                self.poisoned = reason
+                self.poison_reason = reason
             queued = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
@@ -423,7 +423,7 @@ class DecodeLoop(PrefillSteps, LoopThread):
         elif self._kv is not None:
             self._kv.keep(keep)
 
-    def _finish(self, seq: Seq, outcome: Outcome) -> None:
+    def _finish(self, seq: Seq, outcome: RowOutcome) -> None:
         self._release(seq)
         self._ceiling_holders.discard(seq.order)
         if self._ceiling is not None and not self._ceiling_holders:

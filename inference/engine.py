@@ -124,14 +124,14 @@ class Engine:
     # -- state -------------------------------------------------------------------------------
 
     @property
-    def poisoned(self) -> str | None:
+    def poison_reason(self) -> str | None:
         # The loop records a sticky error through the guard (its `on_fatal`) once it has answered its
         # queue: its own state is set first, and a request arriving meanwhile is refused by it too.
-        return self._loop.poisoned or self.guard.poison_reason
+        return self._loop.poison_reason or self.guard.poison_reason
 
     def _refuse(self, admitting: bool = True) -> None:
         """New work of a poisoned engine is a 503 with Retry-After (`ContextLost`); of a draining one too."""
-        reason = self.poisoned
+        reason = self.poison_reason
         if reason is not None:
             raise context_lost(reason)
         if admitting:

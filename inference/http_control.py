@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import hmac
-from collections.abc import Awaitable, Callable
 from typing import Any, Protocol
 
 import structlog
@@ -17,6 +16,7 @@ from aiohttp import web
 from gpu_watchdog import contract
 from gpu_watchdog.inference.faults import FaultError
 from gpu_watchdog.inference.guard import Guard
+from gpu_watchdog.inference.http_errors import Route
 from gpu_watchdog.inference.openapi import control_spec
 from gpu_watchdog.inference.poison import EXIT_TOLD, exit_code, leave
 from gpu_watchdog.inference.screen import Entry, QuarantineError, parse_entry
@@ -24,7 +24,6 @@ from gpu_watchdog.inference.validation import BadRequest, parse_json_object
 
 log = structlog.get_logger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def _bad(exc: BadRequest) -> web.Response:
@@ -35,7 +34,7 @@ def bearer_auth(token: str) -> Any:
     expected = token.encode()
 
     @web.middleware
-    async def middleware(request: web.Request, handler: Handler) -> web.StreamResponse:
+    async def middleware(request: web.Request, handler: Route) -> web.StreamResponse:
         header = request.headers.get("Authorization", "")
         scheme, _, presented = header.partition(" ")
         # Constant-time comparison; the presented token is never logged.

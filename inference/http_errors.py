@@ -7,6 +7,7 @@ A client's mistake is a 4xx naming the field; a full gate, a drain, an OOM or a 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 
 from aiohttp import web
 
@@ -19,6 +20,9 @@ from gpu_watchdog.inference.errors import (
     QueueFull,
 )
 from gpu_watchdog.inference.validation import BadRequest
+
+# What a middleware hands a request on to: the route's handler, or the next middleware.
+Route = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 
 def error_response(exc: BaseException, retry_after: int) -> web.Response:

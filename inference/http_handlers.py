@@ -11,7 +11,7 @@ from __future__ import annotations
 import base64
 import json
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -22,7 +22,7 @@ from gpu_watchdog.inference import http_tokenize
 from gpu_watchdog.inference.capabilities import CLASSIFY, EMBED, GENERATE, PREDICT
 from gpu_watchdog.inference.errors import AdmissionTimeout, Draining, FatalCudaError, InferenceOOM, QueueFull
 from gpu_watchdog.inference.handler import RequestHandler
-from gpu_watchdog.inference.http_errors import read_body
+from gpu_watchdog.inference.http_errors import Route, read_body
 from gpu_watchdog.inference.screen import RequestAccount
 from gpu_watchdog.inference.service import InferenceService
 from gpu_watchdog.inference.validation import BadRequest, parse_json_object
@@ -32,7 +32,6 @@ ACCOUNT = web.RequestKey("account", RequestAccount)
 
 log = structlog.get_logger(__name__)
 
-Route = Callable[[web.Request], Awaitable[web.StreamResponse]]
 _EXPECTED = (BadRequest, AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 
 # What each route needs of the handler. /predict is the causal LM's own where it generates.
@@ -72,7 +71,7 @@ class HandlerRoutes:
         self.fail = fail
 
     @web.middleware
-    async def guard(self, request: web.Request, handler: Route) -> web.StreamResponse:
+    async def capability_gate(self, request: web.Request, handler: Route) -> web.StreamResponse:
         served = capabilities(self.service)
         need = NEEDS.get(request.path)
         if request.path == "/predict" and served is not None and GENERATE not in served:
@@ -84,7 +83,7 @@ class HandlerRoutes:
         return await handler(request)
 
     def add_to(self, app: web.Application) -> None:
-        app.middlewares.append(self.guard)
+        app.middlewares.append(self.capability_gate)
         app.router.add_post("/v1/embeddings", self.embeddings)
         app.router.add_post("/v1/classify", self.classify)
         app.router.add_post("/classify", self.classify)

@@ -7,7 +7,7 @@ import dataclasses
 import json
 import time
 import uuid
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,7 +25,7 @@ from gpu_watchdog.inference.errors import (
     QueueFull,
 )
 from gpu_watchdog.inference.handlers.inputs import MAX_INPUTS
-from gpu_watchdog.inference.http_errors import error_response, read_body
+from gpu_watchdog.inference.http_errors import Route, error_response, read_body
 from gpu_watchdog.inference.http_handlers import ACCOUNT, HandlerRoutes, capabilities
 from gpu_watchdog.inference.mailbox import Mailbox
 from gpu_watchdog.inference.openai_extras import (
@@ -51,7 +51,6 @@ from gpu_watchdog.inference.validation import (
 
 log = structlog.get_logger(__name__)
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 SERVICE_KEY = web.AppKey("service", InferenceService)
 _EXPECTED = (BadRequest, AdmissionTimeout, QueueFull, Draining, InferenceOOM, FatalCudaError)
 # The code recorded for a request whose client left before its answer ended (nginx's "client closed
@@ -60,7 +59,7 @@ CLIENT_CLOSED = 499
 
 
 @web.middleware
-async def request_log(request: web.Request, handler: Handler) -> web.StreamResponse:
+async def request_log(request: web.Request, handler: Route) -> web.StreamResponse:
     rid = request.headers.get("X-Request-Id") or uuid.uuid4().hex[:16]
     account = request[ACCOUNT] = RequestAccount(rid)
     start = time.perf_counter()

@@ -77,8 +77,8 @@ class BatchLoop(LoopThread):
 
     def enqueue(self, jobs: list[Job]) -> None:
         with self._cond:
-            if self.poisoned is not None:
-                raise context_lost(self.poisoned)
+            if self.poison_reason is not None:
+                raise context_lost(self.poison_reason)
             # One call is one request's items: a poisoning tells them apart from bystanders by it.
             request = next(_order)
             for job in jobs:
@@ -116,9 +116,9 @@ class BatchLoop(LoopThread):
     def poison(self, reason: str, in_flight: Sequence[Job] = ()) -> None:
         """`in_flight`: the loop thread's items of the failed pass, answered `FatalCudaError` here."""
         with self._cond:
-            first = self.poisoned is None
+            first = self.poison_reason is None
             if first:
-                self.poisoned = reason
+                self.poison_reason = reason
             queued = list(self._waiting)
             self._waiting.clear()
             ran = {j.request for j in (*self._batch, *in_flight)}
@@ -163,7 +163,7 @@ class BatchLoop(LoopThread):
     def _take(self) -> tuple[list[Job], float]:
         """Called with the lock held."""
         stats = self.gate.stats()
-        limits = item_rules.Limits(self.max_rows, self.max_tokens, self.window_s, stats.capacity, stats.in_use)
+        limits = item_rules.BatchLimits(self.max_rows, self.max_tokens, self.window_s, stats.capacity, stats.in_use)
         queue = list(self._waiting)
         plan = item_rules.take([item_rules.Item(j.tokens, j.weight, j.arrived, j.canary) for j in queue], limits,
                               self.clock())
@@ -181,9 +181,9 @@ class BatchLoop(LoopThread):
 
     def _run_batch(self, batch: list[Job]) -> None:
         for indices in item_rules.forwards([j.tokens for j in batch], self.max_tokens):
-            if self.poisoned is not None:
+            if self.poison_reason is not None:
                 for i in indices:
-                    _settle(batch[i], FatalCudaError(self.poisoned))
+                    _settle(batch[i], FatalCudaError(self.poison_reason))
                 continue
             self._forward([batch[i] for i in indices], retried=False)
 

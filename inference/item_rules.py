@@ -19,7 +19,7 @@ class Item:
 
 
 @dataclass(frozen=True)
-class Limits:
+class BatchLimits:
     max_items: int  # --max-batch-size
     max_tokens: int  # --max-batch-tokens: padded tokens in one forward pass
     window_s: float  # --batch-window-ms: how long the oldest item may wait for company
@@ -33,7 +33,7 @@ class Take:
     wait_s: float = 0.0  # nothing chosen: look again after this long (the window is still open)
 
 
-def take(queue: Sequence[Item], limits: Limits, now: float) -> Take:
+def take(queue: Sequence[Item], limits: BatchLimits, now: float) -> Take:
     """The next batch from `queue` (oldest first).
 
     Window 0 takes what is queued and never waits; a wider window holds the batch back until

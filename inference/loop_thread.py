@@ -41,7 +41,7 @@ class LoopThread:
         self.on_fatal = hooks.on_fatal
         self.after_release = hooks.after_release
         self.on_prefix_lookup = hooks.on_prefix_lookup
-        self.poisoned: str | None = None
+        self.poison_reason: str | None = None
         self._cond = threading.Condition()
         self._stopping = False
         self._forwards = 0

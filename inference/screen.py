@@ -268,7 +268,7 @@ def prompt_text(body: Any) -> str:
     return "\n".join(out)
 
 
-class Quarantined(BadRequest):
+class QuarantinedRequest(BadRequest):
     """A request on the quarantine list: 422, with why and until when."""
 
     def __init__(self, entry: Entry) -> None:
@@ -338,7 +338,7 @@ class Screen:
             return None
 
     def check(self, fp: str | None) -> None:
-        """Refuse a quarantined fingerprint: `Quarantined` (422), counted and logged once."""
+        """Refuse a quarantined fingerprint: `QuarantinedRequest` (422), counted and logged once."""
         entry = None if fp is None else self.quarantine.lookup(fp)
         if entry is None:
             return
@@ -347,7 +347,7 @@ class Screen:
             self.on_refused()
         log.warning("request_quarantined", fingerprint=fp, until=entry.until, failures=entry.failures,
                     pods=list(entry.pods))
-        raise Quarantined(entry)
+        raise QuarantinedRequest(entry)
 
     def admit(self, fp: str | None) -> int | None:
         """Book a fingerprint in flight (after `check`): the ticket `done` takes."""

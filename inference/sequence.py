@@ -69,7 +69,7 @@ class Seq:
         return self.request.prompt_ids + self.generated
 
 
-Outcome = GenResult | BaseException
+RowOutcome = GenResult | BaseException
 
 
 @dataclass

@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from typing import Any
 
 from gpu_watchdog.watchdog import policy, recording, state
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 

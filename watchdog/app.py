@@ -23,6 +23,7 @@ from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.executor import Executor, FleetLedger, RestartEvents
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import CardPlacer
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
@@ -32,7 +33,7 @@ from gpu_watchdog.watchdog.recorder import FlightRecorder
 from gpu_watchdog.watchdog.running import BUDGET_READ_S, Running
 from gpu_watchdog.watchdog.samplers.nvml import NvmlBackend, PynvmlBackend
 from gpu_watchdog.watchdog.samplers.pod_resources import pod_gpus_reader
-from gpu_watchdog.watchdog.samples import DecisionRecord, History
+from gpu_watchdog.watchdog.samples import DecisionRecord
 from gpu_watchdog.watchdog.sampling import TICK_S
 from gpu_watchdog.watchdog.settings import Settings, metrics_url
 from gpu_watchdog.watchdog.state import (
@@ -193,7 +194,7 @@ class Watchdog:
                                                          self.restart_events is not None):
                 self.spawn(self.executor.end_hold())
 
-    def record(self, decision: Decision, outcome: str, now: float) -> None:
+    def record_decision(self, decision: Decision, outcome: str, now: float) -> None:
         self.fold(DecisionRecord(round(now - self.history.started_at, 3), decision.action, decision.reason, outcome,
                                  decision.detail))
         self.metrics.decisions.labels(action=decision.action, reason=decision.reason, outcome=outcome).inc()
@@ -205,7 +206,7 @@ class Watchdog:
                 # flight is the query of death's evidence all the same (recorded once per process).
                 self.spawn(self.executor.record_failure(decision))
             if self.history.blocked_reported != decision.reason:
-                self.record(decision, BLOCKED_BY_BUDGET, now)
+                self.record_decision(decision, BLOCKED_BY_BUDGET, now)
                 log.error("restart_blocked", reason=decision.reason, blocked_by=decision.blocked_by,
                           budget_window_s=self.settings.policy.restart_budget.window, detail=decision.detail,
                           workload=self.workload, budget_read_error=self.history.edge.budget_read_error)
@@ -216,16 +217,16 @@ class Watchdog:
             self.fold(RestartBegun(now))
             asked_again = self.history.edge.fleet.held is not None
             if not asked_again:  # asked again while held: recorded once, as held
-                self.record(decision, "started", now)
+                self.record_decision(decision, "started", now)
             self.spawn(self.running.restarts.run(0, decision, asked_again))
         elif decision.action == "empty_cache":
             self.fold(CacheFlushRequested(now, decision.reason))
-            self.record(decision, "started", now)
+            self.record_decision(decision, "started", now)
             self.spawn(self.executor.empty_cache(decision))
         elif decision.action in (ladder.SHRINK, ladder.GROW):
             change = Change(decision.action, int(decision.detail["limit"]), decision.detail)
             self.fold(AdmissionRequested(change))
-            self.record(decision, "started", now)
+            self.record_decision(decision, "started", now)
             self.spawn(self._set_admission(decision, change))
 
     async def _set_admission(self, decision: Decision, change: Change) -> None:

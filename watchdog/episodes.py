@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import idle_memory, policy
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import PolicySettings
 
 log = logs.get("watchdog")

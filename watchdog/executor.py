@@ -31,6 +31,7 @@ from gpu_watchdog.watchdog.control_client import ControlClient, ControlError
 from gpu_watchdog.watchdog.edges import EdgeFacts
 from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect, workload_restarts
 from gpu_watchdog.watchdog.fleet import Breaker, FleetView, Ledger, OwnPod
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.names import (
@@ -42,7 +43,7 @@ from gpu_watchdog.watchdog.names import (
     RUNG_WORKER,
 )
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import History, PastRestart
+from gpu_watchdog.watchdog.samples import PastRestart
 from gpu_watchdog.watchdog.settings import Settings
 from gpu_watchdog.watchdog.state import (
     AdmissionAnswered,
@@ -254,7 +255,7 @@ class Executor:
                 del self._failures_pending[key]
         if failure is None:
             return None
-        write = loop.create_task(self._record(decision, key, failure))
+        write = loop.create_task(self._write_failure(decision, key, failure))
         self._reports.add(write)
         write.add_done_callback(self._reports.discard)
         write.add_done_callback(lambda _: self._failures_pending.pop(key, None))  # written, or to be asked again
@@ -265,7 +266,8 @@ class Executor:
                         action="restarting; the record is written beside it")
         return failure.inflight
 
-    async def _record(self, decision: Decision, key: tuple[str, str | None], failure: quarantine.Failure) -> None:
+    async def _write_failure(self, decision: Decision, key: tuple[str, str | None],
+                             failure: quarantine.Failure) -> None:
         s = self.settings.policy.quarantine
 
         def add(records: quarantine.Records, now: float) -> tuple[quarantine.Records, tuple[
@@ -533,14 +535,14 @@ class Executor:
         one is told, naming the process, so that a replacement already listening is never the one
         that leaves; one that is gone already (or was replaced) is what the rung wanted."""
         if decision.reason == CONTEXT_LOSS:
-            error = await self.restarter.record(decision, WORKER_ACTION, WORKER_PREFIX)
+            error = await self.restarter.record_event(decision, WORKER_ACTION, WORKER_PREFIX)
             return RestartOutcome(True, "the poisoned worker exits by itself; its server starts it again"
                                   + ("" if error is None else f" (its Event was not written: {error})"),
                                   rung=RUNG_WORKER, recorded=error is None)
         if control is None:
             untold("no control API")
             return None
-        error = await self.restarter.record(decision, WORKER_ACTION, WORKER_PREFIX)
+        error = await self.restarter.record_event(decision, WORKER_ACTION, WORKER_PREFIX)
         if error is not None:
             return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_WORKER, not_recorded=True)
         why = f"{decision.reason}: worker {worker}'s {decision.detail.get('evidence', 'canary timeouts')}"

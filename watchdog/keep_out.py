@@ -15,10 +15,10 @@ from typing import Any, Protocol, TypeVar
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import edges, placement
 from gpu_watchdog.watchdog.escalation import Suspect
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.placement import Card, Records, Remediation, Taint, Verdict
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 T = TypeVar("T")

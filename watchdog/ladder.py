@@ -27,8 +27,8 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.records import Ladder
-from gpu_watchdog.watchdog.samples import History
+from gpu_watchdog.watchdog.history import History
+from gpu_watchdog.watchdog.ladder_state import Ladder
 from gpu_watchdog.watchdog.settings import AdmissionSettings
 
 SHRINK, GROW = "shrink_admission", "grow_admission"

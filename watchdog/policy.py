@@ -15,6 +15,7 @@ from statistics import median
 from typing import Any
 
 from gpu_watchdog.watchdog import ladder, xid_catalog
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
@@ -44,7 +45,6 @@ from gpu_watchdog.watchdog.samples import (
     RESTART_REPORTED,
     ActionRecord,
     CanarySample,
-    History,
     PastRestart,
     ServerSample,
     TorchSample,

@@ -17,9 +17,10 @@ from dataclasses import dataclass
 
 from gpu_watchdog.watchdog import policy
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import History, Untold
+from gpu_watchdog.watchdog.samples import Untold
 from gpu_watchdog.watchdog.settings import PolicySettings
 
 # The steps, in the order a restart meets them.

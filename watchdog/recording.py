@@ -24,8 +24,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from gpu_watchdog.watchdog import state
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samples import History
 
 VERSION = 1
 START, INPUT, TICK = "start", "in", "tick"

@@ -19,9 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_watchdog.watchdog import policy, recording, state
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import FLEET_HOLDS
 from gpu_watchdog.watchdog.recording import RecordingError
-from gpu_watchdog.watchdog.samples import DecisionRecord, History, WorkerRestarted
+from gpu_watchdog.watchdog.samples import DecisionRecord, WorkerRestarted
 from gpu_watchdog.watchdog.settings import Settings
 
 DIFFS_KEPT = 20  # differences listed in the summary; all are counted

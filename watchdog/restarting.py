@@ -16,19 +16,13 @@ from gpu_watchdog.watchdog import policy, procedure
 from gpu_watchdog.watchdog.control_client import ControlClient
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.executor import Executor
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import KeepOut
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
-from gpu_watchdog.watchdog.samples import (
-    RESTART_FAILED,
-    RESTART_HELD,
-    RESTART_REPORTED,
-    History,
-    WorkerRestarted,
-    WorkerUntold,
-)
+from gpu_watchdog.watchdog.samples import RESTART_FAILED, RESTART_HELD, RESTART_REPORTED, WorkerRestarted, WorkerUntold
 from gpu_watchdog.watchdog.settings import Settings
 from gpu_watchdog.watchdog.state import Outcome, RestartBegun, RestartCancelled, RestartEnded, RestartHeld
 
@@ -39,7 +33,7 @@ class Restarts:
     """Carries out restarts, one at a time (`Executor.begin`), step by step."""
 
     def __init__(self, *, settings: Settings, executor: Executor, metrics: WatchdogMetrics,
-                 fold: Callable[[Outcome], None], record: Callable[[Decision, str, float], None],
+                 fold: Callable[[Outcome], None], record_decision: Callable[[Decision, str, float], None],
                  clock: Callable[[], float], history: Callable[[], History],
                  read_budget: Callable[[], Awaitable[None]] | None, keep_out: KeepOut | None,
                  worker_control: Callable[[int], ControlClient | None],
@@ -50,7 +44,7 @@ class Restarts:
         self.executor = executor
         self.metrics = metrics
         self.fold = fold
-        self.record = record
+        self.record_decision = record_decision
         self.clock = clock
         self.history = history
         # The workload's Events, where the budget is counted from them (None: this sidecar's own).
@@ -114,7 +108,7 @@ class Restarts:
             if k == 0:
                 self.fold(RestartCancelled(now))  # the next evaluation reports it blocked
             elif not _last_blocked(self.history(), k):
-                self.record(d, BLOCKED_BY_BUDGET, now)
+                self.record_decision(d, BLOCKED_BY_BUDGET, now)
                 log.error("restart_blocked", reason=d.reason, worker=k, blocked_by=d.blocked_by, detail=d.detail)
         elif kind == procedure.REPORTED:
             log.warning("restart_not_performed", reason=d.reason, strategy="none", rung=RUNG_WORKER, worker=k,
@@ -126,7 +120,7 @@ class Restarts:
             assert p.held is not None
             # The fleet's ledger says not now: nothing was done; asked again shortly (policy).
             if ex.fleet_episode(p.held):
-                self.record(d, p.held, now)
+                self.record_decision(d, p.held, now)
             if k == 0:
                 self.fold(RestartHeld(now, d.reason, p.held))
             else:
@@ -154,7 +148,7 @@ class Restarts:
                         recorded=False if refused else None)
         elif kind == procedure.FALL_BACK:
             if p.did(procedure.EXIT):
-                self.record(p.decision, "failed", now)
+                self.record_decision(p.decision, "failed", now)
             untold = p.untold or self.history().untold.get(k)
             log.error("worker_unreachable_fallback", reason=d.reason, worker=k,
                       tries=None if untold is None else untold.tries, error=None if untold is None else untold.error,
@@ -171,7 +165,7 @@ class Restarts:
     async def _exit(self, p: Procedure, step: Step) -> Procedure:
         ex, d, k = self.executor, step.decision, p.worker
         log.warning("decision", action="restart", reason=d.reason, rung=RUNG_WORKER, worker=k, detail=d.detail)
-        self.record(d, "started", self.clock())
+        self.record_decision(d, "started", self.clock())
         errors: list[str] = []
         outcome = await ex.worker_exit(d, k, self.worker_control(k), untold=errors.append)
         if outcome is None:
@@ -198,7 +192,7 @@ class Restarts:
         else:
             log.warning("decision", action="restart", reason=d.reason, rung=d.rung, worker=k,
                         strategy=ex.restarter.strategy, drain=d.drain, detail=d.detail)
-            self.record(d, "started", self.clock())
+            self.record_decision(d, "started", self.clock())
             self.fold(RestartBegun(self.clock()))
         ended, record = await ex.restart(d, self.fold)
         if self.keep_out is not None:
@@ -206,7 +200,7 @@ class Restarts:
                 self.spawn(self.keep_out.after_pod_rung(ended.done))
             elif ended.done:
                 self.spawn(self.keep_out.remember_restart(d, h.pod_gpus))
-        self.record(d, record, ended.at)
+        self.record_decision(d, record, ended.at)
         self.fold(ended)  # an in-place restart done holds our slot until the target serves again
         if not ended.done:
             await ex.release_slot(k, f"restart {record}")
@@ -222,7 +216,7 @@ class Restarts:
         self.fold(WorkerRestarted(self.clock(), k, decision.reason, decision.instance_id, action, why, detail,
                                   recorded))
         if record is not None:
-            self.record(decision, record, self.clock())
+            self.record_decision(decision, record, self.clock())
 
 
 def _last_blocked(h: History, worker: int) -> bool:

@@ -75,8 +75,9 @@ async def build(wd: Watchdog, serve_http: bool) -> Running:
                        workload=wd.workload or "", history=history, fold=wd.fold) \
         if wd.placer is not None and wd.ledger is not None and s.policy.placement.strategy != "off" else None
     restarts = Restarts(
-        settings=s, executor=executor, metrics=wd.metrics, fold=wd.fold, record=wd.record, clock=wd.clock,
-        history=history, read_budget=wd.read_budget if wd.restart_events is not None else None, keep_out=keep_out,
+        settings=s, executor=executor, metrics=wd.metrics, fold=wd.fold, record_decision=wd.record_decision,
+        clock=wd.clock, history=history, read_budget=wd.read_budget if wd.restart_events is not None else None,
+        keep_out=keep_out,
         worker_control=lambda k: samplers.workers.client(k) if samplers.workers is not None and k else samplers.control,
         spawn=wd.spawn, restarted=wd.restarted, escalate=wd.escalate)
     run = Running(session, samplers, executor, keep_out, restarts, sampling)

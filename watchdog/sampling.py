@@ -15,9 +15,10 @@ from gpu_watchdog.watchdog.actions.restart import Restarter
 from gpu_watchdog.watchdog.edges import CanaryDescribed
 from gpu_watchdog.watchdog.episodes import Episodes
 from gpu_watchdog.watchdog.executor import Executor
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.samplers.assembly import Samplers
-from gpu_watchdog.watchdog.samples import History, XidEvent
+from gpu_watchdog.watchdog.samples import XidEvent
 from gpu_watchdog.watchdog.settings import Settings
 from gpu_watchdog.watchdog.state import Outcome
 

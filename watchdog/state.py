@@ -10,8 +10,9 @@ from collections import deque
 from dataclasses import dataclass, replace
 
 from gpu_watchdog.watchdog import edges, idle_memory, ladder
+from gpu_watchdog.watchdog.history import History
+from gpu_watchdog.watchdog.ladder_state import FailedLimit, Ladder
 from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
-from gpu_watchdog.watchdog.records import Failure, Ladder
 from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
@@ -21,7 +22,6 @@ from gpu_watchdog.watchdog.samples import (
     DecisionRecord,
     DeviceHealthSample,
     GpuReadout,
-    History,
     PastRestart,
     ServerSample,
     TorchSample,
@@ -299,7 +299,7 @@ def ladder_answered(lad: Ladder, change: ladder.Change, at: float, ok: bool, set
         return replace(grown, wait=ladder.wait_for(grown, ladder.next_up(grown), settings))
     # The limit in force failed: remember it, and probing back to it waits twice as long as before.
     wait = min(settings.max_wait, 2 * ladder.wait_for(lad, lad.limit, settings))
-    failed = (*(f for f in lad.failed if f.limit != lad.limit), Failure(lad.limit, wait, at))
+    failed = (*(f for f in lad.failed if f.limit != lad.limit), FailedLimit(lad.limit, wait, at))
     # A cut starts a new base; a step back from probation stays above the old one.
     shrunk = replace(lad, limit=change.limit, base=min(lad.base, change.limit), failed=failed, changed_at=at,
                      used=0.0)

@@ -8,8 +8,8 @@ from typing import Any
 
 from gpu_watchdog.watchdog import edges, names, policy
 from gpu_watchdog.watchdog.fleet import FleetView
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import Snapshot, WorkerRow
-from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 

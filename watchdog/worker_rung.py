@@ -13,10 +13,10 @@ from typing import Any
 
 from gpu_watchdog.watchdog import policy
 from gpu_watchdog.watchdog.executor import Executor
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.restarting import Restarts
 from gpu_watchdog.watchdog.samplers.workers import WorkersSampler
-from gpu_watchdog.watchdog.samples import History
 from gpu_watchdog.watchdog.settings import Settings
 
 

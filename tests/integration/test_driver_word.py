@@ -37,7 +37,7 @@ class RecordingRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         return None  # no cluster
 
 

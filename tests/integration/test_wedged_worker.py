@@ -21,9 +21,10 @@ from gpu_watchdog.watchdog import policy
 from gpu_watchdog.watchdog.actions.restart import ContainerRestarter
 from gpu_watchdog.watchdog.app import Watchdog
 from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_WORKER
 from gpu_watchdog.watchdog.procedure import EXIT_TRIES
-from gpu_watchdog.watchdog.samples import RESTART_FAILED, History, WorkerCanaries, WorkerRestarted
+from gpu_watchdog.watchdog.samples import RESTART_FAILED, WorkerCanaries, WorkerRestarted
 from gpu_watchdog.watchdog.state import RestartEnded, reduce
 from tests.helpers import ROOT, spawn_python, wait_for, wait_http
 from tests.integration.test_agent_workers import async_wait, memory

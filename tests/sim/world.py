@@ -25,10 +25,11 @@ from dataclasses import dataclass, field
 
 from gpu_watchdog.watchdog import fleet, procedure, quarantine, state
 from gpu_watchdog.watchdog.app import BUDGET_READ_S
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
-from gpu_watchdog.watchdog.samples import History, PastRestart
+from gpu_watchdog.watchdog.samples import PastRestart
 from gpu_watchdog.watchdog.settings import FleetSettings, PolicySettings, QuarantineSettings
 
 STEP_S = 1.0  # the clock advances this much per tick

@@ -11,6 +11,7 @@ import pytest
 from gpu_watchdog.watchdog import policy, xid_catalog
 from gpu_watchdog.watchdog.config import PolicySettings, Settings
 from gpu_watchdog.watchdog.escalation import driver_says
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import (
     CONTEXT_LOSS,
     FLEET_UNAVAILABLE_LIMIT,
@@ -29,7 +30,6 @@ from gpu_watchdog.watchdog.samples import (
     DeviceHealth,
     DeviceHealthSample,
     GpuSample,
-    History,
     TorchSample,
     WorkerCanaries,
     WorkerRestarted,

@@ -35,7 +35,7 @@ def _through_the_engine(guard: Guard) -> None:
     try:
         with pytest.raises(FatalCudaError):
             engine.generate([GenRequest(engine.lm.codec.encode("hello"), 4)])
-        assert engine.poisoned == guard.poison_reason
+        assert engine.poison_reason == guard.poison_reason
     finally:
         engine.stop()
 

@@ -6,13 +6,13 @@ from __future__ import annotations
 import pytest
 
 from gpu_watchdog.inference.handlers.inputs import InputLimits, token_items
-from gpu_watchdog.inference.item_rules import Item, Limits, after_oom, forwards, take
+from gpu_watchdog.inference.item_rules import BatchLimits, Item, after_oom, forwards, take
 from gpu_watchdog.inference.validation import BadRequest
 
 
 def limits(window_s: float = 0.0, max_items: int = 8, max_tokens: int = 1000, capacity: float = 64.0,
-           in_use: float = 0.0) -> Limits:
-    return Limits(max_items, max_tokens, window_s, capacity, in_use)
+           in_use: float = 0.0) -> BatchLimits:
+    return BatchLimits(max_items, max_tokens, window_s, capacity, in_use)
 
 
 def queue(*tokens: int, arrived: float = 0.0) -> list[Item]:

@@ -15,9 +15,10 @@ import pytest
 
 from gpu_watchdog.watchdog import ladder
 from gpu_watchdog.watchdog.config import AdmissionSettings, Settings
+from gpu_watchdog.watchdog.history import History
+from gpu_watchdog.watchdog.ladder_state import FailedLimit, Ladder
 from gpu_watchdog.watchdog.policy import decide
-from gpu_watchdog.watchdog.records import Failure, Ladder
-from gpu_watchdog.watchdog.samples import ActionRecord, History, TorchSample
+from gpu_watchdog.watchdog.samples import ActionRecord, TorchSample
 from gpu_watchdog.watchdog.state import AdmissionAnswered, AdmissionRequested, CacheFlushRequested, reduce
 
 S = AdmissionSettings(window=45.0, recover_after=200.0, max_wait=1600.0)
@@ -100,7 +101,7 @@ def test_ooms_despite_a_flush_cut_the_rows_in_half_the_canarys_row_included() ->
     assert change is not None and (change.action, change.limit) == (ladder.SHRINK, 3)  # 8 rows -> 4
     assert [c[1:] for c in t.changes] == [(ladder.SHRINK, 7), (ladder.SHRINK, 3)]
     # Both limits that failed are remembered, each waiting twice recover_after before a probe.
-    assert t.lad.failed == (Failure(16, 400.0, 2.1), Failure(7, 400.0, 4.1))
+    assert t.lad.failed == (FailedLimit(16, 400.0, 2.1), FailedLimit(7, 400.0, 4.1))
     assert (t.lad.base, t.lad.probing) == (3, False)
 
 
@@ -181,7 +182,7 @@ def test_a_probe_goes_back_a_step_on_one_oom_and_the_failure_is_remembered() -> 
     assert t.limit == 4 and t.lad.probing
     change = t.oom(now + 10)  # one OOM is enough on probation, and it goes back one step, not a cut
     assert change is not None and (change.action, change.limit) == (ladder.SHRINK, 3)
-    assert t.lad.remembered(4) == Failure(4, 400.0, now + 10.6)
+    assert t.lad.remembered(4) == FailedLimit(4, 400.0, now + 10.6)
     # Probing 4 again waits twice as long: each failure doubles it, up to max_wait.
     waits = []
     now += 10.6
@@ -198,23 +199,23 @@ def test_a_probe_that_holds_keeps_the_memory_of_a_failure() -> None:
     """The seed's ladder reset the wait to recover_after after any probe that held a wait: a limit
     that fails only some of the time was then probed again and again at the shortest wait."""
     t = Trace(8)
-    t.h.ladder = replace(t.lad, limit=3, base=3, failed=(Failure(4, 800.0, 0.0),), changed_at=0.0)
+    t.h.ladder = replace(t.lad, limit=3, base=3, failed=(FailedLimit(4, 800.0, 0.0),), changed_at=0.0)
     t.limit = 3
     now = t.quiet(0.0, 900, until=4)
     assert t.limit == 4  # 4 held the whole 800 s wait earlier, then failed
     now = t.quiet(now, 300, until=5)
     assert t.limit == 5  # 4 held recover_after: 5 never failed, so it is probed after recover_after
-    assert t.lad.remembered(4) == Failure(4, 800.0, 0.0)  # holding a probe erased nothing
+    assert t.lad.remembered(4) == FailedLimit(4, 800.0, 0.0)  # holding a probe erased nothing
     t.oom(now + 1)  # 5 fails: back to 4, still on probation
     assert (t.limit, t.lad.base) == (4, 3)
     t.oom(now + 100)  # 4 fails too (when the canary coincides): back to 3, 4's wait doubles from 800
-    assert t.limit == 3 and t.lad.remembered(4) == Failure(4, 1600.0, now + 100.6)
-    assert t.lad.remembered(5) == Failure(5, 400.0, now + 1.6)
+    assert t.limit == 3 and t.lad.remembered(4) == FailedLimit(4, 1600.0, now + 100.6)
+    assert t.lad.remembered(5) == FailedLimit(5, 400.0, now + 1.6)
 
 
 def test_a_quiet_period_as_long_as_the_longest_wait_forgives() -> None:
     t = Trace(8)
-    t.h.ladder = replace(t.lad, limit=4, base=3, failed=(Failure(4, 800.0, 0.0), Failure(5, 1600.0, 0.0)),
+    t.h.ladder = replace(t.lad, limit=4, base=3, failed=(FailedLimit(4, 800.0, 0.0), FailedLimit(5, 1600.0, 0.0)),
                          changed_at=0.0)
     t.limit = 4
     now = t.quiet(0.0, 1500)
@@ -343,7 +344,7 @@ def test_a_limit_that_holds_but_for_the_canary_settles_with_its_probes_spaced() 
     """The same card with a canary that always coincides (a flood at every canary): 3 holds, 4 never."""
     t, ooms, limits = run(Card(rows=4, coincide=1.0, seed=0), hours=6)
     assert min(limits[60:]) == 3 and max(limits[60:]) == 4
-    assert t.lad.remembered(4) == Failure(4, 1600.0, t.lad.remembered(4).at)  # type: ignore[union-attr]
+    assert t.lad.remembered(4) == FailedLimit(4, 1600.0, t.lad.remembered(4).at)  # type: ignore[union-attr]
     assert len([at for at in ooms if at > 3 * 3600]) <= 3 * 3600 / 1600 + 1
 
 

@@ -7,6 +7,7 @@ from dataclasses import replace
 import pytest
 
 from gpu_watchdog.watchdog.config import HangSettings, PolicySettings, Settings
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import (
     HANG,
     PROGRESS_UNKNOWN,
@@ -28,15 +29,7 @@ from gpu_watchdog.watchdog.policy import (
     serviceable,
     target_state,
 )
-from gpu_watchdog.watchdog.samples import (
-    ActionRecord,
-    CanarySample,
-    GpuSample,
-    History,
-    ServerSample,
-    TorchSample,
-    XidEvent,
-)
+from gpu_watchdog.watchdog.samples import ActionRecord, CanarySample, GpuSample, ServerSample, TorchSample, XidEvent
 from gpu_watchdog.watchdog.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
 
 GiB = 2**30

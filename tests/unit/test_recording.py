@@ -14,8 +14,9 @@ import pytest
 
 from gpu_watchdog.watchdog import recording
 from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.recording import RecordingError
-from gpu_watchdog.watchdog.samples import CanarySample, History, TorchSample, WorkerRestarted
+from gpu_watchdog.watchdog.samples import CanarySample, TorchSample, WorkerRestarted
 from gpu_watchdog.watchdog.state import RestartEnded, reduce
 
 

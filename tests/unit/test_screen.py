@@ -11,7 +11,7 @@ from gpu_watchdog.inference.screen import (
     COMPLETED_KEPT,
     QUARANTINE_MAX,
     Entry,
-    Quarantined,
+    QuarantinedRequest,
     QuarantineError,
     QuarantineList,
     RequestAccount,
@@ -81,7 +81,7 @@ def test_a_screen_refuses_what_is_listed_counts_it_and_books_the_rest() -> None:
     assert isinstance(fp, str) and screen.book.report()["inflight"] == [fp]
     screen.done(account.ticket, ok=True)
     screen.quarantine.add(Entry(fp, until=9e12, failures=2))
-    with pytest.raises(Quarantined) as refused:
+    with pytest.raises(QuarantinedRequest) as refused:
         # The same computation spelt otherwise: the model named, fields at their defaults, another user.
         screen.request(RequestAccount(), {**body, "model": "model-a", "n": 1, "stop": None, "user": "u2"})
     assert refused.value.status == 422 and refused.value.body()["error"]["fingerprint"] == fp

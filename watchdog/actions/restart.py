@@ -73,7 +73,7 @@ class Restarter(Protocol):
         """The target served a canary (not drained): what this restarter published for the target's
         recovery to make obsolete (the container rung's verdict) is spent. Most publish nothing."""
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         """The restart's Event, for a rung this restarter does not carry out itself (a worker's):
         None once written, or where this restarter writes none; else why not."""
 
@@ -123,7 +123,7 @@ class KubeRestarter:
         self.strategy = settings.strategy
         self.sleep = sleep
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         """Write the restart Event: None once written, else why not (after three tries)."""
         error = "no attempt"
         for attempt in range(3):
@@ -158,7 +158,7 @@ class KubeRestarter:
             try:
                 await asyncio.to_thread(self._act, grace, True)
                 if not recorded:
-                    error = await self.record(decision, action)
+                    error = await self.record_event(decision, action)
                     if error is not None:
                         return RestartOutcome(False, f"{NOT_RECORDED}: {error}", attempt, not_recorded=True)
                     recorded = True
@@ -205,7 +205,7 @@ class KubeRestarter:
         return None  # nothing published that a recovery makes obsolete
 
 
-class Supervisor(Protocol):
+class ChildRestarter(Protocol):
     async def restart_child(self, instance_id: str | None, reason: str, graceful: bool) -> bool: ...
 
 
@@ -214,7 +214,7 @@ class LocalRestarter:
 
     strategy = "local"
 
-    def __init__(self, supervisor: Supervisor) -> None:
+    def __init__(self, supervisor: ChildRestarter) -> None:
         self.supervisor = supervisor
 
     async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
@@ -227,7 +227,7 @@ class LocalRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         return None  # no cluster to write an Event to
 
 
@@ -257,7 +257,7 @@ class ContainerRestarter:
                                       rung=RUNG_POD)
             return await self.pod.restart(decision, drain)
         if self.pod is not None:
-            error = await self.pod.record(decision, "RestartContainer", prefix="ContainerRestart")
+            error = await self.pod.record_event(decision, "RestartContainer", prefix="ContainerRestart")
             if error is not None:
                 return RestartOutcome(False, f"{NOT_RECORDED}: {error}", rung=RUNG_CONTAINER, not_recorded=True)
         await drain.begin()
@@ -272,8 +272,8 @@ class ContainerRestarter:
         return RestartOutcome(True, "verdict written: the kubelet restarts the inference container",
                               rung=RUNG_CONTAINER, recorded=self.pod is not None)
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        return None if self.pod is None else await self.pod.record(decision, action, prefix)
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+        return None if self.pod is None else await self.pod.record_event(decision, action, prefix)
 
     async def target_served(self, at_wall: float) -> None:
         """The target serves again (a new container, or the old one recovered): the verdict is spent.
@@ -315,7 +315,7 @@ class ReportOnlyRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
 
-    async def record(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
         return None  # no cluster to write an Event to
 
 

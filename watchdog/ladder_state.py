@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 
 @dataclass(frozen=True)
-class Failure:
+class FailedLimit:
     """A limit that met OOMs, remembered until a long enough quiet period forgives it."""
 
     limit: int
@@ -37,12 +37,12 @@ class Ladder:
     # last OOM: time with fewer sequences than the limit proves nothing about it.
     used: float = 0.0
     seen_at: float | None = None  # the last sample
-    failed: tuple[Failure, ...] = ()  # limits that failed, one entry each
+    failed: tuple[FailedLimit, ...] = ()  # limits that failed, one entry each
     pending: int | None = None  # a limit asked for, not yet confirmed by the server
 
     @property
     def probing(self) -> bool:
         return self.limit > self.base
 
-    def remembered(self, limit: int) -> Failure | None:
+    def remembered(self, limit: int) -> FailedLimit | None:
         return next((f for f in self.failed if f.limit == limit), None)
