@@ -10,11 +10,13 @@ failing run to the shortest one). A sidecar's read and its write of the Lease ar
 sidecars' writes come in between and are lost races (409), decided again on what the winner wrote,
 as the real `LeaseLedger.update` does. Every invariant is a function of the world (`invariants.py`).
 
-What is simulated, not run: the canary (a hung server is seen after `DETECT_S`), the drain, the
-kubelet, the scheduler (a pod we restarted is replaced on its node: the lineage a restart loop is
-bounded in). What is real: the order of a restart's steps, whether the budget allows it, which
-restart takes a slot, when a slot goes back, when the breaker opens, what counts as evidence, what
-is quarantined and when it clears.
+What is simulated, not run: the canary's answer (each sidecar's canary, once a second, times out
+on a hung server, is refused by one down or loading, and served otherwise), the drain, the kubelet,
+the scheduler (a pod we restarted is replaced on its node: the lineage a restart loop is bounded
+in). What is real: the fold of those canaries and of the budget's Events into each sidecar's
+history (`state.reduce`), the decision to restart (`policy.decide`: the hang rule, the budget),
+the order of a restart's steps, which restart takes a slot, when a slot goes back, when the breaker
+opens, what counts as evidence, what is quarantined and when it clears.
 """
 
 from __future__ import annotations
@@ -23,17 +25,18 @@ import dataclasses
 import random
 from dataclasses import dataclass, field
 
-from gpu_watchdog.watchdog import fleet, procedure, quarantine, state
+from gpu_watchdog.watchdog import fleet, policy, procedure, quarantine, state
 from gpu_watchdog.watchdog.app import BUDGET_READ_S
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
-from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
-from gpu_watchdog.watchdog.samples import PastRestart
+from gpu_watchdog.watchdog.samples import CanarySample, PastRestart
 from gpu_watchdog.watchdog.settings import FleetSettings, PolicySettings, QuarantineSettings
 
 STEP_S = 1.0  # the clock advances this much per tick
-DETECT_S = 3.0  # a hung server is seen by its sidecar's canaries after this long
+CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it times out after this long
+# A hang is decided by the real rule: its consecutive canary timeouts, one a tick.
+DETECT_S = PolicySettings().hang.consecutive_timeouts * CANARY_S
 LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (seeded, per pod)
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
 SYNC_S = 5.0  # each sidecar reads the quarantine and pushes it to its server this often
@@ -186,6 +189,7 @@ class World:
         for _ in range(knobs.replicas):
             pod = self._create(growth=False, ready_now=True)
             pod.served_once, pod.first_served_at = True, self.now
+        self.canaries()  # the pods there before the run served: their sidecars saw it
 
     # -- the cluster -------------------------------------------------------------------------------
 
@@ -198,7 +202,8 @@ class World:
         pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
                   replaces=replaces, growth=growth)
         self.pods[name] = pod
-        self.sidecars[name] = Sidecar(name, History(started_at=self.now, epoch=self.now, pod=name, node=pod.node))
+        self.sidecars[name] = Sidecar(name, History(started_at=self.now, epoch=self.now, pod=name, node=pod.node,
+                                                    strategy="evict", budget_from_events=True))
         return pod
 
     def alive(self) -> list[Pod]:
@@ -376,22 +381,49 @@ class World:
         if self.now - car.synced_at >= SYNC_S:
             self._sync(car, pod)
             return
-        hung = server.hung_since is not None and self.now - server.hung_since >= DETECT_S
-        if hung and pod.served_once:
+        if car.proc is not None:
             self._restart_step(car, pod)
+            return
+        read_at = car.history.workload_read_at
+        if read_at is None or self.now - read_at >= BUDGET_READ_S:
+            self._read_budget(car)  # as the loop reads the Events again every BUDGET_READ_S
+            return
+        # The loop's evaluation: the real policy on what this sidecar folded.
+        restart = next((d for d in policy.decide(self.policy, car.history, self.now, True) if d.action == "restart"),
+                       None)
+        if restart is None or not pod.served_once:
+            return
+        if not restart.allowed:  # blocked by the budget: said once, decided again after the next read
+            if not car.blocked:
+                self.budget_blocks += 1
+            car.blocked = True
+            return
+        # `restart.strategy: evict` replaces the pod, whatever rung the policy names.
+        decision = dataclasses.replace(restart, rung=RUNG_POD)
+        car.proc = procedure.begin(self.policy, car.history, 0, decision, self.now, from_events=True,
+                                   asked_again=car.held is not None)
+        self._restart_step(car, pod)
+
+    def canaries(self) -> None:
+        """Each sidecar's canary, folded into its history as `Sampling.canary` folds it."""
+        for pod in self.alive():
+            car = self.sidecars.get(pod.name)
+            if car is None:
+                continue
+            server = pod.server
+            if pod.serves(self.now):
+                sample = CanarySample(self.now, True, 0.05, None, instance_id=server.process)
+            elif server.hung_since is not None:
+                sample = CanarySample(self.now, False, CANARY_S, "timeout", "canary timed out",
+                                      instance_id=server.process)
+            else:  # down after a crash, or still loading its model
+                sample = CanarySample(self.now, False, 0.0, "unreachable", "connection refused",
+                                      instance_id=server.process)
+            state.reduce(car.history, sample)
 
     def _restart_step(self, car: Sidecar, pod: Pod) -> None:
-        """The next step of its restart, through the real procedure: begun as the loop begins one
-        (asked again while held; while the budget blocks it, once the Events are read again)."""
-        if car.proc is None:
-            read_at = car.history.workload_read_at
-            if car.blocked and read_at is not None and self.now - read_at < BUDGET_READ_S \
-                    and procedure.budget_spent(self.policy, car.history, self.now, True):
-                return  # the policy decides it blocked (said once) until the next read
-            decision = Decision("restart", HANG, {"evidence": "canary"}, drain=False,
-                                instance_id=pod.server.process, rung=RUNG_POD)
-            car.proc = procedure.begin(self.policy, car.history, 0, decision, self.now, from_events=True,
-                                       asked_again=car.held is not None)
+        """The next step of its restart, through the real procedure."""
+        assert car.proc is not None
         step = procedure.next_step(self.policy, car.history, car.proc, Facts(self.now, "evict", slot_held=car.slot))
         assert step is not None
         server = pod.server
@@ -404,8 +436,9 @@ class World:
             self._read_budget(car)
             car.proc = procedure.advance(car.proc, step)
         elif step.kind == procedure.BLOCKED:
+            if not car.blocked:
+                self.budget_blocks += 1
             car.blocked, car.proc = True, None
-            self.budget_blocks += 1
         elif step.kind == procedure.TAKE_SLOT:
             version, ledger, _ = self._read()
             new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, pod.name, HANG, RUNG_POD, self.now,
@@ -532,3 +565,4 @@ class World:
                 pod.first_served_at = self.now
             if pod.node in self.sick and pod.served_once:
                 self.hang(pod)
+        self.canaries()
