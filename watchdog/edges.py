@@ -311,9 +311,8 @@ def fold(e: EdgeFacts, o: Any) -> EdgeFacts:
     if isinstance(o, SuspectWithdrawn):
         return replace(e, suspects=tuple(s for s in e.suspects if s.uuid != o.uuid))
     if isinstance(o, EscalationFailed):
-        said = e.escalation_said if o.key in e.escalation_said else (*e.escalation_said, o.key)
         return replace(e, escalation_retry_at=o.at + escalation_backoff(e),
-                       escalation_failures=e.escalation_failures + 1, escalation_said=said)
+                       escalation_failures=e.escalation_failures + 1, escalation_said=_once(e.escalation_said, o.key))
     if isinstance(o, EscalationLooked):
         return replace(e, escalation_failures=0)
     if isinstance(o, FleetSeen):
@@ -372,9 +371,14 @@ def fold(e: EdgeFacts, o: Any) -> EdgeFacts:
         others = tuple(k for k in e.placement_said if k != o.key)
         return replace(e, placement_said=(*others, o.key) if o.said else others)
     if isinstance(o, PlacementFailed):
-        said = e.placement_said if o.key is None or o.key in e.placement_said else (*e.placement_said, o.key)
-        return replace(e, placement_error=o.error, placement_said=said)
+        return replace(e, placement_error=o.error,
+                       placement_said=e.placement_said if o.key is None else _once(e.placement_said, o.key))
     raise TypeError(f"not an edge outcome: {type(o).__name__}")
+
+
+def _once(said: tuple[str, ...], key: str) -> tuple[str, ...]:
+    """The keys said so far, with `key` (each kind is said once)."""
+    return said if key in said else (*said, key)
 
 
 def _without(in_place: tuple[InPlace, ...], worker: int) -> tuple[InPlace, ...]:
