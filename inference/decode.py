@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import threading
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -36,6 +36,7 @@ from gpu_watchdog.inference.model import LoadedModel
 from gpu_watchdog.inference.prefill import PrefillSteps
 from gpu_watchdog.inference.prefix_cache import PrefixCache
 from gpu_watchdog.inference.sampling import sample, token_logprobs
+from gpu_watchdog.inference.screen import BOOKING
 from gpu_watchdog.inference.sequence import Partial, RowOutcome, Seq
 from gpu_watchdog.inference.settings import DEFAULT_PREFILL_TOKENS
 
@@ -75,6 +76,11 @@ class DecodeLoop(PrefillSteps, LoopThread):
         self.score_chunk = score_chunk or scoring.chunk_positions(lm.vocab_size)
         self.score_head: scoring.Head | None = None
         self._score_head_known = False
+        # Each queued or running sequence's request booking (`screen.BOOKING`), by its order; and who
+        # is told the bookings that ran in a step that lost the context (the request book, before
+        # `on_fatal` freezes what is in flight): the failure's evidence is what ran, not what waited.
+        self._booked: dict[int, int] = {}
+        self.on_failed_step: Callable[[list[int]], object] | None = None
 
     # -- called from other threads ----------------------------------------------------------
 
@@ -83,9 +89,13 @@ class DecodeLoop(PrefillSteps, LoopThread):
                    self.lm.codec.decoder(skip_special_tokens=request.skip_special_tokens))
 
     def enqueue(self, seq: Seq) -> None:
+        """From the request's task (its booking is read from its context)."""
+        booking = BOOKING.get()
         with self._cond:
             if self.poison_reason is not None:
                 raise context_lost(self.poison_reason)
+            if booking is not None and not seq.canary:
+                self._booked[seq.order] = booking
             if seq.canary:
                 self._waiting.appendleft(seq)
             else:
@@ -103,6 +113,7 @@ class DecodeLoop(PrefillSteps, LoopThread):
                 self._waiting.remove(seq)
             except ValueError:
                 return False
+            self._booked.pop(seq.order, None)
             # One stepped out by an OOM may leave from the queue: the cap it holds goes with it, or
             # the batch would stay capped for good.
             self._ceiling_holders.discard(seq.order)
@@ -138,10 +149,11 @@ class DecodeLoop(PrefillSteps, LoopThread):
     def reset_peak(self) -> None:
         self._peak = len(self._rows)
 
-    def poison(self, reason: str, in_flight: Sequence[Seq] = ()) -> None:
+    def poison(self, reason: str, in_flight: Sequence[Seq] | None = None) -> None:
         """A sticky error was seen (or injected from outside): every later kernel would fail.
 
-        `in_flight`: the loop thread's sequences of the failed step, answered `FatalCudaError` here."""
+        `in_flight`: the loop thread's sequences of the failed step, answered `FatalCudaError` here;
+        None from outside a step (what ran is not known here)."""
         with self._cond:
             first = self.poison_reason is None
             if first:
@@ -149,6 +161,10 @@ class DecodeLoop(PrefillSteps, LoopThread):
             queued = list(self._waiting)
             self._waiting.clear()
             self._cond.notify_all()
+            ran = None if in_flight is None else sorted({self._booked[s.order] for s in in_flight
+                                                         if s.order in self._booked})
+        if first and ran is not None and self.on_failed_step is not None:
+            self.on_failed_step(ran)
         if first and self.on_fatal is not None:
             # Before any answer: what was in flight at the failure is frozen while it still is.
             self.on_fatal(reason)
@@ -161,7 +177,7 @@ class DecodeLoop(PrefillSteps, LoopThread):
         # the request would answer a retriable 503, and the front would send the killer on to the
         # next engine. Every sequence that ran is answered first, on this one thread, so its
         # request's first failure is the fatal one; only then may the never-started go elsewhere.
-        for seq in (*in_flight, *started):
+        for seq in (*(in_flight or ()), *started):
             self._finish(seq, FatalCudaError(reason))
         for seq in fresh:
             self._finish(seq, context_lost(reason))
@@ -425,6 +441,7 @@ class DecodeLoop(PrefillSteps, LoopThread):
 
     def _finish(self, seq: Seq, outcome: RowOutcome) -> None:
         self._release(seq)
+        self._booked.pop(seq.order, None)
         self._ceiling_holders.discard(seq.order)
         if self._ceiling is not None and not self._ceiling_holders:
             self._ceiling = None

@@ -91,6 +91,10 @@ class Engine:
         if lm is not None:
             self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks, prefill_tokens=prefill_tokens,
                                     score_chunk=score_chunk)
+            # The query of death's record: what ran in a step that lost the context is its evidence, and
+            # a prompt sent as token ids has the input fingerprint of the text the model reads.
+            self._loop.on_failed_step = self.guard.screen.book.failed
+            self.guard.screen.decode = lm.codec.decode
         else:
             assert isinstance(handler, RequestHandler)
             self._loop = BatchLoop(handler, self.gate, max_rows=max_rows, max_tokens=batching.max_tokens,

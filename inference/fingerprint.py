@@ -25,6 +25,13 @@ What does not count: `model` (a server serves one, and the key is the workload's
 still gets a fingerprint (over its fields as sent); it never runs.
 
 Any other body (an app's own, in the agent) counts whole but for what never changes the work.
+
+Beside it, the input fingerprint (`input_fingerprint`): the input alone, whatever the settings and the
+spelling, so that a killer sent each time with another sampler, length or spelling is still one
+input. The prompt, messages or input as the server reads them: each prompt or input item's text
+(token ids decoded by the model's tokenizer where the server has one), each message's content text,
+in order; not the roles, not any parameter. Keyed apart from the exact fingerprint, so the two never
+collide. Only OpenAI's shapes have one.
 """
 
 from __future__ import annotations
@@ -33,7 +40,7 @@ import hashlib
 import hmac
 import json
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import asdict, fields, replace
 from typing import Any
 
@@ -95,6 +102,48 @@ def fingerprint(key: bytes, body: Mapping[str, Any] | Any, tokens: list[int] | N
         work = {**{k: v for k, v in work.items() if k not in PROMPT_FIELDS}, "tokens": tokens} \
             if isinstance(work, dict) else {"body": work, "tokens": tokens}
     return digest(key, work)
+
+
+def input_fingerprint(key: bytes, body: Any, decode: Callable[[list[int]], str] | None = None) -> str | None:
+    """`body`'s input fingerprint under `key` (see the module); None for a body that is not one of
+    OpenAI's shapes (an app's own: its exact fingerprint stands for its input). `decode`: the model's
+    tokenizer, so a prompt sent as token ids is the text it reads as."""
+    if not isinstance(body, Mapping) or not any(name in body for name in PROMPT_FIELDS):
+        return None
+    texts: list[Any] = []
+    for name in PROMPT_FIELDS:
+        if name not in body:
+            continue
+        value = body[name]
+        if name == "messages":
+            try:
+                texts += [m.content for m in chat_messages(value)]
+            except BadRequest:
+                texts.append(_plain(value))  # refused: it never runs, as sent will do
+        elif isinstance(items := _items(value), list):
+            texts += [_text(item, decode) for item in items]
+        else:
+            texts.append(_plain(value))
+    return digest(key + INPUT_KEY, texts)
+
+
+# Keys the input fingerprint apart from the exact one (a body could otherwise spell the other's work).
+INPUT_KEY = b"/input"
+
+
+def _text(item: Any, decode: Callable[[list[int]], str] | None) -> Any:
+    """One prompt or input item as text: token ids decoded where they can be (with the special tokens
+    left out, as the text they came from has none); anything else as sent."""
+    if decode is not None and _token_ids(item):
+        try:
+            return decode(item)
+        except Exception:  # ids the tokenizer cannot read: the server refuses them, as sent will do
+            return _plain(item)
+    return _plain(item)
+
+
+def _token_ids(item: Any) -> bool:
+    return isinstance(item, list) and all(isinstance(t, int) and not isinstance(t, bool) for t in item)
 
 
 def work_of(body: Mapping[str, Any]) -> dict[str, Any]:

@@ -37,7 +37,7 @@ from gpu_watchdog.inference.openai_extras import (
     request_options,
 )
 from gpu_watchdog.inference.openapi import public_spec
-from gpu_watchdog.inference.screen import MARKED, RequestAccount
+from gpu_watchdog.inference.screen import BOOKING, MARKED, RequestAccount
 from gpu_watchdog.inference.service import InferenceService
 from gpu_watchdog.inference.validation import (
     BadRequest,
@@ -65,8 +65,9 @@ async def request_log(request: web.Request, handler: Route) -> web.StreamRespons
     start = time.perf_counter()
     service = request.app[SERVICE_KEY]
     status = 500
-    # One connection's requests run in one task: no request's fault marks carry over to the next.
+    # One connection's requests run in one task: no request's fault marks or booking carry over to the next.
     marked = MARKED.set(frozenset())
+    booking = BOOKING.set(None)
     try:
         response = await handler(request)
         status = CLIENT_CLOSED if account.client_gone else response.status
@@ -90,6 +91,7 @@ async def request_log(request: web.Request, handler: Route) -> web.StreamRespons
         raise
     finally:
         MARKED.reset(marked)
+        BOOKING.reset(booking)
         service.guard.screen.done(account.ticket, ok=status < 400)
         elapsed = time.perf_counter() - start
         route = request.match_info.route.resource.canonical if request.match_info.route.resource else "unmatched"
@@ -99,7 +101,7 @@ async def request_log(request: web.Request, handler: Route) -> web.StreamRespons
             log.info("request", request_id=rid, route=route, method=request.method, status=status,
                      latency_s=round(elapsed, 4), prompt_tokens=account.prompt_tokens,
                      completion_tokens=account.completion_tokens, user=account.user,
-                     fingerprint=account.fingerprint)
+                     fingerprint=account.fingerprint, input_fingerprint=account.input_fingerprint)
 
 
 @dataclass(frozen=True)
@@ -202,8 +204,15 @@ class PublicAPI:
         if not s.started:
             raise Draining("the model is still loading")
         raw = await read_body(request, s.settings.body_timeout_s, s.settings.max_body_bytes)
-        data = await http_tokenize.off_loop(request, parse_json_object, raw)
-        s.guard.screen.request(request[ACCOUNT], data)
+        screen = s.guard.screen
+
+        def parsed(raw: bytes) -> tuple[dict[str, Any], tuple[str | None, str | None]]:
+            data = parse_json_object(raw)
+            return data, screen.prints(data)  # a large body's token ids decoded off the loop too
+
+        data, prints = await http_tokenize.off_loop(request, parsed, raw)
+        screen.mark(data)
+        screen.screened(request[ACCOUNT], *prints)
         return data
 
     def _jobs(self, request: web.Request, prompts: list[list[int]], sampling: Sampling) -> list[_Job]:

@@ -1,8 +1,8 @@
-"""What the server knows of its requests for the query of death: the fingerprints in flight, the
-newest admitted, those answered lately, what was in flight when the context was lost or when the
-engine's loop stopped advancing, and the quarantine list it refuses by. Shared by `serve` and the
-in-process agent (`RequestBook`, `QuarantineList`, `Screen`), so the sidecar reads one shape from
-either through the control API.
+"""What the server knows of its requests for the query of death: the fingerprints in flight (each
+with its input fingerprint), the newest admitted, those answered within ANSWERED_FOR_S, what ran in
+the step that lost the context or was in flight when the engine's loop stopped advancing, and the
+quarantine list it refuses by. Shared by `serve` and the in-process agent (`RequestBook`,
+`QuarantineList`, `Screen`), so the sidecar reads one shape from either through the control API.
 
 Thread-safe: the agent's requests run in worker threads, `serve`'s failure comes from its decode
 thread.
@@ -16,15 +16,15 @@ import json
 import os
 import threading
 import time
-from collections import deque
-from collections.abc import Callable, Mapping
+from collections import OrderedDict
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import structlog
 
 from gpu_watchdog.inference.faults import FaultInjector
-from gpu_watchdog.inference.fingerprint import digest, fingerprint
+from gpu_watchdog.inference.fingerprint import digest, fingerprint, input_fingerprint
 from gpu_watchdog.inference.validation import BadRequest
 
 log = structlog.get_logger(__name__)
@@ -34,8 +34,22 @@ KEY_ENV = "GPU_WATCHDOG_FINGERPRINT_KEY"
 # state) for the watchdog to read what was in flight, before it exits.
 FAILURE_READ_WAIT_S = 3.0
 SCREEN_MAX_BYTES = 16 * 1024 * 1024  # the agent's glue fingerprints bodies up to this size
-REPORTED = 32  # fingerprints in flight reported (and written to the termination log) at most
-COMPLETED_KEPT = 256  # fingerprints answered successfully, kept for the sidecar's bystander evidence
+# Requests in flight reported (and frozen at a failure) at most, the oldest where there are more:
+# more than the engine runs in one step unless `--max-batch-size` is set above it (256 by default),
+# so what ran in a failed step is whole; the sidecar keeps as many (`quarantine.INFLIGHT_KEPT`).
+REPORTED = 2048
+# Fingerprints answered successfully, each with the time of its last success, kept this long: the
+# sidecar's evidence window (`policy.quarantine.window`, one hour by default) is what a success
+# must be remembered for, however many answers come after it, and five minutes more, so that a
+# sidecar whose clock runs behind this node's never takes an answer forgotten by age for one inside
+# its window. A window longer than this makes the sidecar's rule quarantine nothing once a process
+# has forgotten an answer younger than the window.
+ANSWERED_FOR_S = 3600.0 + 300.0
+# And this many at most (exact and input fingerprints counted apart: about 45 MB at most, the hour
+# of 33 distinct requests a second); past it the oldest go, and the report says until when it forgot
+# (`forgot_until`), so that the sidecar's rule refuses to quarantine rather than frame a request
+# answered within its window.
+ANSWERED_MAX = 1 << 18
 UNTIL_MAX = 32503680000.0  # the year 3000: a time, not an overflow
 QUARANTINE_MAX = 256  # entries a server holds; the sidecar's rule quarantines a few per episode
 # Work in flight and the engine's forward-pass counter flat this long: the server freezes what is in
@@ -48,6 +62,9 @@ STALL_AFTER_S = 5.0
 # Whether the request being handled matches an injected fault's `when_prompt_contains`: set by the
 # HTTP layer for the request's task (and the threads it hands its work to), read where work starts.
 MARKED: contextvars.ContextVar[frozenset[str]] = contextvars.ContextVar("gpu_watchdog_marked", default=frozenset())
+# The request's booking in the RequestBook (its ticket), set where it is screened for the request's
+# task, read where the engine takes its work: a step that loses the context names what ran in it.
+BOOKING: contextvars.ContextVar[int | None] = contextvars.ContextVar("gpu_watchdog_booking", default=None)
 
 
 def workload_key(model: str) -> bytes:
@@ -61,47 +78,80 @@ def workload_key(model: str) -> bytes:
 
 
 class RequestBook:
-    """The fingerprints in flight (admitted, not answered), the newest admitted, the last answered
-    successfully, and a snapshot taken at the moment the context was lost."""
+    """The fingerprints in flight (admitted, not answered), the newest admitted, those answered
+    successfully within ANSWERED_FOR_S, and the snapshots taken when the context was lost and when
+    the engine's loop stalled.
 
-    def __init__(self, instance_id: str) -> None:
+    Each booking is a fingerprint and its input fingerprint (None where it has none: its fingerprint
+    stands for its input); reports list them in two lists of one order, `inflight` and `inputs`."""
+
+    def __init__(self, instance_id: str, clock: Callable[[], float] = time.time) -> None:
         self.instance_id = instance_id
+        self._clock = clock
         self._lock = threading.Lock()
-        self._inflight: dict[int, str] = {}
+        self._inflight: dict[int, tuple[str, str | None]] = {}
         self._next = 0
         self._newest: str | None = None
-        self._completed: deque[str] = deque(maxlen=COMPLETED_KEPT)
+        # Fingerprint -> its last success, oldest first: bounded by time, so that no amount of other
+        # traffic flushes a success the sidecar's window still needs.
+        self._answered: OrderedDict[str, float] = OrderedDict()
+        self._last_answer = 0.0
+        self._forgot_until: float | None = None  # the newest success forgotten (by age or by count)
         self._at_failure: dict[str, Any] | None = None
         self._at_stall: dict[str, Any] | None = None
         self.failure_read = threading.Event()  # the watchdog read `at_failure`
 
-    def begin(self, fp: str) -> int:
+    def begin(self, fp: str, input_fp: str | None = None) -> int:
         with self._lock:
             self._next += 1
-            self._inflight[self._next] = fp
+            self._inflight[self._next] = (fp, input_fp)
             self._newest = fp
             return self._next
 
     def end(self, ticket: int, ok: bool) -> None:
         with self._lock:
-            fp = self._inflight.pop(ticket, None)
+            booked = self._inflight.pop(ticket, None)
             # Nothing completes on a lost context: a stream already answered 200 ends in an error.
-            if ok and fp is not None and self._at_failure is None:
-                if fp in self._completed:
-                    self._completed.remove(fp)  # the most recent completions are the ones kept
-                self._completed.append(fp)
+            if ok and booked is not None and self._at_failure is None:
+                # Never before an answer already kept, so the oldest stay first when the clock steps back.
+                now = self._last_answer = max(self._clock(), self._last_answer)
+                for fp in booked:
+                    if fp is not None:
+                        self._answered[fp] = now
+                        self._answered.move_to_end(fp)
+                self._forget(now)
 
-    def _now(self) -> dict[str, Any]:
-        inflight = list(dict.fromkeys(reversed(self._inflight.values())))  # newest first, once each
-        return {"inflight": inflight[:REPORTED], "inflight_total": len(self._inflight), "newest": self._newest,
-                "at": time.time()}
+    def _forget(self, now: float) -> None:
+        """Called with the lock held: the answers older than ANSWERED_FOR_S go, and the oldest past
+        ANSWERED_MAX; the newest of them is remembered as forgotten."""
+        while self._answered:
+            fp, at = next(iter(self._answered.items()))
+            if at > now - ANSWERED_FOR_S and len(self._answered) <= ANSWERED_MAX:
+                return
+            del self._answered[fp]
+            self._forgot_until = at if self._forgot_until is None else max(self._forgot_until, at)
 
-    def failed(self) -> dict[str, Any]:
-        """Freeze what is in flight now, and what had completed: the context was lost (the first
-        call wins)."""
+    def _snapshot(self, tickets: Iterable[int] | None = None) -> dict[str, Any]:
+        """Called with the lock held: these bookings (all in flight where None), newest first and once
+        each (the oldest REPORTED where there are more: those are running, the newest may be waiting),
+        with the answers kept now."""
+        if tickets is None:
+            booked = list(self._inflight.values())
+        else:
+            booked = [self._inflight[t] for t in sorted(set(tickets)) if t in self._inflight]
+        pairs = list(dict.fromkeys(reversed(booked)))[-REPORTED:]
+        self._forget(self._clock())
+        return {"inflight": [fp for fp, _ in pairs], "inputs": [i or "" for _, i in pairs],
+                "inflight_total": len(booked), "newest": self._newest, "at": self._clock(),
+                "completed": list(self._answered), "forgot_until": self._forgot_until}
+
+    def failed(self, ran: Iterable[int] | None = None) -> dict[str, Any]:
+        """Freeze the failure's evidence: the bookings that ran in the step that lost the context
+        (`ran`, told by the engine before anything else), else everything in flight (the agent, a
+        failure outside a step). The first call wins."""
         with self._lock:
             if self._at_failure is None:
-                self._at_failure = {**self._now(), "completed": list(self._completed)}
+                self._at_failure = self._snapshot(ran)
             return dict(self._at_failure)
 
     def stalled(self) -> dict[str, Any]:
@@ -109,7 +159,7 @@ class RequestBook:
         (the first call of a stall wins; a request that ends afterwards stays in it)."""
         with self._lock:
             if self._at_stall is None:
-                self._at_stall = {**self._now(), "completed": list(self._completed)}
+                self._at_stall = self._snapshot()
             return dict(self._at_stall)
 
     def resumed(self) -> bool:
@@ -129,8 +179,8 @@ class RequestBook:
         with self._lock:
             if self._at_failure is not None:
                 self.failure_read.set()
-            return {"instance_id": self.instance_id, **self._now(), "completed": list(self._completed),
-                    "at_failure": self._at_failure, "at_stall": self._at_stall}
+            return {"instance_id": self.instance_id, **self._snapshot(), "at_failure": self._at_failure,
+                    "at_stall": self._at_stall}
 
 
 class StallRule:
@@ -235,11 +285,15 @@ class QuarantineList:
             return [e.describe() for e in self._entries.values() if e.until > now]
 
 
-def refusal_body(entry: Entry) -> dict[str, Any]:
+def refusal_body(entry: Entry, by_input: bool = False) -> dict[str, Any]:
+    """The 422's body. `by_input`: refused by its input fingerprint (the input failed under other
+    settings or spellings), not by its own."""
     until = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(entry.until))
     seen = f"{entry.failures} failures" if entry.failures else "failures"
+    what = ("this request's input (its prompt, messages or input, whatever its other parameters) was"
+            if by_input else "this request was")
     return {"error": {
-        "message": f"this request was in flight at {seen} of this service and is refused until {until}"
+        "message": f"{what} in flight at {seen} of this service and is refused until {until}"
                    f" (fingerprint {entry.fingerprint}); an operator can lift it",
         "type": "request_quarantined", "param": None, "code": "request_quarantined",
         "fingerprint": entry.fingerprint, "until": until}}
@@ -271,13 +325,14 @@ def prompt_text(body: Any) -> str:
 class QuarantinedRequest(BadRequest):
     """A request on the quarantine list: 422, with why and until when."""
 
-    def __init__(self, entry: Entry) -> None:
+    def __init__(self, entry: Entry, by_input: bool = False) -> None:
         self.entry = entry
-        body = refusal_body(entry)
+        self.by_input = by_input
+        body = refusal_body(entry, by_input)
         super().__init__(422, None, body["error"]["message"], code="request_quarantined")
 
     def body(self) -> dict[str, Any]:
-        return refusal_body(self.entry)
+        return refusal_body(self.entry, self.by_input)
 
 
 @dataclass
@@ -287,6 +342,7 @@ class RequestAccount:
 
     rid: str = ""
     fingerprint: str | None = None
+    input_fingerprint: str | None = None  # of its input alone (`fingerprint.input_fingerprint`)
     ticket: int | None = None  # its booking in flight, for `Screen.done`
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
@@ -304,6 +360,9 @@ class Screen:
         self.quarantine = QuarantineList()
         self.refused = 0
         self.on_refused: Callable[[], None] | None = None  # the metrics' counter
+        # The model's tokenizer where the server has one (the causal LM's engine sets it): a prompt
+        # sent as token ids has the input fingerprint of the text it reads as.
+        self.decode: Callable[[list[int]], str] | None = None
 
     def of_raw(self, raw: bytes, describe: Callable[[bytes], object] | None = None) -> str | None:
         """A raw body's fingerprint (the agent's: it sees bytes): over all of what `describe` (the app's
@@ -318,8 +377,7 @@ class Screen:
                 body = raw.decode("utf-8", "replace")
             if describe is None:
                 return self.of_body(body)
-            if self.faults is not None:
-                MARKED.set(self.faults.marks(prompt_text(body)))
+            self.mark(body)
             work = describe(raw)
             return None if work is None else digest(self.key, work)
         except Exception as exc:  # a body nested past the parser, an app's function that raises:
@@ -329,39 +387,69 @@ class Screen:
     def of_body(self, body: Any) -> str | None:
         """A parsed JSON body's fingerprint (the computation it asks for, `fingerprint.fingerprint`),
         and the faults its prompt triggers set for the request (`MARKED`)."""
+        self.mark(body)
+        return self._fingerprint(body)
+
+    def _fingerprint(self, body: Any) -> str | None:
         try:
-            if self.faults is not None:
-                MARKED.set(self.faults.marks(prompt_text(body)))
             return fingerprint(self.key, body)
         except Exception as exc:  # whatever a client sent costs its fingerprint, never the request
             log.warning("fingerprint_failed", error=repr(exc)[:200])
             return None
 
-    def check(self, fp: str | None) -> None:
-        """Refuse a quarantined fingerprint: `QuarantinedRequest` (422), counted and logged once."""
+    def prints(self, body: Any) -> tuple[str | None, str | None]:
+        """A parsed JSON body's fingerprint and input fingerprint (None where it has none). Touches
+        nothing of the request's context: callable off the event loop (a large body's decoding)."""
+        fp = self._fingerprint(body)
+        if fp is None:
+            return None, None
+        try:
+            return fp, input_fingerprint(self.key, body, self.decode)
+        except Exception as exc:
+            log.warning("fingerprint_failed", error=repr(exc)[:200], which="input")
+            return fp, None
+
+    def mark(self, body: Any) -> None:
+        """The faults the body's prompt triggers, set for the request's task (`MARKED`)."""
+        if self.faults is not None:
+            try:
+                MARKED.set(self.faults.marks(prompt_text(body)))
+            except Exception as exc:  # a body nested past what can be walked: no marks
+                log.warning("fault_marks_failed", error=repr(exc)[:200])
+
+    def check(self, fp: str | None, input_fp: str | None = None) -> None:
+        """Refuse a request whose fingerprint or input fingerprint is quarantined: `QuarantinedRequest`
+        (422), counted and logged once."""
         entry = None if fp is None else self.quarantine.lookup(fp)
+        by_input = False
+        if entry is None and input_fp is not None:
+            entry, by_input = self.quarantine.lookup(input_fp), True
         if entry is None:
             return
         self.refused += 1
         if self.on_refused is not None:
             self.on_refused()
-        log.warning("request_quarantined", fingerprint=fp, until=entry.until, failures=entry.failures,
-                    pods=list(entry.pods))
-        raise QuarantinedRequest(entry)
+        log.warning("request_quarantined", fingerprint=fp, input_fingerprint=input_fp, by_input=by_input,
+                    until=entry.until, failures=entry.failures, pods=list(entry.pods))
+        raise QuarantinedRequest(entry, by_input)
 
-    def admit(self, fp: str | None) -> int | None:
+    def admit(self, fp: str | None, input_fp: str | None = None) -> int | None:
         """Book a fingerprint in flight (after `check`): the ticket `done` takes."""
-        return None if fp is None else self.book.begin(fp)
+        return None if fp is None else self.book.begin(fp, input_fp)
 
     def request(self, account: RequestAccount, body: Any) -> None:
         """One parsed request: fingerprint it, refuse it if quarantined, else book it in flight; what
         the request log and `done` need goes into its account."""
-        self.screened(account, self.of_body(body))
+        self.mark(body)
+        self.screened(account, *self.prints(body))
 
-    def screened(self, account: RequestAccount, fp: str | None) -> None:
-        account.fingerprint = fp
-        self.check(fp)
-        account.ticket = self.admit(fp)
+    def screened(self, account: RequestAccount, fp: str | None, input_fp: str | None = None) -> None:
+        """A fingerprinted request (`prints`): refused if quarantined, else booked in flight, its booking
+        set for the request's task (`BOOKING`) for the engine to tell what ran at a failure."""
+        account.fingerprint, account.input_fingerprint = fp, input_fp
+        self.check(fp, input_fp)
+        account.ticket = self.admit(fp, input_fp)
+        BOOKING.set(account.ticket)
 
     def done(self, ticket: int | None, ok: bool) -> None:
         if ticket is not None:

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS
 from tests.fleet.harness import Fleet, FleetPod
 from tests.helpers import ROOT, json_lines
@@ -224,3 +225,76 @@ async def test_a_request_that_kills_two_replicas_is_refused_by_both_and_nothing_
             "lost_at_failure_2": sum(1 for a in lost if a.pod == pod2.name),
             "other_requests": len(answers), "other_served": len(answers) - len(lost), "other_retried": retried,
             "restarts": len(fleet.deletions()), "model_exits": exits_before}, sort_keys=True))
+
+
+async def test_a_killer_that_varies_its_settings_is_refused_by_its_input_and_the_innocent_beside_it_never(
+        kmock: Any, tmp_path: Path) -> None:
+    """The killer sent each time with another temperature, seed or top_p (a new fingerprint each try),
+    and an innocent long generation retried by its own client onto the next replica, in flight beside
+    it at both of the first failures. By fingerprint alone the innocent stood alone at two failures and
+    was refused, the killer never; by input, the two tie at two failures, the third (the innocent not
+    there) takes the killer's input, and every replica refuses it under any setting while the innocent
+    is served everywhere."""
+    async with Fleet(kmock, tmp_path, replicas=2, sidecar_config=CONFIG, model="serve", ready_timeout=120,
+                     serve_faults=[{"kind": "context_loss", "when_prompt_contains": MARK}]) as fleet:
+        first = fleet.pods()
+        await fleet.wait_until(lambda: all((p.name, 1) in fleet.serve_ready for p in first), 60, "faults armed")
+        key = f"key-of-{fleet.deployment}".encode()  # the workload's fingerprint key (the harness's Secret)
+        killer_input = input_fingerprint(key, MARKED)
+        innocent_fp = fingerprint(key, INNOCENT)
+        tries = [{**MARKED, "temperature": 0.7}, {**MARKED, "seed": 5}, {**MARKED, "top_p": 0.9}]
+        assert len({fingerprint(key, t) for t in tries}) == 3 and input_fingerprint(key, tries[0]) == killer_input
+
+        async def beside(pod: FleetPod, killer: dict[str, Any]) -> None:
+            """The innocent generating on `pod` when the killer lands there: both in the failing step."""
+            innocent = asyncio.create_task(fleet.complete(pod, INNOCENT))
+            await asyncio.sleep(0.3)
+            status, body = await fleet.complete(pod, killer)
+            assert status == 500 and body["error"]["type"] == "fatal_cuda", body
+            assert (await innocent)[0] == 500
+
+        def recorded() -> list[dict[str, Any]]:
+            return [line for p in fleet.all_pods.values() for line in p.log()
+                    if line.get("event") == "failure_recorded"]
+
+        pod1, pod2 = first
+        await beside(pod1, tries[0])
+        await beside(pod2, tries[1])  # its client retried the innocent here; a gateway, the killer
+        await fleet.wait_until(lambda: len(recorded()) == 2, 30, "both failures recorded")
+        assert all(innocent_fp in line["inflight"] for line in recorded())
+        await asyncio.sleep(2)  # a quarantine would be decided with the second record, and pushed within 5 s
+        for pod in fleet.pods():
+            assert await listed(fleet, pod) == []
+
+        async def crash_once_more() -> bool:
+            """The killer with a third setting, alone, on a replica that serves again."""
+            for pod in [p for p in fleet.pods() if p.ready]:
+                status, body = await fleet.complete(pod, tries[2])
+                assert status != 422, body  # nothing is refused yet
+                if status == 500:
+                    return True
+            return False
+
+        await fleet.wait_until(crash_once_more, 90, "a third failure, on a replica serving again", interval=0.5)
+
+        async def refused_everywhere() -> bool:
+            pods = fleet.pods()
+            return len(pods) == 2 and all([await listed(fleet, p) == [killer_input] for p in pods])
+
+        await fleet.wait_until(refused_everywhere, 90, "the killer's input quarantined at both pods", interval=0.2)
+        for pod in fleet.pods():
+            for body in ({**MARKED, "temperature": 1.3}, {**MARKED, "seed": 99, "max_tokens": 5},
+                         {"prompt": list(f"compute the {MARK} shape".encode()), "max_tokens": 6}):
+                status, answer = await fleet.complete(pod, body)
+                assert status == 422, (pod.name, body, answer)
+                error = answer["error"]
+                assert error["code"] == "request_quarantined" and error["fingerprint"] == killer_input
+                assert error["message"].startswith("this request's input")
+            assert (await fleet.complete(pod, INNOCENT))[0] == 200  # the innocent is served everywhere
+            entries = (await fleet.status(pod))["quarantine"]["entries"]
+            assert [(q["fingerprint"], q["input"]) for q in entries] == [(killer_input, True)]
+            assert len(entries[0]["failures"]) == 3
+        assert len(recorded()) == 3
+        quarantined = [line["fingerprint"] for p in fleet.all_pods.values() for line in p.log()
+                       if line.get("event") == "request_quarantined" and "workload" in line]
+        assert quarantined == [killer_input] and innocent_fp not in quarantined

@@ -6,12 +6,15 @@ from __future__ import annotations
 
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import requests
 import yaml
 
+from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
+from gpu_watchdog.inference.screen import KEY_ENV
 from tests.helpers import (
     ROOT,
     Proc,
@@ -27,6 +30,7 @@ from tests.helpers import (
 )
 
 COMPLETIONS = "/v1/completions"
+CHAT = "/v1/chat/completions"
 
 
 def post(srv: Server, body: dict[str, Any], path: str = COMPLETIONS, timeout: float = 60) -> requests.Response:
@@ -61,6 +65,67 @@ def test_a_fault_for_one_prompt_kills_only_that_request_and_what_was_in_flight_i
         assert srv.proc.proc.wait(timeout=20) == 3
         text = termination_log.read_text()
         assert "illegal memory access" in text and f"inflight: {culprit}" in text
+    finally:
+        srv.proc.stop()
+
+
+def test_an_input_is_refused_whatever_its_settings_and_a_failure_records_what_ran_beside_the_killer(
+        tmp_path: Path) -> None:
+    """The input fingerprint on a real server: a quarantined input refuses every setting and spelling
+    of it (token ids, chat) and nothing else. Then the failure's record: two slots (the admission
+    limit), both generating, the killer waiting for one with 40 fresh requests behind it; the step
+    it joins loses the context, and the record is what ran in it (the newest 32 in flight were all
+    the record kept, and the killer was never among them)."""
+    key = "qod-integration-key"
+    srv = start_server(tmp_path, "--fault-injection", "--max-concurrency", "2", env={KEY_ENV: key})
+    killer = {"prompt": "run the KILLER shape", "max_tokens": 3}
+    killer_input = input_fingerprint(key.encode(), killer)
+    assert killer_input is not None
+    try:
+        until = time.time() + 600
+        assert srv.ctl("POST", "/control/quarantine", {"fingerprint": killer_input, "until": until,
+                                                       "failures": 3}).status_code == 200
+        for body in ({**killer, "temperature": 0.7}, {**killer, "seed": 11, "max_tokens": 5},
+                     {**killer, "stop": ["never matches"]}, {**killer, "presence_penalty": 1e-9},
+                     {**killer, "n": 2}, {"prompt": list(b"run the KILLER shape"), "max_tokens": 3},
+                     {"messages": [{"role": "user", "content": "run the KILLER shape"}], "max_tokens": 3}):
+            refused = post(srv, body, CHAT if "messages" in body else COMPLETIONS)
+            assert refused.status_code == 422, (body, refused.text)
+            error = refused.json()["error"]
+            assert error["code"] == "request_quarantined" and error["fingerprint"] == killer_input
+            assert error["message"].startswith("this request's input") and "at 3 failures" in error["message"]
+        ordinary = {"prompt": "an ordinary question", "max_tokens": 3}
+        assert post(srv, ordinary).status_code == 200
+        [line] = [e for e in json_lines(srv.proc.log()) if e.get("event") == "request" and e.get("status") == 200]
+        assert line["fingerprint"] == fingerprint(key.encode(), ordinary)
+        assert line["input_fingerprint"] == input_fingerprint(key.encode(), ordinary)
+        assert srv.ctl("DELETE", f"/control/quarantine?fingerprint={killer_input}").json()["lifted"] is True
+
+        srv.fault("slow", delay_s=0.01, when_prompt_contains="innocent story")  # long enough to queue behind
+        srv.fault("context_loss", when_prompt_contains="KILLER")
+        sent = {**killer, "temperature": 0.7}
+        fresh = [{"prompt": f"fresh question {i}", "max_tokens": 3} for i in range(40)]
+        stories = [{"prompt": f"an innocent story {n}", "max_tokens": m} for n, m in ((1, 150), (2, 500))]
+        with ThreadPoolExecutor(len(fresh) + 4) as pool:
+            running = [pool.submit(post, srv, body) for body in stories]
+            wait_for(lambda: srv.memory()["inflight"] == 2, 30, "both slots taken")
+            crash = pool.submit(post, srv, sent)
+            wait_for(lambda: srv.memory()["queued"] == 1, 30, "the killer waiting for a slot")
+            answers = [pool.submit(post, srv, body) for body in fresh]
+            waiting = wait_for(lambda: (n := srv.ctl("GET", "/control/requests").json()["inflight_total"]) >= 43 and n,
+                               30, "the 40 fresh requests in flight behind the killer")
+            assert crash.result().status_code == 500
+            report = srv.ctl("GET", "/control/requests").json()
+            assert running[0].result().status_code == 200  # the short story ended, freeing a slot
+            assert all(a.result().status_code in (500, 503) for a in answers)
+        frozen = report["at_failure"]
+        killer_fp = fingerprint(key.encode(), sent)
+        assert waiting >= 43 and killer_fp in frozen["inflight"]
+        assert frozen["inputs"][frozen["inflight"].index(killer_fp)] == killer_input
+        # What ran in the step: the killer and what shared the other slot, never the requests waiting.
+        assert frozen["inflight_total"] <= 2 and len(frozen["inflight"]) <= 2
+        beside = set(frozen["inflight"]) - {killer_fp}
+        assert beside <= {fingerprint(key.encode(), body) for body in (*stories, *fresh)}
     finally:
         srv.proc.stop()
 

@@ -8,7 +8,7 @@ import itertools
 import json
 from typing import Any
 
-from gpu_watchdog.inference.fingerprint import fingerprint
+from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.inference.screen import Screen
 
 KEY = b"workload-key"
@@ -132,3 +132,49 @@ def test_what_the_apps_function_describes_counts_whole() -> None:
     assert screen.of_raw(b'{"prompt": "p", "max_new_tokens": 8}', describe) != screen.of_raw(
         b'{"prompt": "p", "max_new_tokens": 9}', describe)
     assert screen.of_raw(b'{"b": 1, "a": 2}', describe) == screen.of_raw(b'{"a": 2, "b": 1}', describe)
+
+
+def ifp(body: Any, decode: Any = None) -> str | None:
+    return input_fingerprint(KEY, body, decode)
+
+
+def _bytes(ids: list[int]) -> str:
+    return bytes(t for t in ids if 0 <= t < 256).decode("utf-8", "replace")
+
+
+def test_the_input_fingerprint_is_the_input_alone_whatever_the_settings() -> None:
+    for change in CHANGES:
+        if "prompt" not in change and "suffix" not in change:
+            assert ifp({**BASE, **change}) == ifp(BASE), change
+    assert ifp({**BASE, "prompt": "boom!"}) != ifp(BASE)
+    # Not the exact fingerprint, nor any body's: keyed apart.
+    assert ifp(BASE) != fp(BASE) and ifp(BASE) != fp({"input": ["boom"]}) and len(ifp(BASE) or "") == 16
+    assert input_fingerprint(b"another-key", BASE) != ifp(BASE)
+
+
+def test_every_spelling_of_one_input_is_one_input_fingerprint() -> None:
+    text = ifp(BASE)
+    assert ifp({"prompt": ["boom"]}) == ifp({"messages": [{"role": "user", "content": "boom"}]}) == text
+    assert ifp({"messages": [{"role": "system", "content": [{"type": "text", "text": "bo"},
+                                                              {"type": "text", "text": "om"}]}]}) == text
+    assert ifp({"input": "boom"}) == text
+    # Token ids are the text they read as, through the model's tokenizer (special tokens left out).
+    assert ifp({"prompt": list(b"boom")}, _bytes) == ifp({"prompt": [257, *b"boom"]}, _bytes) == text
+    assert ifp({"prompt": list(b"boom")}) != text  # no tokenizer: ids as sent
+
+    def broken(ids: list[int]) -> str:
+        raise OverflowError("out of range")
+
+    assert ifp({"prompt": [2**70]}, broken) == ifp({"prompt": [2**70]})  # unreadable ids: as sent
+    # Several prompts or messages: each in order.
+    assert ifp({"prompt": ["a", "b"]}) == ifp({"messages": [{"role": "user", "content": "a"},
+                                                             {"role": "assistant", "content": "b"}]})
+    assert ifp({"prompt": ["a", "b"]}) != ifp({"prompt": ["b", "a"]}) != ifp({"prompt": "ab"})
+
+
+def test_a_body_without_an_openai_input_has_no_input_fingerprint() -> None:
+    for body in ({"instances": [1]}, ["an", "own", "body"], "text", None):
+        assert ifp(body) is None
+    # A refused shape still has one, as sent.
+    assert ifp({"messages": "not a list"}) != ifp({"messages": "another"})
+    assert ifp({"prompt": 5}) != ifp({"prompt": 6})

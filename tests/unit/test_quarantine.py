@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 import pytest
 
 from gpu_watchdog.watchdog.config import QuarantineSettings
 from gpu_watchdog.watchdog.quarantine import (
+    ANNOTATION_BUDGET,
     FAILURES_KEPT,
+    INFLIGHT_KEPT,
     LIFTS_KEPT,
     MAX_TIED,
     Failure,
@@ -15,7 +20,9 @@ from gpu_watchdog.watchdog.quarantine import (
     RecordsError,
     active,
     clear,
+    cleared_in,
     decide,
+    describe,
     dump,
     failure_from,
     held_against,
@@ -243,3 +250,159 @@ def test_an_entry_goes_when_a_failure_recorded_after_it_shows_its_process_had_an
     late = failure(125, "d", ("qod", "popular"), completed=("popular",), process="d-1")
     records, _ = record(S, records, late, 132.0)
     assert [q.fingerprint for q in active(records, 132.0)] == ["qod"]
+
+
+# -- a killer that varies, its input, and the evidence of answers ---------------------------------
+
+
+def tried(at: float, pod: str, requests: list[tuple[str, str]], completed: tuple[str, ...] = (),
+          process: str = "p1", forgot_until: float | None = None) -> Failure:
+    """A failure with each request in flight as (its fingerprint, its input fingerprint)."""
+    return Failure(at, pod, process, "context_loss", tuple(fp for fp, _ in requests), None, completed,
+                   tuple(i for _, i in requests), forgot_until)
+
+
+def without_inputs(fs: list[Failure]) -> list[Failure]:
+    """The same failures as a server without input fingerprints reported them."""
+    return [dataclasses.replace(f, inputs=()) for f in fs]
+
+
+def test_a_killer_that_changes_its_settings_at_every_try_is_quarantined_as_its_input() -> None:
+    # Another temperature, then another seed: two fingerprints, one input.
+    fs = [tried(100, "a", [("k-temp", "K")]), tried(130, "b", [("k-seed", "K")])]
+    assert decide(S, without_inputs(fs), [], 131.0) == []  # each try its own fingerprint: never enough
+    [q] = decide(S, fs, [], 131.0)
+    assert (q.fingerprint, q.input, q.pods) == ("K", True, ["a", "b"])
+    records = Records(tuple(fs), (q,))
+    assert server_entries(records, 132.0) == [{"fingerprint": "K", "until": 131.0 + S.ttl, "failures": 2,
+                                               "pods": ["a", "b"]}]
+    assert parse(dump(records)) == records and describe(q, 132.0)["input"] is True
+    # Spellings alternating (prompt and messages, text and token ids) are one input too: two failures.
+    alternating = [tried(100 + 10 * n, pod, [(f"spelling-{n % 2}", "K")]) for n, pod in enumerate("abcd")]
+    assert [q.fingerprint for q in decide(S, alternating[:2], [], 121.0)] == ["K"]
+
+
+def test_an_innocent_in_flight_beside_a_killer_that_varies_is_never_framed() -> None:
+    innocent = ("story", "story-input")
+    fs = [tried(100, "a", [("k1", "K"), innocent]), tried(130, "b", [("k2", "K"), innocent])]
+    # Without input fingerprints the innocent stood alone at two failures and was taken.
+    assert [q.fingerprint for q in decide(S, without_inputs(fs), [], 131.0)] == ["story"]
+    # With them, the killer's input is at as many failures as the innocent: nothing yet...
+    assert decide(S, fs, [], 131.0) == []
+    # ...and the next failure, which the innocent is not at, takes the killer's input alone.
+    fs.append(tried(160, "c", [("k3", "K"), ("one-off", "one-off-input")]))
+    assert [(q.fingerprint, q.input) for q in decide(S, fs, [], 161.0)] == [("K", True)]
+
+
+def test_an_innocent_retried_onto_another_replica_by_its_client_is_never_framed() -> None:
+    innocent = ("story", "story-input")
+    records, new = record(S, Records(), tried(100, "a", [("k1", "K"), innocent]), 100.0)
+    assert new == []
+    # Its client retries it on pod b, where the killer, retried with another seed, lands too.
+    records, new = record(S, records, tried(130, "b", [("k2", "K"), innocent]), 130.0)
+    assert new == [] and active(records, 131.0) == []
+    # Retried once more, it is answered on pod c: no suspect anywhere, by its request or its input.
+    records, _ = clear(S, records, ["story", "story-input"], "c", 135.0)
+    assert {"story", "story-input"} <= cleared_in(S, records, 136.0)
+    records, new = record(S, records, tried(160, "c", [("k3", "K")]), 160.0)
+    assert [q.fingerprint for q in new] == ["K"] and "story" not in {q.fingerprint for q in records.quarantined}
+
+
+def test_the_same_text_sent_beside_the_killer_with_other_settings_is_not_framed() -> None:
+    """A hostile setting kills, not the text: its twin with benign settings was in flight at both
+    failures too. Neither covers the other, so each stands for itself and they tie; the killer's
+    setting alone is taken at the failure that tells them apart, and its twin stays served."""
+    fs = [tried(100 + 30 * n, pod, [("hostile", "T"), ("benign", "T")]) for n, pod in enumerate("ab")]
+    assert decide(S, fs, [], 131.0) == []
+    fs.append(tried(160, "c", [("hostile", "T")]))
+    assert [(q.fingerprint, q.input) for q in decide(S, fs, [], 161.0)] == [("hostile", False)]
+    # Answered somewhere, the text is no killer: its requests stand for themselves.
+    twice = [tried(100 + 30 * n, pod, [(f"hostile-{n}", "T")]) for n, pod in enumerate("ab")]
+    assert decide(S, twice, [], 131.0, cleared=["T"]) == []
+
+
+def test_a_request_refused_already_still_counts_toward_its_input() -> None:
+    """The killer quarantined by its fingerprint (the same settings twice) comes back with another
+    seed: one failure more, and its input is refused, every spelling of it."""
+    records = Records()
+    for at, pod in ((100.0, "a"), (130.0, "b")):
+        records, _ = record(S, records, tried(at, pod, [("k1", "K")]), at)
+    assert [(q.fingerprint, q.input) for q in active(records, 131.0)] == [("k1", False)]
+    records, new = record(S, records, tried(160, "c", [("k2", "K")]), 160.0)
+    assert [(q.fingerprint, q.input) for q in new] == [("K", True)]
+    # A lift of the input holds until new evidence after it: one try more is not enough, two are.
+    records, was = lift_records(records, "K", 170.0)
+    assert was and "K" not in {q.fingerprint for q in active(records, 171.0)}
+    records, new = record(S, records, tried(180, "d", [("k3", "K")]), 180.0)
+    assert new == []
+    records, new = record(S, records, tried(190, "e", [("k4", "K")]), 190.0)
+    assert [q.fingerprint for q in new] == ["K"]
+
+
+def test_a_success_forgotten_within_the_window_quarantines_nothing_until_it_has_left_it() -> None:
+    """A failing process that had to forget an answer younger than the window (past its bound) may
+    have answered any suspect: the rule refuses to quarantine rather than frame one."""
+    fs = [failure(100, "a", ("qod",), "qod"), dataclasses.replace(failure(130, "b", ("qod",), "qod"),
+                                                                   forgot_until=120.0)]
+    assert decide(S, fs, [], 131.0) == []
+    assert [q.fingerprint for q in decide(S, fs, [], 120.0 + S.window + 1)] == []  # the failures left too
+    old = [failure(100, "a", ("qod",), "qod"), dataclasses.replace(failure(130, "b", ("qod",), "qod"),
+                                                                    forgot_until=130.0 - S.window - 1)]
+    assert [q.fingerprint for q in decide(S, old, [], 131.0)] == ["qod"]
+    # The records' own: a clear forgotten for the budget.
+    assert decide(S, old, [], 131.0, forgot_until=125.0) == []
+
+
+def test_an_answer_is_kept_for_the_window_however_many_come_after_it() -> None:
+    """An innocent in flight at a failure, answered elsewhere, then hundreds of other answers: its
+    answer still holds for the window (a count of 256 dropped it, and the innocent, alone at the next
+    failure beside a killer that changed its settings, was taken)."""
+    records, _ = record(S, Records(), failure(100, "a", ("k1", "innocent")), 100.0)
+    others = [f"other-{i}" for i in range(400)]
+    for n in range(0, len(others), 20):  # in flight at other failures (of other requests) meanwhile
+        records, _ = record(S, records, failure(100, f"o{n}", tuple(others[n:n + 20])), 100.0)
+    records, _ = clear(S, records, ["innocent"], "c", 101.0)
+    for i, fp in enumerate(others):
+        records, _ = clear(S, records, [fp], "c", 102.0 + i)
+    assert "innocent" in cleared_in(S, records, 600.0)
+    records, new = record(S, records, failure(600, "b", ("k2", "innocent")), 600.0)
+    assert new == [] and records.quarantined == ()
+    assert "innocent" not in cleared_in(S, records, 101.0 + S.window)  # for the window, not for ever
+
+
+def test_the_records_budget_drops_old_evidence_first_and_never_a_success_silently() -> None:
+    # Fingerprints as long as the server's (16 hex digits): three full failures are over the budget.
+    big = [(f"{n:02x}{i:014x}", f"{n + 8:02x}{i:014x}") for n in range(3) for i in range(INFLIGHT_KEPT)]
+    records = Records()
+    for n, pod in enumerate("abc"):
+        at = 100.0 + n
+        records, _ = record(S, records, tried(at, pod, big[n * INFLIGHT_KEPT:(n + 1) * INFLIGHT_KEPT]), at)
+        assert len(dump(records)) <= ANNOTATION_BUDGET
+    assert [f.pod for f in records.failures] == ["c"]  # the oldest evidence went first
+    # Every request of the newest failure answered somewhere: more clears than the budget holds. The
+    # oldest go, remembered as forgotten: nothing new is quarantined while that is inside the window.
+    records, _ = clear(S, records, [fp for pair in big[2 * INFLIGHT_KEPT:] for fp in pair], "d", 110.0)
+    assert len(dump(records)) <= ANNOTATION_BUDGET and records.forgot_until == 110.0
+    assert parse(dump(records)) == records
+    records, new = record(S, records, tried(120, "e", [("qod", "Q")]), 120.0)
+    records, new = record(S, records, tried(130, "f", [("qod", "Q")]), 130.0)
+    assert new == []
+    # Once the forgotten answer has left the window, the next failure decides on all of them.
+    later = 110.0 + S.window + 1
+    records, new = record(S, records, tried(later, "g", [("qod", "Q")]), later)
+    assert [q.fingerprint for q in new] == ["qod"]
+
+
+def test_a_failure_carries_the_servers_inputs_and_what_it_had_forgotten() -> None:
+    report: dict[str, Any] = {
+        "instance_id": "i1", "inflight": [], "inputs": [], "completed": ["ok"], "forgot_until": None,
+        "at_failure": {"inflight": ["qod", "x"], "inputs": ["Q", ""], "newest": "x", "at": 1.0,
+                       "completed": ["ok", "ok-input"], "forgot_until": 0.5}}
+    f = failure_from(report, "pod-a", "context_loss", 2.0)
+    assert (f.inflight, f.inputs, f.completed, f.forgot_until) == (("qod", "x"), ("Q", ""), ("ok", "ok-input"), 0.5)
+    assert f.requests() == [("qod", "Q"), ("x", "x")]  # none given: the request stands for its input
+    assert "Q" in held_against(S, Records((f,)), 2.0)
+    with pytest.raises(RecordsError, match="inputs"):
+        failure_from({**report, "at_failure": {**report["at_failure"], "inputs": ["Q"]}}, "pod-a", "hang", 2.0)
+    records = Records((f,), forgot_until=3.0)
+    assert parse(dump(records)) == records

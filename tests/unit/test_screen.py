@@ -1,15 +1,31 @@
-"""The server's half of the query of death: what is in flight, the quarantine list, the faults one
-request's prompt triggers."""
+"""The server's half of the query of death: what is in flight, what ran at a failure, what was
+answered, the quarantine list, the faults one request's prompt triggers."""
 
 from __future__ import annotations
 
-import pytest
+import contextvars
+import threading
+import time
+from collections.abc import Callable
+from typing import Any
 
+import pytest
+import torch
+
+from gpu_watchdog.inference import model as model_mod
+from gpu_watchdog.inference import screen as screen_mod
+from gpu_watchdog.inference.engine import Engine
+from gpu_watchdog.inference.engine_api import GenRequest
 from gpu_watchdog.inference.errors import FatalCudaError
 from gpu_watchdog.inference.faults import FaultError, FaultInjector
+from gpu_watchdog.inference.guard import Guard
+from gpu_watchdog.inference.handlers.causal_lm import CausalLM
 from gpu_watchdog.inference.screen import (
-    COMPLETED_KEPT,
+    ANSWERED_FOR_S,
+    BOOKING,
+    MARKED,
     QUARANTINE_MAX,
+    REPORTED,
     Entry,
     QuarantinedRequest,
     QuarantineError,
@@ -24,24 +40,161 @@ from gpu_watchdog.inference.screen import (
 
 def test_the_book_reports_in_flight_newest_first_and_freezes_at_the_failure() -> None:
     book = RequestBook("i1")
-    a, b = book.begin("fa"), book.begin("fb")
-    book.begin("fa")  # the same request twice in flight: reported once
+    a, b = book.begin("fa", "ia"), book.begin("fb")
+    book.begin("fa", "ia")  # the same request twice in flight: reported once
     report = book.report()
-    assert report["inflight"] == ["fa", "fb"] and report["newest"] == "fa" and report["inflight_total"] == 3
+    assert report["inflight"] == ["fa", "fb"] and report["inputs"] == ["ia", ""]
+    assert report["newest"] == "fa" and report["inflight_total"] == 3
     book.end(a, ok=True)
-    assert "fa" in book.report()["completed"]
+    assert {"fa", "ia"} <= set(book.report()["completed"])  # the request and its input, both answered
     frozen = book.failed()
     book.end(b, ok=False)
     assert book.report()["at_failure"] == frozen and frozen["inflight"] == ["fa", "fb"]
     assert "fb" not in book.report()["completed"]  # an error is not a completion
     assert book.failed() == frozen  # the first failure wins
     book.end(book.begin("after"), ok=True)  # a stream answered 200 that ends on the lost context
-    assert "after" not in book.report()["completed"] and frozen["completed"] == ["fa"]
-    fresh = RequestBook("i2")
-    for i in range(COMPLETED_KEPT + 5):
-        fresh.end(fresh.begin(f"c{i}"), ok=True)
-    fresh.end(fresh.begin("c0"), ok=True)  # again: now among the most recent
-    assert len(fresh.report()["completed"]) == COMPLETED_KEPT and fresh.report()["completed"][-1] == "c0"
+    assert "after" not in book.report()["completed"] and frozen["completed"] == ["fa", "ia"]
+
+
+def test_an_answer_is_kept_for_its_hour_however_many_come_after_it() -> None:
+    now = [1000.0]
+    book = RequestBook("i1", clock=lambda: now[0])
+    book.end(book.begin("innocent", "innocent-input"), ok=True)
+    for i in range(5000):  # 50 a second for 100 s: a count of 256 forgot the innocent after 5 s
+        now[0] += 0.02
+        book.end(book.begin(f"r{i}"), ok=True)
+    report = book.report()
+    assert {"innocent", "innocent-input"} <= set(report["completed"]) and report["forgot_until"] is None
+    # Answered again: its last success is what counts.
+    now[0] = 1000.0 + ANSWERED_FOR_S - 1
+    book.end(book.begin("innocent", "innocent-input"), ok=True)
+    now[0] = 1000.0 + ANSWERED_FOR_S + 200
+    report = book.report()
+    assert "innocent" in report["completed"] and "r0" not in report["completed"]
+    assert report["forgot_until"] == pytest.approx(1000.0 + 5000 * 0.02)  # the newest answer forgotten by age
+
+
+def test_past_its_bound_the_book_says_until_when_it_forgot(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(screen_mod, "ANSWERED_MAX", 4)
+    now = [0.0]
+    book = RequestBook("i1", clock=lambda: now[0])
+    for i in range(6):
+        now[0] = float(i)
+        book.end(book.begin(f"r{i}"), ok=True)
+    report = book.report()
+    assert report["completed"] == ["r2", "r3", "r4", "r5"] and report["forgot_until"] == 1.0
+    assert book.failed()["forgot_until"] == 1.0  # frozen with the failure: the sidecar reads it there
+
+
+def test_a_failures_evidence_is_what_ran_in_its_step_not_the_newest_admitted() -> None:
+    book = RequestBook("i1")
+    killer = book.begin("killer", "killer-input")
+    running = [book.begin(f"running{i}") for i in range(3)]
+    for i in range(40):  # admitted after it, waiting: never in the step
+        book.begin(f"fresh{i}")
+    frozen = book.failed(ran=[killer, *running, 10_000])  # a booking already gone is no evidence
+    assert frozen["inflight"] == ["running2", "running1", "running0", "killer"]
+    assert frozen["inputs"] == ["", "", "", "killer-input"] and frozen["inflight_total"] == 4
+    # Without word of what ran (the agent, a failure outside a step): everything in flight, the
+    # oldest first kept where there are more than REPORTED, as those are the ones running.
+    crowded = RequestBook("i2")
+    crowded.begin("killer")
+    for i in range(REPORTED + 10):
+        crowded.begin(f"fresh{i}")
+    everything = crowded.failed()
+    assert len(everything["inflight"]) == REPORTED and everything["inflight"][-1] == "killer"
+    assert everything["inflight_total"] == REPORTED + 11
+
+
+def _as(ticket: int, marks: frozenset[str], fn: Callable[[], Any]) -> Any:
+    """`fn` in a request's context: its booking and its fault marks, as the HTTP layer sets them."""
+    def inside() -> Any:
+        BOOKING.set(ticket)
+        MARKED.set(marks)
+        return fn()
+    return contextvars.copy_context().run(inside)
+
+
+def test_the_engine_tells_the_book_what_ran_in_the_step_that_lost_the_context() -> None:
+    """The killer booked first, 40 requests booked after it (the newest 32 were all the record kept),
+    three innocents generating: the step the killer joins loses the context, and its evidence is the
+    killer and the three that ran beside it."""
+    faults = FaultInjector()
+    guard = Guard(faults=faults)
+    book = guard.screen.book
+    engine = Engine(CausalLM(model_mod.load(None, torch.device("cpu"))), guard=guard)
+    try:
+        faults.inject("context_loss", {"when_prompt_contains": "KILLER"})
+        codec = engine.lm.codec
+        killer = book.begin("killer", "killer-input")
+        innocents = [book.begin(f"innocent{i}") for i in range(3)]
+        for i in range(40):
+            book.begin(f"fresh{i}")
+        errors: list[BaseException] = []
+
+        def generate(ticket: int, text: str, tokens: int) -> None:
+            try:
+                _as(ticket, faults.marks(text), lambda: engine.generate([GenRequest(codec.encode(text), tokens)]))
+            except BaseException as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=generate, args=(t, f"a long innocent story {t}", 400)) for t in innocents]
+        for t in threads:
+            t.start()
+        deadline = time.monotonic() + 30
+        while engine.inflight < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert engine.inflight == 3
+        generate(killer, "run the KILLER shape", 4)
+        for t in threads:
+            t.join(30)
+        assert len(errors) == 4 and all(isinstance(e, FatalCudaError) for e in errors)
+        frozen = book.report()["at_failure"]
+        assert sorted(frozen["inflight"]) == ["innocent0", "innocent1", "innocent2", "killer"]
+        assert frozen["inputs"][frozen["inflight"].index("killer")] == "killer-input"
+        assert frozen["inflight_total"] == 4  # none of the 40 admitted after the killer: they never ran
+    finally:
+        engine.stop()
+
+
+def test_every_spelling_and_setting_of_one_input_has_its_input_fingerprint() -> None:
+    screen = Screen("i1", "model-a")
+    screen.decode = lambda ids: bytes(t for t in ids if 0 <= t < 256).decode("utf-8", "replace")  # the byte codec
+    prompt = {"prompt": "the KILLER shape", "max_tokens": 8}
+    killer = screen.prints(prompt)
+    tries = [{**prompt, "temperature": 0.9}, {**prompt, "seed": 7}, {**prompt, "top_p": 0.5},
+             {**prompt, "max_tokens": 9}, {**prompt, "stop": ["never matches"]}, {**prompt, "presence_penalty": 1e-9},
+             {**prompt, "n": 2}, {"prompt": list(b"the KILLER shape"), "max_tokens": 8},
+             {"prompt": [257, *b"the KILLER shape"]}, {"messages": [{"role": "user", "content": "the KILLER shape"}]},
+             {"messages": [{"role": "user", "content": [{"type": "text", "text": "the KILLER "},
+                                                       {"type": "text", "text": "shape"}]}], "seed": 3}]
+    prints = [screen.prints(body) for body in tries]
+    assert len({fp for fp, _ in [killer, *prints]}) == len(tries) + 1  # as many fingerprints as tries
+    assert {i for _, i in prints} == {killer[1]} and killer[1] is not None and killer[1] != killer[0]
+    assert screen.prints({"prompt": "another shape"})[1] != killer[1]
+    assert screen.prints({"instances": [1]})[1] is None  # an app's own body: its fingerprint stands for it
+
+
+def test_a_quarantined_input_is_refused_whatever_its_settings_and_an_exact_entry_only_itself() -> None:
+    screen = Screen("i1", "model-a")
+    body = {"prompt": "the KILLER shape", "max_tokens": 8}
+    fp, input_fp = screen.prints(body)
+    assert fp is not None and input_fp is not None
+    screen.quarantine.add(Entry(fp, until=9e12, failures=2))
+    with pytest.raises(QuarantinedRequest) as refused:
+        screen.request(RequestAccount(), body)
+    assert not refused.value.by_input and refused.value.body()["error"]["message"].startswith("this request was")
+    screen.request(RequestAccount(), {**body, "temperature": 0.9})  # its twin: served
+    screen.quarantine.add(Entry(input_fp, until=9e12, failures=3))
+    for other in ({**body, "temperature": 0.9}, {"messages": [{"role": "user", "content": "the KILLER shape"}]}):
+        account = RequestAccount()
+        with pytest.raises(QuarantinedRequest) as refused:
+            screen.request(account, other)
+        error = refused.value.body()["error"]
+        assert refused.value.status == 422 and error["fingerprint"] == input_fp
+        assert error["message"].startswith("this request's input") and "in flight at 3 failures" in error["message"]
+        assert account.input_fingerprint == input_fp and account.ticket is None
+    screen.request(RequestAccount(), {"prompt": "another shape"})  # nothing else is refused
 
 
 def test_the_list_refuses_until_its_time_and_stays_bounded() -> None:

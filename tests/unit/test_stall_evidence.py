@@ -55,16 +55,18 @@ def test_the_stall_snapshot_keeps_a_request_that_left_after_it() -> None:
     assert frozen["completed"] == ["bystander"] and isinstance(frozen["at"], float)
     book.end(killer, ok=False)  # the client gave up: gone from what is in flight, not from the snapshot
     for i in range(REPORTED + 3):
-        book.begin(f"retry{i}")  # retried meanwhile: only the newest are reported in flight
+        book.begin(f"retry{i}")  # retried meanwhile: the oldest REPORTED are reported in flight
     report = book.report()
     assert "killer" not in report["inflight"] and report["at_stall"] == frozen
+    assert len(report["inflight"]) == REPORTED and report["inflight"][-1] == "other"
     assert report["at_stall"]["inflight"] == ["other", "killer"]
     assert book.stalled() == frozen  # once per stall: the first call wins
     assert report["at_failure"] is None  # a stall is not a lost context
     assert book.resumed() is True and book.report()["at_stall"] is None
     assert book.resumed() is False
     book.end(other, ok=True)
-    assert book.stalled()["inflight"][0] == f"retry{REPORTED + 2}"  # the next stall takes its own
+    # The next stall takes its own: the oldest REPORTED in flight, newest first.
+    assert book.stalled()["inflight"] == [f"retry{i}" for i in reversed(range(REPORTED))]
 
 
 def test_the_server_watch_freezes_at_a_stall_and_drops_it_when_the_loop_advances() -> None:
