@@ -8,7 +8,6 @@ a card that cannot be named) is said and counted, and the restart goes on as it 
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
@@ -45,10 +44,12 @@ class CardPlacer(Protocol):
 
     def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]: ...
     def scope(self, kind: str, cards_per_pod: int) -> int: ...
-    def place(self, taint: Taint, card: Card) -> str: ...
-    def ensure(self, taint: Taint) -> str: ...
+    def place(self, taint: Taint, card: Card, now: float | None = None) -> str: ...
+    def ensure(self, taint: Taint, now: float | None = None) -> str: ...
     def present(self, taint: Taint) -> bool: ...
-    def lift(self, taint: Taint) -> str: ...
+    def lift(self, taint: Taint, now: float | None = None, force: bool = True) -> str: ...
+    def held(self, nodes: Iterable[str], now: float) -> tuple[list[Taint], set[str]]: ...
+    def sweep_node(self, name: str, now: float) -> str: ...
     def rules(self) -> list[dict[str, Any]]: ...
 
 
@@ -74,6 +75,9 @@ class KeepOut:
         self._escalate: Taint | None = None
         # The restart waits this long for its card's taint at most: a slow API never holds a dead GPU.
         self.deadline = max(5.0, 2 * settings.kubernetes.request_timeout)
+        # The nodes this sidecar saw a taint of ours on (in the records or the cluster), and until when: a
+        # node cannot be listed, so a record the Lease lost is found again on the nodes someone remembers.
+        self._nodes: dict[str, float] = {}
 
     async def before_pod_rung(self, decision: Decision, pod_gpus: tuple[str, ...] | None,
                               suspects: Iterable[Suspect]) -> str | None:
@@ -154,9 +158,12 @@ class KeepOut:
                         "a device-plugin GPU is kept out by its node's taint: policy.placement.strategy node")
             return action
         scope = await asyncio.to_thread(self.placer.scope, wanted.kind, len(cards))
+        # The bound counts what the cluster holds of ours too, not only the records (which may be lost).
+        found = await asyncio.to_thread(self._held_quietly, records, now)
 
         def decide(rec: Records, at: float) -> tuple[Records, Verdict]:
-            return placement.take(s, placement.remember(s, rec, remedied, at), wanted, scope, at)
+            rebuilt = placement.adopt(placement.remember(s, rec, remedied, at), found, at)
+            return placement.take(s, rebuilt, wanted, scope, at)
 
         verdict = await asyncio.to_thread(self.ledger.update_placement, decide)
         self.metrics.placement_tainted.set(verdict.tainted)
@@ -178,11 +185,18 @@ class KeepOut:
             log.info("placement_already", card=card.id, target=taint.target, until=taint.until, outcome=outcome)
             return None
         try:
-            placed = await asyncio.to_thread(self.placer.place, taint, card)
-        except Exception:
-            # A create whose answer was lost may have landed: then it stands, recorded.
-            if not await asyncio.to_thread(_quietly, self.placer.present, taint):
-                # Not placed: out of the records again, so that it neither counts against the bound nor
+            placed = await asyncio.to_thread(self.placer.place, taint, card, self.wall_clock())
+        except Exception as exc:
+            # A write whose answer was lost may have landed: then it stands, recorded.
+            there = await asyncio.to_thread(_quietly, self.placer.present, taint)
+            if there is None or (not there and not _refused(exc)):
+                # Unknown (no answer, or the check unanswered): the record stays, to be lifted at its expiry
+                # (`absent` if it never landed) and counted meanwhile: never a taint nobody lifts (I9).
+                if self.node:
+                    self._nodes[taint.target if taint.kind == placement.NODE else self.node] = taint.until
+                raise
+            if not there:
+                # Refused: out of the records again, so that it neither counts against the bound nor
                 # is lifted; the expired one it renews, still placed, back in its place.
                 await asyncio.to_thread(self.ledger.update_placement,
                                         lambda rec, at: (placement.forget(rec, taint, verdict.previous), None))
@@ -208,22 +222,35 @@ class KeepOut:
                                 lambda rec, at: (placement.remember(s, rec, remedied, at), None))
 
     async def reconcile(self) -> None:
-        """The workload's taints as its records say, whoever placed them (a sidecar that placed one is
-        long gone): past their expiry lifted (the record out first, and only if no one renewed it; back
-        in if the cluster refused); the others present as recorded (a race with a lift, an operator's
-        delete); a rule of ours the records lost lifted once past its expiry. A rule by our name that we
-        did not place is left, and out of our records. Every sidecar reports the bound's episode."""
+        """The workload's taints as the cluster and its records say, whoever placed them (a sidecar that
+        placed one is long gone). First the cluster's side, whatever the records say (they may be lost,
+        or unreadable): each rule and node taint of ours past the expiry it states is lifted (a node's
+        only once no other workload's entry in it is in force), and one in force that no record stands
+        for is recorded again (I9; the bound counts it). Then the records': past their expiry lifted (the
+        record out first, and only if no one renewed it; back in if the cluster refused); the others
+        present as recorded on our node (a race with a lift, an operator's delete). A rule by our name
+        that we did not place is left, and out of our records. Every sidecar reports the bound's episode."""
         s = self.settings.policy.placement
+        records: Records | None = None
         try:
             records = await asyncio.to_thread(self.ledger.read_placement)
-            now = self.wall_clock()
-            self.metrics.placement_tainted.set(len({(t.kind, t.target) for t in records.taints}))
-            self.metrics.placement_capped.labels(workload=self.workload).set(1 if records.capped(s, now) else 0)
-            if s.strategy == "none":
-                return  # nothing placed: nothing to keep as recorded
+        except Exception as exc:
+            self._failed("reconcile", exc)  # the cluster's side still runs: it needs no records
+        if s.strategy == "none":
+            if records is not None:
+                self._report(records)
+            return  # nothing placed: nothing to keep as recorded
+        now = self.wall_clock()
+        try:
+            found, clear = await asyncio.to_thread(self.placer.held, self._watched(records, now), now)
         except Exception as exc:
             self._failed("reconcile", exc)
+            found, clear = None, set()
+        if found is not None:
+            records = await self._from_cluster(records, found, clear, now)
+        if records is None:
             return
+        self._report(records)
         # Each taint on its own: one that fails (a node gone, a refusal) never stops the others.
         for taint in placement.expired(records, now):
             await self._guarded("lift", self._lift(taint))
@@ -232,16 +259,59 @@ class KeepOut:
                 await self._guarded("ensure", self._ensure(taint))
         for lifted in placement.swept(records, now):
             await self._guarded("sweep", self._sweep(lifted))
-        known = {t.target for t in records.taints if t.kind == placement.DEVICE}
+
+    def _report(self, records: Records) -> None:
+        now = self.wall_clock()
+        self.metrics.placement_tainted.set(len({(t.kind, t.target) for t in records.taints}))
+        self.metrics.placement_capped.labels(workload=self.workload).set(
+            1 if records.capped(self.settings.policy.placement, now) else 0)
+
+    def _watched(self, records: Records | None, now: float) -> set[str]:
+        """The nodes to read for taints of ours (strategy node only: the chart grants nodes for it alone):
+        ours, those the records name, and those this sidecar saw one on."""
+        if self.settings.policy.placement.strategy != "node":
+            return set()
+        if records is not None:
+            for node in placement.watched_nodes(records, now):
+                self._nodes[node] = max(self._nodes.get(node, 0.0), now)
+        return {n for n in (self.node, *self._nodes) if n}
+
+    def _held_quietly(self, records: Records, now: float) -> list[Taint]:
+        """`held` for a decision: what the cluster shows of ours, or nothing where it cannot be read (the
+        records alone bound it then)."""
         try:
-            rules = await asyncio.to_thread(self.placer.rules)
+            found, _ = self.placer.held(self._watched(records, now), now)
+        except Exception:
+            return []
+        return found
+
+    async def _from_cluster(self, records: Records | None, found: list[Taint], clear: set[str],
+                            now: float) -> Records | None:
+        for node in clear:
+            self._nodes.pop(node, None)
+        for t in found:
+            if t.kind == placement.NODE:
+                self._nodes[t.target] = max(self._nodes.get(t.target, 0.0), t.until)
+        for node in sorted({t.target for t in found if t.kind == placement.NODE and t.until <= now}):
+            await self._guarded("lift", self._sweep_node(node, now))
+        for t in found:
+            standing = None if records is None else placement.recorded(records, t)
+            # A rule renewed in the records keeps its first expiry in its annotation: the record's stands.
+            if t.kind == placement.DEVICE and t.until <= now and (standing is None or standing.until <= now):
+                if standing is None:  # a recorded one is lifted below, with its record
+                    await self._guarded("lift", self._lift_orphan(t))
+        live = [t for t in found if t.until > now]
+        if records is None or all(placement.recorded(records, t) is not None for t in live):
+            return records
+        def rebuild(rec: Records, at: float) -> tuple[Records, Records]:
+            new = placement.adopt(rec, live, at)
+            return new, new
+
+        try:
+            return await asyncio.to_thread(self.ledger.update_placement, rebuild)
         except Exception as exc:
             self._failed("reconcile", exc)
-            return
-        for rule in rules:
-            orphan = _orphan(rule, known, self.workload, self.namespace, now)
-            if orphan is not None:
-                await self._guarded("lift", self._lift_orphan(orphan))
+            return records
 
     async def _guarded(self, step: str, work: Any) -> None:
         try:
@@ -257,7 +327,7 @@ class KeepOut:
         current = placement.recorded(await asyncio.to_thread(self.ledger.read_placement), taint)
         if current is None or current.until <= self.wall_clock():
             return
-        outcome = await asyncio.to_thread(self.placer.ensure, current)
+        outcome = await asyncio.to_thread(self.placer.ensure, current, self.wall_clock())
         if outcome == "absent":  # its node is gone: nothing is left to keep out
             await self._lift(current)
         elif outcome != "present":
@@ -266,10 +336,18 @@ class KeepOut:
     async def _sweep(self, lifted: Taint) -> None:
         """A recent lift, gone from the cluster: a sidecar that read the records before it may have put the
         taint back (nothing else would lift that one)."""
-        outcome = await asyncio.to_thread(self.placer.lift, lifted)
+        outcome = await asyncio.to_thread(self.placer.lift, lifted, self.wall_clock(), lifted.pod == "operator")
         if outcome == "lifted":
             log.warning("placement_lifted", target=lifted.target, card=lifted.card, kind=lifted.kind,
                         outcome=outcome, why="put back after its lift")
+
+    async def _sweep_node(self, node: str, now: float) -> None:
+        """Our entries in a node's taints, past their expiry, whatever the records say."""
+        outcome = await asyncio.to_thread(self.placer.sweep_node, node, now)
+        if outcome == "lifted":
+            self.metrics.placement_actions.labels(action="lifted").inc()
+            log.warning("placement_lifted", target=node, kind=placement.NODE, outcome=outcome,
+                        why="expired, as the node's taint states")
 
     async def _lift_orphan(self, orphan: Taint) -> None:
         outcome = await asyncio.to_thread(self.placer.lift, orphan)
@@ -286,7 +364,7 @@ class KeepOut:
         if not await asyncio.to_thread(self.ledger.update_placement, out):
             return  # renewed or lifted by another sidecar meanwhile: theirs now
         try:
-            outcome = await asyncio.to_thread(self.placer.lift, taint)
+            outcome = await asyncio.to_thread(self.placer.lift, taint, self.wall_clock(), False)
         except Exception:
             await asyncio.to_thread(self.ledger.update_placement,
                                     lambda rec, at: (placement.restore(rec, taint), None))
@@ -319,32 +397,20 @@ class KeepOut:
                         else "tried again at the next reconcile")
 
 
-def _orphan(rule: dict[str, Any], known: set[str], workload: str, namespace: str, now: float) -> Taint | None:
-    """A DeviceTaintRule of this workload's (labelled ours, its annotations naming the workload and its
-    namespace) that no record names, past the expiry its annotation states: to be lifted."""
-    meta = rule.get("metadata") or {}
-    annotations = meta.get("annotations") or {}
-    name = meta.get("name")
-    if not isinstance(name, str) or name in known or annotations.get(placement.WORKLOAD_ANNOTATION) != workload \
-            or annotations.get(placement.NAMESPACE_ANNOTATION) != namespace:
-        return None
-    try:
-        until = dt.datetime.strptime(str(annotations.get(placement.UNTIL_ANNOTATION)), "%Y-%m-%dT%H:%M:%SZ")
-    except ValueError:
-        return None
-    at = until.replace(tzinfo=dt.UTC).timestamp()
-    if at > now:
-        return None
-    card = str(annotations.get(placement.CARD_ANNOTATION, ""))
-    return Taint(placement.DEVICE, name, card, "", str(annotations.get(placement.POD_ANNOTATION, "")), at, at,
-                 "orphan", "NoSchedule")
-
-
-def _quietly(check: Callable[[Taint], bool], taint: Taint) -> bool:
+def _quietly(check: Callable[[Taint], bool], taint: Taint) -> bool | None:
     try:
         return check(taint)
-    except Exception:  # unknown is not present: the record goes; a rule that landed is an orphan, lifted at expiry
-        return False
+    except Exception:  # unknown (None): the record stays, and is lifted at its expiry
+        return None
+
+
+def _refused(exc: BaseException) -> bool:
+    """The API's answer says the write was not done: a 4xx other than a timeout or a throttle, or a node
+    taint of our key that is not ours. Anything else (no answer, a 5xx) may have landed."""
+    if isinstance(exc, RuntimeError):  # ours: NotOurs, a rule by our name not ours, no DeviceTaintRule served
+        return True
+    status = getattr(exc, "status", None)
+    return isinstance(status, int) and 400 <= status < 500 and status not in (408, 429)
 
 
 def _suspect_evidence(card: Card, cards: list[Card], suspects: list[Suspect]) -> str | None:

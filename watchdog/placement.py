@@ -19,7 +19,11 @@ So, before the pod rung acts:
   or cards tainted by us at once. Many cards failing at once is not many bad cards, so past the cap
   nothing more is tainted and it is said once;
 - each taint carries its expiry (`ttl`) and is lifted by any sidecar of the workload once past, or
-  by an operator; a card tainted again within `memory` after a lift is a repeat.
+  by an operator; a card tainted again within `memory` after a lift is a repeat;
+- each taint also says in the cluster whose it is and until when (a DeviceTaintRule in its annotations,
+  a node's taint in its value: `<owner>-<expiry>` entries, one per workload holding it), so that what
+  the records lost is found again (`adopt`), lifted once past (I9), and never lifted while another
+  workload's entry in it is not.
 """
 
 from __future__ import annotations
@@ -38,7 +42,7 @@ from gpu_watchdog.watchdog.settings import DEVICE_EFFECTS, PlacementSettings
 
 ANNOTATION = "gpu-watchdog.io/placement"  # on the workload's Lease, beside the fleet's ledger
 DEVICE_TAINT_KEY = "gpu-watchdog.io/suspect"  # a DeviceTaintRule's taint
-NODE_TAINT_KEY = "gpu-watchdog.io/gpu-suspect"  # a node's taint; its value is the card
+NODE_TAINT_KEY = "gpu-watchdog.io/gpu-suspect"  # a node's taint; its value: `<owner>-<expiry>` entries
 MANAGED_BY = ("app.kubernetes.io/managed-by", "gpu-watchdog")
 EVIDENCE_ANNOTATION = "gpu-watchdog.io/evidence"
 UNTIL_ANNOTATION = "gpu-watchdog.io/until"
@@ -46,6 +50,7 @@ POD_ANNOTATION = "gpu-watchdog.io/pod"
 WORKLOAD_ANNOTATION = "gpu-watchdog.io/workload"
 NAMESPACE_ANNOTATION = "gpu-watchdog.io/namespace"  # the workload's: two namespaces may hold an `llm` each
 CARD_ANNOTATION = "gpu-watchdog.io/card"
+NODE_ANNOTATION = "gpu-watchdog.io/node"
 DEVICE, NODE = "device", "node"
 VERSION = 1
 DAY_S = 86400.0
@@ -60,10 +65,21 @@ EFFECT_RANK = {"PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
 FUTURE_S = 60.0  # a record dated this far ahead (another node's clock) is still believed
 # Restarts meant to cure the card's state; a card restarted for its age or memory is not sick.
 CURING = (CONTEXT_LOSS, HANG)
+# A node taint's value holds one `<owner>-<expiry>` entry per workload that holds it: the owner the first 8
+# hex digits of sha256("namespace/workload"), the expiry in epoch seconds. A node takes one taint per key and
+# effect, so workloads share it; 3 entries (59 characters) fit a label value's 63.
+OWNER_LEN = 8
+ENTRIES_KEPT = 3
+_ENTRY = re.compile(r"^([0-9a-f]{8})-([0-9]{10})$")
 
 
 class RecordsError(ValueError):
     """The Lease's placement annotation is not ours."""
+
+
+class NotOurs(RuntimeError):
+    """Where our taint would go, one we did not place: a node taint of our key and effect (a node takes one
+    per key and effect, so ours cannot be added beside it), or a DeviceTaintRule by our name."""
 
 
 @dataclass(frozen=True)
@@ -252,7 +268,10 @@ def card_of(taint: Taint) -> Card:
 
 
 def same_taint(a: Taint, b: Taint) -> bool:
-    """One taint in the cluster: a rule's name, or a node's taint for one card (a node carries one per card)."""
+    """One taint in the cluster: a rule's name, or a node's taint (the workload's entry in it: a node takes
+    one taint per key and effect, whatever its card)."""
+    if a.kind == NODE:
+        return (b.kind, b.target) == (NODE, a.target)
     return (a.kind, a.target, a.card) == (b.kind, b.target, b.card)
 
 
@@ -267,7 +286,8 @@ def take(settings: PlacementSettings, records: Records, wanted: Taint, scope: in
         return records, Verdict("already", same[-1], len(targets), limit)
     if not same and (wanted.kind, wanted.target) not in targets and len(targets) >= min(limit, TAINTS_KEPT):
         return replace(records, capped_at=now), Verdict("capped", None, len(targets), limit)
-    repeat = any((lift.kind, lift.target, lift.card) == (wanted.kind, wanted.target, wanted.card)
+    repeat = any((lift.kind, lift.target) == (wanted.kind, wanted.target)
+                 and (wanted.kind == NODE or lift.card == wanted.card)
                  and now - lift.at < settings.memory for lift in records.lifts)
     taint = replace(wanted, repeat=repeat)
     # An expired one of the same taint is renewed in place: the cluster holds one taint for it.
@@ -337,6 +357,28 @@ def swept(records: Records, now: float) -> list[Taint]:
     return out
 
 
+def adopt(records: Records, found: Iterable[Taint], now: float) -> Records:
+    """The records rebuilt from what the cluster shows of the workload (`found`: its rules and node
+    entries): one not expired that no record stands for, and not lifted within `LIFT_SWEEP_S` (a lift
+    racing the read that found it), is recorded again, so that it counts against the bound and is
+    lifted at its expiry like any other."""
+    out = records
+    for t in found:
+        if t.until <= now or recorded(out, t) is not None:
+            continue
+        if any((lift.kind, lift.target) == (t.kind, t.target) and now - lift.at < LIFT_SWEEP_S
+               for lift in out.lifts):
+            continue
+        out = replace(out, taints=(*out.taints, t)[-TAINTS_KEPT:])
+    return out
+
+
+def watched_nodes(records: Records, now: float) -> set[str]:
+    """The nodes whose taints of ours the records name: tainted, or lifted lately (a put-back to sweep)."""
+    return ({t.target for t in records.taints if t.kind == NODE}
+            | {lift.target for lift in records.lifts if lift.kind == NODE and now - lift.at < LIFT_SWEEP_S})
+
+
 # -- the cluster's names ---------------------------------------------------------------------------------------
 
 _DNS = re.compile(r"[^a-z0-9.-]+")
@@ -356,20 +398,108 @@ def label_value(text: str) -> str:
     return _LABEL.sub("-", text)[:63].strip("-._")
 
 
-def with_node_taint(taints: list[dict[str, Any]], taint: Taint) -> list[dict[str, Any]] | None:
-    """The node's taints with ours for `taint.card` added (None: there already). Others' are kept as they are."""
-    value = label_value(taint.card)
-    if any(t.get("key") == NODE_TAINT_KEY and t.get("value") == value for t in taints):
+def owner_of(namespace: str, workload: str) -> str:
+    """The workload's name in a node taint's value: 8 hex digits of sha256("namespace/workload")."""
+    return hashlib.sha256(f"{namespace}/{workload}".encode()).hexdigest()[:OWNER_LEN]
+
+
+def node_entries(value: Any) -> dict[str, int] | None:
+    """A node taint value's `<owner>-<expiry>` entries (None: not of that form: the previous format's
+    card, or anyone else's value)."""
+    if not isinstance(value, str) or not value:
         return None
-    return [*taints, {"key": NODE_TAINT_KEY, "value": value, "effect": taint.effect}]
+    out: dict[str, int] = {}
+    for part in value.split("."):
+        m = _ENTRY.match(part)
+        if m is None:
+            return None
+        out[m.group(1)] = max(out.get(m.group(1), 0), int(m.group(2)))
+    return out
 
 
-def without_node_taint(taints: list[dict[str, Any]], taint: Taint) -> list[dict[str, Any]] | None:
-    """The node's taints without ours for `taint.card` (None: not there). Never another's: a taint with our
-    key and another value is someone else's (an operator's, or another card's)."""
-    value = label_value(taint.card)
-    kept = [t for t in taints if not (t.get("key") == NODE_TAINT_KEY and t.get("value") == value)]
-    return None if len(kept) == len(taints) else kept
+def node_value(entries: Mapping[str, int]) -> str:
+    """The entries as a taint value: the latest `ENTRIES_KEPT` expiries (a dropped one is shorter than
+    each kept one: the taint stays at least as long as it asked)."""
+    kept = sorted(entries.items(), key=lambda e: (-e[1], e[0]))[:ENTRIES_KEPT]
+    return ".".join(f"{o}-{u:010d}" for o, u in sorted(kept))
+
+
+def node_expiry(until: float) -> int:
+    return math.ceil(until)
+
+
+def _ours_by_card(t: Mapping[str, Any], card: str | None) -> bool:
+    """A taint of the previous format (its value the card), ours where a record names that card."""
+    return bool(card) and t.get("key") == NODE_TAINT_KEY and t.get("value") == label_value(card or "")
+
+
+def with_node_taint(taints: list[dict[str, Any]], taint: Taint, owner: str, now: float) -> list[dict[str, Any]] | None:
+    """The node's taints with our entry until `taint.until` in our key's taint of `taint.effect` (None:
+    there already, as late). The other workloads' entries are kept (their expired ones dropped), never
+    shortened; ours is never shortened either. A taint of the previous format for that card becomes ours
+    in the new one; one of our key and effect that no workload of ours placed raises NotOurs."""
+    until = node_expiry(taint.until)
+    if until <= now:
+        return None  # expired: never put back
+    out = list(taints)
+    for i, t in enumerate(out):
+        if t.get("key") != NODE_TAINT_KEY or t.get("effect") != taint.effect:
+            continue
+        entries = node_entries(t.get("value"))
+        if entries is None:
+            if not _ours_by_card(t, taint.card):
+                raise NotOurs(f"node {taint.node}: the taint {NODE_TAINT_KEY}={t.get('value')}:{taint.effect}"
+                              " is not gpu-watchdog's")
+            entries = {}
+        if entries.get(owner, 0) >= until:
+            return None
+        kept = {o: u for o, u in entries.items() if u > now}
+        kept[owner] = max(entries.get(owner, 0), until)
+        out[i] = {"key": NODE_TAINT_KEY, "value": node_value(kept), "effect": taint.effect}
+        return out
+    return [*out, {"key": NODE_TAINT_KEY, "value": node_value({owner: until}), "effect": taint.effect}]
+
+
+def without_node_taint(taints: list[dict[str, Any]], owner: str, now: float, card: str | None = None,
+                       force: bool = False) -> list[dict[str, Any]] | None:
+    """The node's taints with ours lifted (None: nothing to change). A taint of our key holding our
+    entry goes once no entry in it is in force (ours past its expiry, or `force`: an operator's clear;
+    the others' past theirs): while another workload's entry is, it stays as it is (only an operator's
+    clear takes our entry out of it). A taint of the previous format goes where a record names its
+    card. Never another's: a taint without our entry or our card, whatever its key, is left."""
+    out: list[dict[str, Any]] = []
+    changed = False
+    for t in taints:
+        entries = node_entries(t.get("value")) if t.get("key") == NODE_TAINT_KEY else None
+        if entries is None or owner not in entries:
+            if _ours_by_card(t, card):
+                changed = True
+                continue
+            out.append(t)
+            continue
+        if entries[owner] > now and not force:
+            out.append(t)  # ours, in force: a later placement stands
+            continue
+        live = {o: u for o, u in entries.items() if o != owner and u > now}
+        if not live:
+            changed = True
+            continue
+        if force:
+            out.append({**t, "value": node_value(live)})
+            changed = True
+        else:
+            out.append(t)  # another workload holds it: theirs to lift
+    return out if changed else None
+
+
+def node_held(taints: list[dict[str, Any]], owner: str) -> list[tuple[str, int]]:
+    """Our entries on a node: (effect, expiry) of each taint of our key that holds one."""
+    out = []
+    for t in taints:
+        entries = node_entries(t.get("value")) if t.get("key") == NODE_TAINT_KEY else None
+        if entries is not None and owner in entries:
+            out.append((str(t.get("effect")), entries[owner]))
+    return out
 
 
 def describe(t: Taint, now: float) -> dict[str, Any]:

@@ -27,6 +27,7 @@ from tests.traces import Trace
 
 NS, WORKLOAD, POD, NODE = "serving", "llm", "llm-5c9d7b6f4x-abcde", "node-a"
 CARD = "gpu.nvidia.com/node-a/gpu-0"
+OWNER = placement.owner_of(NS, WORKLOAD)
 DAY = placement.DAY_S
 T0 = 1_780_000_000.0 - (1_780_000_000.0 % DAY) + 3600
 
@@ -45,9 +46,10 @@ def api_client(cluster: Cluster) -> client.ApiClient:
     return client.ApiClient(cfg)
 
 
-def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]], driver: str = "gpu.nvidia.com") -> None:
+def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]], driver: str = "gpu.nvidia.com",
+             workload: str = WORKLOAD) -> None:
     """The workload's pods: name -> (node, DRA device of `driver`, or None for a device-plugin GPU)."""
-    deploy = cluster.add(k8s.deployment(WORKLOAD, NS, len(pods)))
+    deploy = cluster.add(k8s.deployment(workload, NS, len(pods), labels={"app": workload}))
     rs = cluster.add(k8s.replica_set(deploy, "5c9d7b6f4x"))
     for name, (node, device) in pods.items():
         pod = k8s.pod_of(rs, name, node, ready=True)
@@ -62,19 +64,19 @@ def add_pods(cluster: Cluster, pods: dict[str, tuple[str, str | None]], driver: 
             cluster.add(k8s.node_of(node, gpus=None if any(d for n, d in pods.values() if n == node) else 1))
 
 
-def keep_out(cluster: Cluster, clock: Clock, pod: str = POD, node: str = NODE,
+def keep_out(cluster: Cluster, clock: Clock, pod: str = POD, node: str = NODE, workload: str = WORKLOAD,
              **placement_settings: Any) -> tuple[KeepOut, WatchdogMetrics, LeaseLedger]:
     settings = from_mapping({
         "target": {"openai_url": "http://127.0.0.1:9", "metrics_url": None}, "restart": {"strategy": "evict"},
         "kubernetes": {"pod_name": pod, "namespace": NS, "node_name": node},
         "policy": {"placement": {"strategy": "device", **placement_settings}}})
     api = api_client(cluster)
-    ledger = LeaseLedger(api, NS, f"gpu-watchdog-{WORKLOAD}", WORKLOAD, pod, 5.0, wall_clock=clock)
+    ledger = LeaseLedger(api, NS, f"gpu-watchdog-{workload}", workload, pod, 5.0, wall_clock=clock)
     metrics = WatchdogMetrics(lambda: None)  # type: ignore[arg-type, return-value]
-    placer = Placer(api, NS, pod, node, WORKLOAD, 5.0)
+    placer = Placer(api, NS, pod, node, workload, 5.0)
     trace = Trace(settings)
     return KeepOut(settings=settings, placer=placer, ledger=ledger, metrics=metrics, wall_clock=clock,
-                   workload=WORKLOAD, history=lambda: trace.history, fold=trace.fold), metrics, ledger
+                   workload=workload, history=lambda: trace.history, fold=trace.fold), metrics, ledger
 
 
 def counted(metrics: WatchdogMetrics, action: str) -> float:
@@ -213,7 +215,7 @@ async def test_a_nic_beside_a_device_plugin_gpu_is_never_taken_for_it(kmock: Clu
     assert got == "tainted" and kmock.stored("devicetaintrules") == []
     node = kmock.node(NODE)
     assert node is not None and node["spec"]["taints"] == [
-        {"key": placement.NODE_TAINT_KEY, "value": "GPU-9", "effect": "NoSchedule"}]
+        {"key": placement.NODE_TAINT_KEY, "value": f"{OWNER}-{int(T0 + 86400)}", "effect": "NoSchedule"}]
     assert [t.card for t in (await asyncio.to_thread(ledger.read_placement)).taints] == ["GPU-9"]
 
 
@@ -223,7 +225,7 @@ async def test_a_taint_put_back_after_its_lift_is_swept_and_a_node_gone_frees_it
     effects, _, ledger = keep_out(kmock, clock, strategy="node", ttl="1h", max_percent=100)
     health = lost_context("device_health", resource_id="GPU-a", uuid="GPU-a")
     assert await effects.before_pod_rung(health, None, ()) == "tainted"
-    ours = {"key": placement.NODE_TAINT_KEY, "value": "GPU-a", "effect": "NoSchedule"}
+    ours = {"key": placement.NODE_TAINT_KEY, "value": f"{OWNER}-{int(T0 + 3600)}", "effect": "NoSchedule"}
     clock.at = T0 + 3601
     await effects.reconcile()
     node = kmock.node(NODE)
@@ -242,3 +244,159 @@ async def test_a_taint_put_back_after_its_lift_is_swept_and_a_node_gone_frees_it
     kmock.remove("nodes", "", "node-b")
     await other.reconcile()
     assert (await asyncio.to_thread(ledger.read_placement)).taints == ()
+
+
+# -- I9: every taint we place is lifted by its expiry, whatever happens to the Lease or to an answer ----------
+
+PODS4: dict[str, tuple[str, str | None]] = {f"llm-5c9d7b6f4x-{i}": (f"node-{i}", None) for i in range(4)}
+
+
+def node_taints(cluster: Cluster, name: str) -> list[dict[str, Any]]:
+    node = cluster.node(name)
+    assert node is not None
+    return list(node["spec"].get("taints") or [])
+
+
+def health(uuid: str) -> Decision:
+    return lost_context("device_health", resource_id=uuid, uuid=uuid)
+
+
+async def empty_the_records(ledger: LeaseLedger) -> None:
+    """An operator's cleanup (or a Lease recreated): the placement annotation emptied."""
+    await asyncio.to_thread(ledger.update_placement, lambda rec, at: (placement.Records(), None))
+
+
+async def test_with_the_records_emptied_the_bound_holds_and_every_node_taint_is_lifted_at_its_expiry(
+        kmock: Cluster) -> None:
+    """Four replicas on four nodes, cap 2 (max_nodes 2, 50 % of 4). The placement annotation is emptied after
+    each taint: the sidecars find the taints again in the cluster (the nodes they saw in the records), so
+    the third card is capped; at the expiry the taints are lifted though no record names them."""
+    add_pods(kmock, PODS4)
+    clock = Clock(T0)
+    sidecars = [keep_out(kmock, clock, pod=name, node=node, strategy="node", ttl="1h")
+                for name, (node, _) in PODS4.items()]
+
+    async def reconcile_all() -> None:
+        for effects, _, _ in sidecars:
+            await effects.reconcile()
+
+    ledger = sidecars[0][2]
+    for i in range(3):
+        clock.at = T0 + 60 * i
+        outcome = await sidecars[i][0].before_pod_rung(health(f"GPU-{i}"), None, ())
+        assert outcome == ("tainted" if i < 2 else "capped"), (i, outcome)
+        await reconcile_all()  # every minute, every sidecar
+        await empty_the_records(ledger)
+    assert [n for n in ("node-0", "node-1", "node-2", "node-3") if node_taints(kmock, n)] == ["node-0", "node-1"]
+    # Still emptied at each pass: the taints in force are recorded again (and counted), not lifted.
+    clock.at = T0 + 1800
+    await reconcile_all()
+    records = await asyncio.to_thread(ledger.read_placement)
+    assert sorted(t.target for t in records.taints) == ["node-0", "node-1"]
+    await empty_the_records(ledger)
+    # Past their expiry (1 h, plus one reconcile): lifted, as the nodes' taints state, with no record.
+    clock.at = T0 + 3600 + 120
+    await reconcile_all()
+    assert [n for n in ("node-0", "node-1", "node-2", "node-3") if node_taints(kmock, n)] == []
+
+
+async def test_with_the_records_emptied_device_taint_rules_are_found_counted_and_lifted(kmock: Cluster) -> None:
+    pods: dict[str, tuple[str, str | None]] = {f"llm-5c9d7b6f4x-{i}": (f"node-{i}", "gpu-0") for i in range(4)}
+    add_pods(kmock, pods)
+    clock = Clock(T0)
+    sidecars = [keep_out(kmock, clock, pod=name, node=node, ttl="1h") for name, (node, _) in pods.items()]
+    ledger = sidecars[0][2]
+    outcomes = []
+    for i in range(3):
+        outcomes.append(await sidecars[i][0].before_pod_rung(
+            health(f"gpu.nvidia.com/node-{i}/gpu-0"), None, ()))
+        await empty_the_records(ledger)
+    assert outcomes == ["tainted", "tainted", "capped"] and len(kmock.stored("devicetaintrules")) == 2
+    clock.at = T0 + 3601
+    await sidecars[3][0].reconcile()
+    assert kmock.stored("devicetaintrules") == []
+
+
+class LostAnswers:
+    """The API's answer to a node PATCH lost after the write was applied (a timeout on the way back), and
+    optionally the next `gets` reads of a node after it too: the client sees an error, the cluster holds the
+    write."""
+
+    def __init__(self, effects: KeepOut, gets: int = 0) -> None:
+        api = effects.placer.api  # type: ignore[attr-defined]
+        self.patch, self.get, self.gets, self.lost = api.patch, api.get, gets, False
+        api.patch, api.get = self._patch, self._get
+
+    def _patch(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        answer = self.patch(path, *args, **kwargs)
+        if path.startswith("/api/v1/nodes/") and not self.lost:
+            self.lost = True
+            raise TimeoutError(f"PATCH {path}: no answer within the timeout")
+        return answer
+
+    def _get(self, path: str, *args: Any, **kwargs: Any) -> Any:
+        if path.startswith("/api/v1/nodes/") and self.lost and self.gets > 0:
+            self.gets -= 1
+            raise TimeoutError(f"GET {path}: no answer within the timeout")
+        return self.get(path, *args, **kwargs)
+
+
+@pytest.mark.parametrize("gets", [0, 1], ids=["checked", "unchecked"])
+async def test_a_node_patch_applied_whose_answer_was_lost_is_lifted_at_its_expiry(kmock: Cluster, gets: int) -> None:
+    """checked: the read after it finds our entry (recorded as present). unchecked: that read is lost too;
+    the record stays (it may have landed), and even with the records emptied the taint is lifted."""
+    add_pods(kmock, {POD: (NODE, None), "llm-5c9d7b6f4x-fghij": ("node-b", None)})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock, strategy="node", ttl="1h", max_percent=100)
+    other, _, _ = keep_out(kmock, clock, pod="llm-5c9d7b6f4x-fghij", node="node-b", strategy="node", ttl="1h",
+                           max_percent=100)
+    LostAnswers(effects, gets)
+    assert await effects.before_pod_rung(health("GPU-a"), None, ()) == ("tainted" if gets == 0 else "failed")
+    assert placement.node_held(node_taints(kmock, NODE), OWNER) == [("NoSchedule", int(T0 + 3600))]
+    assert [t.target for t in (await asyncio.to_thread(ledger.read_placement)).taints] == [NODE]
+    await other.reconcile()  # the other sidecar reads the records: it knows of node-a now
+    await empty_the_records(ledger)
+    clock.at = T0 + 3601
+    await other.reconcile()
+    assert node_taints(kmock, NODE) == []
+
+
+async def test_a_workloads_expiry_never_lifts_the_node_taint_another_workload_still_holds(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, None)})
+    add_pods(kmock, {"embedder-5c9d7b6f4x-abcde": (NODE, None)}, workload="embedder")
+    clock = Clock(T0)
+    a, _, a_ledger = keep_out(kmock, clock, strategy="node", ttl="1h", max_percent=100)
+    b, _, _ = keep_out(kmock, clock, pod="embedder-5c9d7b6f4x-abcde", workload="embedder", strategy="node",
+                       ttl="1h", max_percent=100)
+    assert await a.before_pod_rung(health("GPU-a"), None, ()) == "tainted"
+    clock.at = T0 + 1800
+    assert await b.before_pod_rung(health("GPU-b"), None, ()) == "tainted"
+    [shared] = node_taints(kmock, NODE)  # one taint per key and effect: both workloads' entries in it
+    b_owner = placement.owner_of(NS, "embedder")
+    assert placement.node_entries(shared["value"]) == {OWNER: int(T0 + 3600), b_owner: int(T0 + 5400)}
+    # A's expiry: A's record goes, the taint B holds stays.
+    clock.at = T0 + 3601
+    await a.reconcile()
+    await b.reconcile()
+    assert node_taints(kmock, NODE) == [shared]
+    assert (await asyncio.to_thread(a_ledger.read_placement)).taints == ()
+    # B's expiry: lifted (by either: nothing in force is left in it).
+    clock.at = T0 + 5401
+    await a.reconcile()
+    assert node_taints(kmock, NODE) == []
+    await b.reconcile()
+    assert node_taints(kmock, NODE) == []
+
+
+async def test_a_node_taint_of_the_previous_format_is_still_lifted_by_its_record(kmock: Cluster) -> None:
+    add_pods(kmock, {POD: (NODE, None)})
+    clock = Clock(T0)
+    effects, _, ledger = keep_out(kmock, clock, strategy="node", ttl="1h", max_percent=100)
+    old = placement.Taint(placement.NODE, NODE, "GPU-a", NODE, POD, T0, T0 + 3600, "before the upgrade", "NoSchedule")
+    await asyncio.to_thread(ledger.update_placement, lambda rec, at: (placement.Records(taints=(old,)), None))
+    operators = {"key": placement.NODE_TAINT_KEY, "value": "GPU-replaced-last-week", "effect": "PreferNoSchedule"}
+    kmock.set_node_taints(NODE, [operators, {"key": placement.NODE_TAINT_KEY, "value": "GPU-a",
+                                             "effect": "NoSchedule"}])
+    clock.at = T0 + 3601
+    await effects.reconcile()
+    assert node_taints(kmock, NODE) == [operators]

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 from pathlib import Path
 from typing import Any
 
@@ -129,8 +130,11 @@ async def test_a_device_plugin_gpus_node_is_tainted_and_cleared_without_touching
         assert first_write(writes, "nodes", "patch", "node-a") < first_write(writes, "pods", "evict", sick.name)
         node = kmock.node("node-a")
         assert node is not None
-        ours = {"key": placement.NODE_TAINT_KEY, "value": sick.card, "effect": "NoSchedule"}
-        assert node["spec"]["taints"] == [*theirs, ours]
+        # Ours beside theirs: one taint of our key and effect, its value our workload's entry and expiry.
+        *kept, ours = node["spec"]["taints"]
+        assert kept == theirs and (ours["key"], ours["effect"]) == (placement.NODE_TAINT_KEY, "NoSchedule")
+        [(effect, until)] = placement.node_held([ours], placement.owner_of(fleet.namespace, fleet.deployment))
+        assert effect == "NoSchedule" and until > time.time() + 23 * 3600
 
         code, out = await cli(fleet, replacement, tmp_path, "list")
         assert code == 0, out

@@ -243,40 +243,111 @@ def test_a_kubelets_long_message_is_cut_in_the_records() -> None:
     assert wanted is not None and len(wanted.evidence) == placement.EVIDENCE_KEPT
 
 
-def test_a_node_carries_one_taint_per_card_each_renewed_and_lifted_alone() -> None:
+def test_a_node_carries_one_taint_of_the_workload_whatever_the_card() -> None:
+    """A node takes one taint per key and effect: the workload's entry in it stands for all its cards there."""
     node = dataclasses.replace(S, strategy="node")
     a, b = Card("GPU-a", "node-b"), Card("GPU-b", "node-b")
     records, first = placement.take(node, Records(), taint_of(a, settings=node), scope=4, now=T0)
+    # The other card of the same node while it is in force: that node is kept out already.
+    same, already = placement.take(node, records, taint_of(b, T0 + 60, settings=node), scope=4, now=T0 + 60)
+    assert already.outcome == "already" and same == records
     late = T0 + node.ttl + 1
-    # The other card of the same node, after the first expired: a taint of its own, not a renewal of a's.
+    # After it expired: renewed in place, one record, one node.
     records, second = placement.take(node, records, taint_of(b, late, settings=node), scope=4, now=late)
-    assert second.outcome == "tainted" and second.previous is None
-    assert sorted(t.card for t in records.taints) == ["GPU-a", "GPU-b"] and second.tainted == 1  # one node
-    assert first.taint is not None
-    records = placement.lifted(node, records, first.taint, late, "pod-1")
+    assert second.outcome == "tainted" and second.previous == first.taint and second.tainted == 1
     assert [t.card for t in records.taints] == ["GPU-b"]
+    assert second.taint is not None
+    records = placement.lifted(node, records, second.taint, late + node.ttl, "pod-1")
     # Swept for ten minutes: a sidecar that read the records before the lift may have put it back.
-    [back] = placement.swept(records, late + 60)
-    assert (back.kind, back.target, back.card, back.node) == (placement.NODE, "node-b", "GPU-a", "node-b")
-    assert placement.swept(records, late + placement.LIFT_SWEEP_S + 1) == []
-    # A renewal stands for it again: nothing to sweep.
-    again, _ = placement.take(node, records, taint_of(a, late + 90, settings=node), scope=4, now=late + 90)
-    assert placement.swept(again, late + 120) == []
+    [back] = placement.swept(records, late + node.ttl + 60)
+    assert (back.kind, back.target, back.node) == (placement.NODE, "node-b", "node-b")
+    assert placement.swept(records, late + node.ttl + placement.LIFT_SWEEP_S + 1) == []
+    assert placement.watched_nodes(records, late + node.ttl + 60) == {"node-b"}
 
 
-# -- the node's taints: never another's --------------------------------------------------------------------------
+# -- the node's taints: whose and until when, never another's ---------------------------------------------------
+
+A_OWNER, B_OWNER = placement.owner_of("serving", "llm"), placement.owner_of("serving", "embedder")
+NODE_S = dataclasses.replace(S, strategy="node")
+
 
 def test_a_nodes_taints_keep_everyone_elses() -> None:
-    node = dataclasses.replace(S, strategy="node")
-    taint = taint_of(PLUGIN, settings=node)
+    taint = taint_of(PLUGIN, settings=NODE_S)
     theirs = [{"key": "nvidia.com/gpu", "effect": "NoSchedule"},
-              {"key": placement.NODE_TAINT_KEY, "value": "GPU-an-operators", "effect": "NoSchedule"}]
-    added = placement.with_node_taint(theirs, taint)
+              {"key": placement.NODE_TAINT_KEY, "value": "GPU-an-operators", "effect": "PreferNoSchedule"}]
+    added = placement.with_node_taint(theirs, taint, A_OWNER, T0)
     assert added is not None and added[:2] == theirs
-    assert added[2] == {"key": placement.NODE_TAINT_KEY, "value": PLUGIN.id, "effect": "NoSchedule"}
-    assert placement.with_node_taint(added, taint) is None  # there already
-    assert placement.without_node_taint(added, taint) == theirs
-    assert placement.without_node_taint(theirs, taint) is None  # ours is not there: nothing to write
+    until = placement.node_expiry(taint.until)
+    assert added[2] == {"key": placement.NODE_TAINT_KEY, "value": f"{A_OWNER}-{until}", "effect": "NoSchedule"}
+    assert placement.node_held(added, A_OWNER) == [("NoSchedule", until)]
+    assert placement.with_node_taint(added, taint, A_OWNER, T0) is None  # there already
+    assert placement.without_node_taint(added, A_OWNER, T0, force=True) == theirs
+    assert placement.without_node_taint(added, A_OWNER, T0) is None  # in force: stays
+    assert placement.without_node_taint(added, A_OWNER, until) == theirs  # past its expiry: lifted
+    assert placement.without_node_taint(theirs, A_OWNER, until, PLUGIN.id, force=True) is None  # none of ours
+    # An operator's taint of our key and effect: ours cannot go beside it (one per key and effect).
+    with pytest.raises(placement.NotOurs):
+        placement.with_node_taint([{**theirs[1], "effect": "NoSchedule"}], taint, A_OWNER, T0)
+
+
+def test_a_workloads_expiry_never_lifts_the_taint_another_still_holds() -> None:
+    a = taint_of(PLUGIN, settings=NODE_S)
+    b = dataclasses.replace(taint_of(PLUGIN, T0 + 3600, settings=NODE_S), card="GPU-other")
+    both = placement.with_node_taint([], a, A_OWNER, T0)
+    assert both is not None
+    both = placement.with_node_taint(both, b, B_OWNER, T0 + 3600)
+    assert both is not None and len(both) == 1  # one taint per key and effect: shared
+    [shared] = both
+    assert placement.node_entries(shared["value"]) == {A_OWNER: placement.node_expiry(a.until),
+                                                       B_OWNER: placement.node_expiry(b.until)}
+    assert LABEL_VALUE.match(shared["value"]) and len(shared["value"]) <= 63
+    # A's expiry: B's entry is in force, the taint stays as it is (theirs to lift).
+    assert placement.without_node_taint(both, A_OWNER, a.until + 1) is None
+    # An operator's clear for A: A's entry out, B's kept.
+    kept = placement.without_node_taint(both, A_OWNER, T0 + 7200, force=True)
+    assert kept is not None and placement.node_entries(kept[0]["value"]) == {B_OWNER: placement.node_expiry(b.until)}
+    # B's expiry: nothing in force, the taint goes (B lifts it; A, whose entry is in it, may too).
+    assert placement.without_node_taint(both, B_OWNER, b.until + 1) == []
+    assert placement.without_node_taint(both, A_OWNER, b.until + 1) == []
+    # A third workload with no entry never touches it, whenever.
+    assert placement.without_node_taint(both, placement.owner_of("x", "y"), b.until + 1, force=True) is None
+    # Renewing drops the expired entries of others, never shortens one in force.
+    renewed = placement.with_node_taint(both, dataclasses.replace(a, until=b.until + 60), A_OWNER, a.until + 1)
+    assert renewed is not None and placement.node_entries(renewed[0]["value"]) == {
+        A_OWNER: placement.node_expiry(b.until + 60), B_OWNER: placement.node_expiry(b.until)}
+
+
+def test_a_full_taint_keeps_the_latest_expiries() -> None:
+    entries = {placement.owner_of("ns", f"w{i}"): 1_780_000_000 + i for i in range(5)}
+    value = placement.node_value(entries)
+    assert len(value) <= 63 and LABEL_VALUE.match(value)
+    kept = placement.node_entries(value)
+    assert kept is not None and sorted(kept.values()) == [1_780_000_002, 1_780_000_003, 1_780_000_004]
+
+
+def test_a_taint_of_the_previous_format_is_still_lifted_and_renewed_in_the_new() -> None:
+    taint = taint_of(PLUGIN, settings=NODE_S)
+    old = [{"key": placement.NODE_TAINT_KEY, "value": PLUGIN.id, "effect": "NoSchedule"}]
+    assert placement.node_entries(PLUGIN.id) is None
+    assert placement.without_node_taint(old, A_OWNER, T0, PLUGIN.id) == []  # a record names its card
+    assert placement.without_node_taint(old, A_OWNER, T0) is None  # no record: whose, nobody can say
+    renewed = placement.with_node_taint(old, taint, A_OWNER, T0)
+    assert renewed is not None and placement.node_held(renewed, A_OWNER) == [
+        ("NoSchedule", placement.node_expiry(taint.until))]
+
+
+def test_the_records_are_rebuilt_from_what_the_cluster_holds() -> None:
+    """The Lease's records lost: the taints the cluster shows of ours are recorded again, so the bound holds
+    and each is lifted at its expiry; an expired one is the cluster sweep's, a lately lifted one a race's."""
+    two = cards(3)
+    found = [taint_of(c) for c in two[:2]]
+    rebuilt = placement.adopt(Records(), found, T0 + 60)
+    assert [t.target for t in rebuilt.taints] == [t.target for t in found]
+    assert placement.take(S, rebuilt, taint_of(two[2], T0 + 60), scope=3, now=T0 + 60)[1].outcome == "capped"
+    assert placement.adopt(rebuilt, found, T0 + 60) == rebuilt  # already recorded
+    assert placement.adopt(Records(), found, T0 + S.ttl) == Records()  # expired: not recorded again
+    gone = placement.lifted(S, rebuilt, rebuilt.taints[0], T0 + 120, "operator")
+    assert [t.target for t in placement.adopt(gone, found, T0 + 180).taints] == [found[1].target]
 
 
 # -- names the cluster accepts ----------------------------------------------------------------------------------

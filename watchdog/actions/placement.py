@@ -3,20 +3,23 @@
 Blocking (callers run it through `asyncio.to_thread`); what to taint and whether the bound allows it
 is decided by `watchdog.placement`. The DeviceTaintRule's API version is found by discovery:
 v1alpha3 in Kubernetes 1.33-1.35 (feature gate DRADeviceTaints), v1beta2 in 1.36, v1 from 1.37.
-Only what we placed is ever lifted: a rule without our label, or a node taint whose value no record
-of ours names, is left as it is.
+Only what we placed is ever lifted: a rule without our label and our workload's annotations, or a node
+taint without our workload's entry (nor, in the previous format, a card our records name), is left as
+it is. What the cluster holds of ours says until when (`held`): the records lost, it is still lifted.
 """
 
 from __future__ import annotations
 
 import datetime as dt
+import time
+from collections.abc import Iterable
 from typing import Any
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import placement
-from gpu_watchdog.watchdog.actions.fleet import read_workload
+from gpu_watchdog.watchdog.actions.fleet import read_workload, selector_text
 from gpu_watchdog.watchdog.actions.kube import pod_path
-from gpu_watchdog.watchdog.actions.kube_api import MERGE_PATCH, ApiError, KubeApi, api_of, path
+from gpu_watchdog.watchdog.actions.kube_api import MERGE_PATCH, ApiError, KubeApi, api_of, parse_time, path
 from gpu_watchdog.watchdog.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.placement import Card, Taint
 
@@ -38,6 +41,7 @@ class Placer:
         self.pod_name = pod_name
         self.node_name = node_name
         self.workload = workload
+        self.owner = placement.owner_of(namespace, workload)
         self.timeout = request_timeout
         self.api = api_of(api_client)
         self._served: dict[str, str | None] = {}
@@ -107,26 +111,29 @@ class Placer:
         return max(1, len(alive) * max(1, cards_per_pod))
 
     def _selector(self) -> str | None:
-        found = read_workload(self.api, self.workload, self.namespace, self.timeout)
-        labels = (((found or {}).get("spec") or {}).get("selector") or {}).get("matchLabels")
-        return ",".join(f"{k}={v}" for k, v in sorted(labels.items())) if labels else None
+        return selector_text(read_workload(self.api, self.workload, self.namespace, self.timeout))
 
     # -- taints --------------------------------------------------------------------------------------------
 
-    def place(self, taint: Taint, card: Card) -> str:
-        """`placed`, or `present` (ours already there: another sidecar raced us, or a retry)."""
+    def place(self, taint: Taint, card: Card, now: float | None = None) -> str:
+        """`placed`, or `present` (ours already there, as late: another sidecar raced us, or a retry).
+        A node's taint of our key and effect that is no workload's of ours raises `placement.NotOurs`."""
         if taint.kind == placement.DEVICE:
             return self._create_rule(taint, card)
-        return self._patch_node(taint.node, lambda taints: placement.with_node_taint(taints, taint),
+        at = time.time() if now is None else now
+        return self._patch_node(taint.node, lambda taints: placement.with_node_taint(taints, taint, self.owner, at),
                                 done="placed", unchanged="present")
 
-    def ensure(self, taint: Taint) -> str:
+    def ensure(self, taint: Taint, now: float | None = None) -> str:
         """A taint our records hold, in the cluster as recorded: `present`, `placed` (it was missing: a
         race with a lift, an operator's delete), `escalated` (its effect set to the record's), or
-        `not_ours` (a rule by that name we did not place: left)."""
+        `not_ours` (a rule by that name, or a node taint of our key and effect, we did not place: left)."""
         card = placement.card_of(taint)
         if taint.kind == placement.NODE:
-            return self.place(taint, card)
+            try:
+                return self.place(taint, card, now)
+            except placement.NotOurs:
+                return "not_ours"
         version = self.version()
         if version is None:
             raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
@@ -151,7 +158,14 @@ class Placer:
         """Whether our taint for that card is in the cluster (a create that timed out may have landed)."""
         if taint.kind == placement.NODE:
             node, taints = self._node_taints(taint.node)
-            return node is not None and placement.with_node_taint(taints, taint) is None
+            until = placement.node_expiry(taint.until)
+            if node is None:
+                return False
+            held = any(u >= until for effect, u in placement.node_held(taints, self.owner) if effect == taint.effect)
+            # The previous format (the card as its value), ours where a record names the card.
+            return held or (bool(taint.card) and any(
+                t.get("key") == placement.NODE_TAINT_KEY and t.get("value") == placement.label_value(taint.card)
+                for t in taints))
         version = self.version()
         if version is None:
             return False
@@ -163,11 +177,15 @@ class Placer:
             raise
         return ours(rule, taint.card)
 
-    def lift(self, taint: Taint) -> str:
-        """`lifted`, `absent` (gone already), or `not_ours` (a rule by that name we did not place: left)."""
+    def lift(self, taint: Taint, now: float | None = None, force: bool = True) -> str:
+        """`lifted`, `absent` (gone already, or, on a node, still held: by our own later entry where not
+        `force`, or by another workload's entry in force), or `not_ours` (a rule by that name we did not
+        place: left). `force` (an operator's clear): our node entry goes even before its expiry."""
         if taint.kind == placement.NODE:
-            return self._patch_node(taint.node, lambda taints: placement.without_node_taint(taints, taint),
-                                    done="lifted", unchanged="absent")
+            at = time.time() if now is None else now
+            return self._patch_node(
+                taint.node, lambda taints: placement.without_node_taint(taints, self.owner, at, taint.card, force),
+                done="lifted", unchanged="absent")
         version = self.version()
         if version is None:
             return "absent"
@@ -186,6 +204,37 @@ class Placer:
                 return "absent"
             raise
         return "lifted"
+
+    def held(self, nodes: Iterable[str], now: float) -> tuple[list[Taint], set[str]]:
+        """What the cluster holds of this workload's, whatever the records say: its DeviceTaintRules (the
+        workload and namespace in their annotations) and its entries in the taints of `nodes` (a node
+        cannot be listed: those the caller knows of), each with the expiry the cluster states; and the
+        nodes of `nodes` that hold nothing of ours (or are gone). A node that cannot be read is neither."""
+        found: list[Taint] = []
+        clear: set[str] = set()
+        for rule in self.rules():
+            t = rule_record(rule, self.workload, self.namespace)
+            if t is not None:
+                found.append(t)
+        for name in sorted(set(nodes)):
+            try:
+                node, taints = self._node_taints(name)
+            except Exception as exc:  # one node unreadable: the others still are; it is read again next time
+                log.debug("placement_node_unreadable", node=name, error=str(exc)[:200])
+                continue
+            held = placement.node_held(taints, self.owner) if node is not None else []
+            if not held:
+                clear.add(name)
+            for effect, until in held:
+                found.append(Taint(placement.NODE, name, "", name, "", now, float(until),
+                                   "found in the node's taint", effect))
+        return found, clear
+
+    def sweep_node(self, name: str, now: float) -> str:
+        """Our node taints past their expiry lifted, whatever the records say (none in force of ours nor of
+        another workload in the same taint): `lifted` or `absent`."""
+        return self._patch_node(name, lambda taints: placement.without_node_taint(taints, self.owner, now),
+                                done="lifted", unchanged="absent")
 
     def rules(self) -> list[dict[str, Any]]:
         """The DeviceTaintRules labelled ours, cluster-wide (an operator's list)."""
@@ -213,7 +262,8 @@ class Placer:
                                          placement.UNTIL_ANNOTATION: until, placement.POD_ANNOTATION: taint.pod,
                                          placement.WORKLOAD_ANNOTATION: self.workload,
                                          placement.NAMESPACE_ANNOTATION: self.namespace,
-                                         placement.CARD_ANNOTATION: taint.card}},
+                                         placement.CARD_ANNOTATION: taint.card,
+                                         placement.NODE_ANNOTATION: taint.node}},
             "spec": spec,
         }
         try:
@@ -227,7 +277,7 @@ class Placer:
             selector = (found.get("spec") or {}).get("deviceSelector") or {}
             if ours(found, taint.card) and selector == spec["deviceSelector"]:
                 return "present"
-            raise RuntimeError(f"DeviceTaintRule {taint.target} exists and is not ours for {taint.card}") from None
+            raise placement.NotOurs(f"DeviceTaintRule {taint.target} exists and is not ours for {taint.card}") from None
         return "placed"
 
     def _node_taints(self, name: str) -> tuple[dict[str, Any] | None, list[dict[str, Any]]]:
@@ -278,3 +328,30 @@ def ours(rule: dict[str, Any], card: str | None = None) -> bool:
     if (meta.get("labels") or {}).get(key) != value:
         return False
     return card is None or (meta.get("annotations") or {}).get(placement.CARD_ANNOTATION) == card
+
+
+def rule_record(rule: dict[str, Any], workload: str, namespace: str) -> Taint | None:
+    """A DeviceTaintRule of this workload's (labelled ours, its annotations naming the workload and its
+    namespace, with an expiry) as a record: the expiry, card, pod and evidence its annotations state."""
+    if not ours(rule):
+        return None
+    meta = rule.get("metadata") or {}
+    annotations = meta.get("annotations") or {}
+    name = meta.get("name")
+    if not isinstance(name, str) or annotations.get(placement.WORKLOAD_ANNOTATION) != workload \
+            or annotations.get(placement.NAMESPACE_ANNOTATION) != namespace:
+        return None
+    try:
+        until = dt.datetime.strptime(str(annotations.get(placement.UNTIL_ANNOTATION)), "%Y-%m-%dT%H:%M:%SZ")
+    except ValueError:
+        return None
+    until_s = until.replace(tzinfo=dt.UTC).timestamp()
+    at = min(parse_time(meta.get("creationTimestamp")) or until_s, until_s)
+    spec = rule.get("spec") or {}
+    pool = (spec.get("deviceSelector") or {}).get("pool")
+    node = annotations.get(placement.NODE_ANNOTATION) or (pool if isinstance(pool, str) else "")
+    effect = (spec.get("taint") or {}).get("effect")
+    return Taint(placement.DEVICE, name, str(annotations.get(placement.CARD_ANNOTATION, "")), str(node),
+                 str(annotations.get(placement.POD_ANNOTATION, "")), at, until_s,
+                 str(annotations.get(placement.EVIDENCE_ANNOTATION, ""))[:placement.EVIDENCE_KEPT],
+                 str(effect) if effect in placement.EFFECT_RANK else "NoSchedule")
