@@ -68,11 +68,11 @@ offline: $(OFFLINE_STAMP) $(OFFLINE_WHEELS)/.stamp
 # Prometheus and promtool check the alert rules and the dashboard queries for real.
 # amtool (Alertmanager) checks the routing example.
 tools:
-	@if ! command -v promtool >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1; then \
-	  echo "installing prometheus and prometheus-alertmanager from the distribution's packages"; \
+	@if ! command -v promtool >/dev/null 2>&1 || ! command -v amtool >/dev/null 2>&1 || ! command -v faketime >/dev/null 2>&1; then \
+	  echo "installing prometheus, prometheus-alertmanager and faketime from the distribution's packages"; \
 	  SUDO=$$( [ "$$(id -u)" = 0 ] || echo sudo ); \
 	  $$SUDO apt-get update -qq && \
-	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager >/dev/null; \
+	  $$SUDO env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus prometheus-alertmanager faketime >/dev/null; \
 	fi
 
 up: install

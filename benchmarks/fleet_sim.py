@@ -1,8 +1,8 @@
 """The fleet's simulation at length: many more runs than CI's fixed seeds, each checked after every
 move against the invariants (`tests/sim/invariants.py`), and the figures: runs (seeds) explored,
 simulated seconds (one a tick) and how many a second of real time, the sidecars' steps and how many a
-second, the restarts the budget blocked, and F (the killer's failures in the records when it was
-refused) at 0, 4 and 8 decoys.
+second, the restarts the budget blocked, the node drains and Leases lost the runs went through, and
+F (the killer's failures in the records when it was refused) at 0, 4 and 8 decoys.
 
     python -m gpu_watchdog.benchmarks.fleet_sim [--runs N] [--steps N] [--seed S]
 
@@ -36,7 +36,8 @@ CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, m
 
 def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"runs": 0, "ticks": 0, "sidecar_steps": 0, "evictions": 0, "budget_blocks": 0,
-                               "killer_failures": 0, "lost_races": 0, "api_errors": 0, "F": Counter()}
+                               "killer_failures": 0, "lost_races": 0, "api_errors": 0, "drains": 0,
+                               "leases_lost": 0, "F": Counter()}
     base = machine(knobs)
 
     class Counted(base):  # type: ignore[misc, valid-type]
@@ -51,6 +52,8 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
             figures["killer_failures"] += w.killer_failures
             figures["lost_races"] += w.lost_races
             figures["api_errors"] += w.api_errors
+            figures["drains"] += w.drains
+            figures["leases_lost"] += w.leases_lost
             figures["F"].update(w.killer_f)
 
     started = time.perf_counter()

@@ -130,6 +130,7 @@ class FleetLedger(Protocol):
     def read(self) -> Ledger: ...
     def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T: ...
     def replicas(self) -> int | None: ...
+    def census(self) -> fleet.Census: ...
     def own_pod(self) -> fleet.OwnPod: ...
     def report_breaker(self, breaker: fleet.Breaker) -> None: ...
     def read_records(self) -> quarantine.Records: ...
@@ -652,8 +653,12 @@ class Executor:
             template = None
             log.warning("own_pod_unknown", error=str(exc)[:300], action="the slot is taken without its template")
         try:
+            # Counted afresh for every ask: availability is what the cluster shows now, not what the
+            # ledger remembers (a Lease can vanish; pods come and go that no sidecar restarted).
+            census = await asyncio.to_thread(self.ledger.census)
+            replicas = census.desired
             ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
-                                                                        rung, now, template))
+                                                                        rung, now, template, census))
         except Exception as exc:
             self._seen(replicas, None, error=str(exc))
             self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)})
@@ -777,11 +782,28 @@ class Executor:
             return
         if self.fleet.slot_held and self.edge.give_back_pending is not None:
             await self.give_back_slot(True, "target_serves")
+        await self._slot_left_behind()
         await self.served(0, None)
         if not self.edge.came_back:
             told = await self.came_back()
             if told or not self.edge.came_back_failed:
                 self.fold(edges.CameBack(told))
+
+    async def _slot_left_behind(self) -> None:
+        """A slot in our pod's name that this sidecar does not hold (it took it, then restarted; or an
+        in-place restart whose give-back was lost with the process) while our target serves: nothing
+        of ours is restarting, and the slot would hold the fleet for `slot_timeout`. Given back."""
+        pod = self.settings.kubernetes.pod_name
+        if self.ledger is None or self.fleet.slot_held or self.edge.acting or pod not in self.fleet.restarting:
+            return
+        try:
+            ledger = await self._update(lambda led, now: (new := fleet.give_back(led, pod, True), new))
+        except Exception as exc:
+            log.warning("fleet_slot_not_given_back", why="left_behind", error=str(exc)[:300],
+                        action="tried again at the next canary served")
+            return
+        self._seen(self.edge.replicas, ledger)
+        log.info("fleet_slot_given_back", why="left_behind", restarted=True)
 
     async def came_back(self) -> bool:
         """Our target serves for the first time: if our pod replaced one that was restarting, that
@@ -902,10 +924,11 @@ class Executor:
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-          now: float, template: str | None) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
+          now: float, template: str | None, census: fleet.Census) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
     """`fleet.take`, also handing back the ledger as written (for the view)."""
     # Every pod's restart goes through `KubeRestarter`, which tells the ledger when the pod goes.
-    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template, marks=True)
+    new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template, marks=True,
+                              census=census)
     return new, (new, verdict)
 
 

@@ -123,6 +123,61 @@ class Ledger:
 
 
 @dataclass(frozen=True)
+class PodSeen:
+    """One pod of the workload as the API server lists it."""
+
+    name: str
+    ready: bool  # its Ready condition is True
+    terminating: bool = False  # its deletion was accepted (`metadata.deletionTimestamp`)
+
+
+@dataclass(frozen=True)
+class Census:
+    """What the cluster says of the workload, read just before a slot is asked for: the replicas its
+    controller wants and every pod its selector matches. Availability is counted from this, the way a
+    PodDisruptionBudget counts it, never from the ledger's memory of which pod replaced which (a Lease
+    can vanish, a node's clock can be off, and pods come and go that no sidecar restarted)."""
+
+    desired: int
+    pods: tuple[PodSeen, ...]
+
+    def find(self, name: str) -> PodSeen | None:
+        return next((p for p in self.pods if p.name == name), None)
+
+    def present(self, name: str) -> bool:
+        """A pod of that name is there and not going away."""
+        seen = self.find(name)
+        return seen is not None and not seen.terminating
+
+
+def out_after(census: Census, ledger: Ledger, pod: str) -> tuple[int, dict[str, Any]]:
+    """How many of the workload's replicas would be out once `pod` goes, and the figures behind it:
+    the smaller of two counts, each enough on its own to keep `max_unavailable`.
+
+    - As a PodDisruptionBudget counts: the desired replicas less those serving once `pod` goes
+      (Ready, not terminating, and holding no slot: a restart asked for may not show yet).
+    - Out by restarts: every other pod that does not serve, the ones being restarted (a slot's pod
+      going away included) and whoever else made them (a replacement loading, a drain's stand-in, a
+      rollout's surge, a scale-up), plus the replicas not created yet, plus `pod`. Not counted are
+      the replicas that already cannot serve and wait for a slot of their own (not Ready, in the
+      ledger's waiting list): they are out by their fault, not by a restart, and one of them must be
+      let go first (two hung replicas would otherwise each wait for the other, for good)."""
+    held = {s.pod for s in ledger.slots}
+    waiting = {w.pod for w in ledger.waiting}
+    others = [p for p in census.pods if p.name != pod]
+    serving = [p for p in others if p.ready and not p.terminating and p.name not in held]
+    failing = [p for p in others if not p.ready and not p.terminating and p.name in waiting and p.name not in held]
+    not_serving = [p for p in others if p not in serving and p not in failing
+                   and (not p.terminating or p.name in held)]
+    missing = max(0, census.desired - sum(1 for p in census.pods if not p.terminating))
+    budget = census.desired - len(serving)
+    by_restarts = len(not_serving) + missing + 1
+    return max(0, min(budget, by_restarts)), {
+        "desired": census.desired, "serving": len(serving), "not_serving": sorted(p.name for p in not_serving),
+        "failing_waiting": sorted(p.name for p in failing)}
+
+
+@dataclass(frozen=True)
 class Verdict:
     outcome: str  # GRANTED | UNAVAILABLE_LIMIT | BREAKER_OPEN
     detail: dict[str, Any] = field(default_factory=dict)
@@ -286,15 +341,37 @@ def breaker_holds(breaker: Breaker, reason: str) -> bool:
     return reason in (breaker.reason, MAX_AGE)
 
 
+def live_slots(ledger: Ledger, census: Census | None) -> tuple[Slot, ...]:
+    """The slots that still stand for a restart under way: a slot whose pod the cluster no longer shows
+    (evicted, deleted by a drain or a scale-down, its sidecar gone with it) holds nobody; the pods
+    that stand in for it are counted by the census instead."""
+    if census is None:
+        return ledger.slots
+    return tuple(s for s in ledger.slots if census.present(s.pod))
+
+
 def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-         now: float, *, template: str | None = None, marks: bool = False) -> tuple[Ledger, Verdict]:
+         now: float, *, template: str | None = None, marks: bool = False,
+         census: Census | None = None) -> tuple[Ledger, Verdict]:
     """Ask for a slot to restart `pod` for `reason`: granted (and the restart recorded), held for want
     of a slot, or held by the breaker (which this ask may open). `marks`: the asker tells the ledger
-    when its pod goes (`acted`) before it goes, so that no pod replaces it until then."""
+    when its pod goes (`acted`) before it goes, so that no pod replaces it until then.
+
+    `census`: what the cluster says of the workload now. With it, a slot is granted only while the
+    replicas out once `pod` goes (`out_after`) stay within `max_unavailable`, and only slots whose pod
+    is still there count against it (`live_slots`); the sidecar always passes one (it holds rather
+    than guess when the pods cannot be listed). None: the ledger's slots alone (its own rules on traces)."""
     ledger = prune(settings, ledger, now)
+    if census is not None:
+        replicas = census.desired
     limit = unavailable_slots(settings, replicas)
+    live = live_slots(ledger, census)
     figures: dict[str, Any] = {"replicas": replicas, "max_unavailable": limit,
-                               "unavailable": len(ledger.slots)}
+                               "unavailable": len(live)}
+    out: int | None = None
+    if census is not None:
+        out, counted = out_after(census, ledger, pod)
+        figures = {**figures, "unavailable": out, **counted}
     open_breaker = breaker_open(ledger)
     if open_breaker is not None and breaker_holds(open_breaker, reason):
         # Only its own fault keeps it open: the quiet window is about that fault.
@@ -314,18 +391,19 @@ def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str
             and len(failed) >= 2 and len(failed) > settings.breaker * replicas:
         b = Breaker(reason, now, now, replicas, tuple(failed), pod)
         return replace(ledger, breaker=b), Verdict(BREAKER_OPEN, {**figures, **_breaker_detail(b)}, opened=True)
-    if len(ledger.slots) >= limit:
+    if len([s for s in live if s.pod != pod]) >= limit or (out is not None and out > limit):
         if comeback:
             pass  # a lineage already counted: its waiting adds nothing to the breaker's count
         elif not any(w.pod == pod and now - w.at < settings.slot_timeout / 2 for w in ledger.waiting):
             waiting = (*(w for w in ledger.waiting if w.pod != pod), Slot(pod, reason, rung, now, template, replicas))
             ledger = replace(ledger, waiting=waiting)
-        return ledger, Verdict(UNAVAILABLE_LIMIT, {**figures, "restarting": sorted(s.pod for s in ledger.slots)})
+        return ledger, Verdict(UNAVAILABLE_LIMIT, {**figures, "restarting": sorted(s.pod for s in live)})
     ledger = replace(ledger, slots=(*ledger.slots, Slot(pod, reason, rung, now, template, replicas,
                                                         marked=marks and rung == RUNG_POD)),
                      waiting=tuple(w for w in ledger.waiting if w.pod != pod),
                      restarts=(*ledger.restarts, FleetRestart(pod, reason, now, comeback))[-MAX_RESTARTS_KEPT:])
-    return ledger, Verdict(GRANTED, {**figures, "unavailable": len(ledger.slots), "comeback": comeback})
+    return ledger, Verdict(GRANTED, {**figures, "unavailable": len(live) + 1 if out is None else out,
+                                     "comeback": comeback})
 
 
 def _breaker_detail(b: Breaker) -> dict[str, Any]:

@@ -156,6 +156,7 @@ def test_security_context_non_root_read_only() -> None:
 # Each one is a call the sidecar makes (see templates/rbac.yaml), and no more.
 ALLOWED = {
     ("", "pods", "get"),
+    ("", "pods", "list"),  # the fleet's census of the workload's pods, before a slot is taken
     ("", "pods/eviction", "create"),
     ("events.k8s.io", "events", "create"),
     ("events.k8s.io", "events", "list"),
@@ -201,6 +202,7 @@ def test_every_granted_verb_is_one_the_code_calls() -> None:
                      for m in pkgutil.iter_modules(actions.__path__))
     # Each grant, and the REST call of the sidecar's edge (`watchdog/actions/`) that needs it.
     calls = {("", "pods", "get"): r"api\.get\(pod_path\(self\.namespace, self\.pod_name\)",
+             ("", "pods", "list"): r"api\.get\(pod_path\(self\.namespace\), query=\{\"labelSelector\"",
              ("", "pods/eviction", "create"): r"api\.post\(pod_path\(namespace, name, \"eviction\"\)",
              ("", "pods", "delete"): r"api\.delete\(pod_path\(namespace, name\)",
              ("events.k8s.io", "events", "create"): r"api\.post\(events_path\(",

@@ -110,7 +110,8 @@ def test_strategy_device_gets_devicetaintrules_and_no_nodes(monkeypatch: pytest.
                                   "name": "demo-gpu-watchdog-placement"}
     sa = by_kind(docs, "ServiceAccount")[0]["metadata"]["name"]
     assert binding["subjects"] == [{"kind": "ServiceAccount", "name": sa, "namespace": "serving"}]
-    # Namespaced: the pod's claims (which device), and the workload's pods (max_percent's share).
+    # Namespaced: the pod's claims (which device), and the workload's pods (max_percent's share, as the
+    # fleet's census counts them too).
     assert grants(docs) == ALLOWED | {CLAIMS, ("", "pods", "list")}
     assert not by_kind(docs, "ValidatingAdmissionPolicy")
     monkeypatch.setenv("POD_NAME", "demo-0")
@@ -162,7 +163,6 @@ def test_every_placement_verb_is_one_the_code_calls() -> None:
              ("", "nodes", "get"): r"api\.get\(path\(\"/api/v1/nodes\", name\)",
              ("", "nodes", "patch"): r"api\.patch\(path\(\"/api/v1/nodes\", name\)",
              CLAIMS: r"api\.get\(path\(\"/apis\", GROUP, version, \"namespaces\", self\.namespace, CLAIMS",
-             ("", "pods", "list"): r"api\.get\(pod_path\(self\.namespace\), query=\{\"labelSelector\"",
              (*RULES, "patch"): r"api\.patch\(self\._rules\(version, taint\.target\)"}
     values = placement("node")
     docs = render(values)

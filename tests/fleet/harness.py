@@ -181,6 +181,7 @@ class Fleet:
       with fault injection; the sidecar drives its control API). A serve process that exits by itself
       is started again in its pod, as the kubelet restarts a container; `serve_faults` are injected
       into every serve process once it is ready (`serve_ready` says which are).
+    - `sidecar_env`: more environment for one pod's sidecar (its clock skewed, say), by pod.
     - `scheduler`: places each pod on a GPU card (see the module's doc; `replacement_node` is then
       not used); None: every pod on a node of its own, without GPUs in its spec, as before.
     """
@@ -192,7 +193,8 @@ class Fleet:
                  min_available: int | None = None, ready_timeout: float = 90.0,
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
-                 serve_faults: list[dict[str, Any]] | None = None, scheduler: Scheduler | None = None) -> None:
+                 serve_faults: list[dict[str, Any]] | None = None, scheduler: Scheduler | None = None,
+                 sidecar_env: Callable[[FleetPod], dict[str, str]] | None = None) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
                             f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
@@ -220,6 +222,7 @@ class Fleet:
         self.probe_interval = probe_interval
         self.stop_timeout = stop_timeout
         self.env = env or {}
+        self.sidecar_env = sidecar_env
         self.clock = clock
         self.model = model
         self.serve_faults = serve_faults or []
@@ -492,6 +495,8 @@ class Fleet:
                # Not the runner's: the sidecar learns its workload from its pod, as in the cluster.
                "GPU_WATCHDOG_TOKEN": pod.token if self.model == "serve" else "", "GPU_WATCHDOG_WORKLOAD": "",
                **self.env}
+        if self.sidecar_env is not None:
+            env = {**env, **self.sidecar_env(pod)}
         # Popen of a Python costs milliseconds each: off the loop that also serves the API.
         pod.model, pod.sidecar = await asyncio.gather(
             asyncio.to_thread(self._spawn_model, pod),

@@ -24,7 +24,7 @@ from gpu_watchdog.watchdog.actions.restart import KubeRestarter
 from gpu_watchdog.watchdog.app import Watchdog
 from gpu_watchdog.watchdog.config import from_mapping
 from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_POD
+from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
 from tests.fleet import cluster as k8s
 from tests.integration.test_kubernetes import serve_events
 from tests.integration.test_restart_metrics import NoNvml
@@ -157,3 +157,24 @@ async def test_no_slot_is_given_back_while_its_restart_waits_for_the_disruption_
         finally:
             await wd.stop()
     print(json.dumps({"evictions_refused": len([w for w in kmock.writes_to("pods", verb="evict") if w.code == 429])}))
+
+
+async def test_a_slot_left_behind_by_an_earlier_sidecar_is_given_back_once_the_target_serves(kmock: Any) -> None:
+    """The sidecar took a slot for an in-place restart, then was restarted itself before it gave the
+    slot back: the new sidecar, seeing its pod's name in the ledger and its target serving, gives it
+    back (before, the fleet waited `slot_timeout`, 30 min, for it). Another pod's slot stays."""
+    api, pods = cluster_of(kmock, 3)
+    await after_creation()
+    seed = LeaseLedger(api, NS, LEASE, "llm", pods[1], 5.0)
+    await asyncio.to_thread(seed.update, lambda _l, now: (fleet.Ledger(slots=(
+        fleet.Slot(pods[0], HANG, RUNG_CONTAINER, now), fleet.Slot(pods[2], HANG, RUNG_POD, now))), None))
+    async with serving() as url:
+        wd = sidecar(api, pods[0], url, fleet={"max_unavailable": 1})
+        await wd.start(serve_http=False)
+        try:
+            await until(lambda: [s.pod for s in stored_ledger(kmock).slots] == [pods[2]], 30,
+                        "the slot left behind given back")
+            assert not wd.executor.fleet.slot_held and wd.executor.fleet.restarting == (pods[2],)
+            assert not kmock.writes_to("pods", verb="evict")
+        finally:
+            await wd.stop()

@@ -104,9 +104,12 @@ async def test_a_hung_worker_s_restart_is_recorded_takes_a_slot_and_gives_it_bac
 async def test_a_hung_worker_waits_for_a_slot_and_is_not_told_to_exit_while_its_event_is_refused(
         kmock: Any, tmp_path: Path) -> None:
     async with watched(kmock, tmp_path) as (tree, wd, pod, api):
-        api_writer = LeaseLedger(api, NS, LEASE, "llm", "llm-other", 5.0)
+        # The other replica's slot: a pod the cluster lists (a slot of a pod gone holds nobody).
+        other = "llm-5c9d7b6f4x-ccccc"
+        assert kmock.read("pods", NS, other) is not None
+        api_writer = LeaseLedger(api, NS, LEASE, "llm", other, 5.0)
         await asyncio.to_thread(api_writer.update, lambda _l, now: (fleet.Ledger(slots=(
-            fleet.Slot("llm-other", HANG, RUNG_POD, now),)), None))
+            fleet.Slot(other, HANG, RUNG_POD, now),)), None))
         pid1 = await asyncio.to_thread(pid_of, tree, 1)
         with structlog.testing.capture_logs() as logs:
             await asyncio.to_thread(tree.ctl, 1, "POST", "/control/fault", {"kind": "hang"})
@@ -118,7 +121,7 @@ async def test_a_hung_worker_waits_for_a_slot_and_is_not_told_to_exit_while_its_
             # The Events refused, then the slot frees: taken, the Event refused, nothing told, the slot back.
             refused = kmock[f"post /apis/events.k8s.io/v1/namespaces/{NS}/events"] << 403 << {
                 "kind": "Status", "code": 403, "message": "events is forbidden: exceeded quota"}
-            await asyncio.to_thread(api_writer.update, lambda led, now: (fleet.give_back(led, "llm-other", True), None))
+            await asyncio.to_thread(api_writer.update, lambda led, now: (fleet.give_back(led, other, True), None))
             await until(lambda: any(d.outcome == "not_recorded" for d in wd.history.decisions), 30,
                         "the restart not recorded")
             await until(lambda: any(e["event"] == "fleet_slot_given_back" for e in logs), 10, "the slot given back")

@@ -67,6 +67,16 @@ class FleetMachine(RuleBasedStateMachine):
     def scaled(self, replicas: int) -> None:
         self.world.scale(replicas)
 
+    @rule(which=st.integers(0, 63))
+    def a_node_is_drained(self, which: int) -> None:
+        pods = self.world.alive()
+        if pods:
+            self.world.drain(pods[which % len(pods)])
+
+    @rule()
+    def the_lease_is_lost(self) -> None:
+        self.world.lease_lost()
+
     @rule()
     def rolled_out(self) -> None:
         self.world.rollout()

@@ -139,3 +139,46 @@ def test_i1_a_pod_made_while_a_restart_waits_does_not_give_back_its_slot() -> No
         m.time_passes_with_every_sidecar_acting(seconds=1)
         m.holds()
     assert second.alive and w.sidecars[second.name].held == FLEET_UNAVAILABLE_LIMIT
+
+
+def test_i1_a_lease_lost_mid_restart_is_no_licence() -> None:
+    """A hangs and is restarted; while its replacement loads, the Lease's annotations are lost (an
+    operator's cleanup, an etcd restore). B hangs: the ledger says nothing is restarting, but the
+    pods the cluster lists show A's replacement not Ready, and B waits for it."""
+    m = machine(Knobs(replicas=4, max_unavailable="1"))()
+    m.seeded(seed=0)
+    w = m.world
+    first, second = w.alive()[0], w.alive()[1]
+    w.hang(first)
+    while first.alive:
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+    replacement = next(p for p in w.alive() if p.replaces == first.name)
+    replacement.ready_at = w.now + 40
+    m.the_lease_is_lost()
+    assert w.ledger().slots == ()
+    w.hang(second)
+    for _ in range(20):
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+    assert second.alive and w.sidecars[second.name].held == FLEET_UNAVAILABLE_LIMIT
+    m.teardown()
+    assert not second.alive and replacement.first_served_at is not None
+
+
+def test_i1_a_surge_and_a_drain_counted_with_the_replicas_that_wait() -> None:
+    """Broke I1 (2 of 6 out with max_unavailable 1, 4 serving) while the census deducted every
+    replica waiting for a slot from the replicas wanted: with a drain's stand-in and a rollout's
+    surge making more pods than wanted, a hung replica waiting was deducted twice and a second
+    restart was granted beside one whose replacement still loaded. Seed 299 of 4x/mu1."""
+    replay(Knobs(replicas=4, max_unavailable="1"), 299, [
+        ("a_node_is_drained", {"which": 0}), SIDECARS, ("scaled", {"replicas": 6}), ("rolled_out", {}),
+        ("time_passes_with_every_sidecar_acting", {"seconds": 5}), ("scaled", {"replicas": 1}), SIDECARS,
+        ("scaled", {"replicas": 3}), ("rolled_out", {}), SIDECARS, ("a_node_sickens", {"which": 0}), SIDECARS,
+        SIDECARS, ("time_passes", {"ticks": 1}), SIDECARS, SIDECARS, SIDECARS, KILLER, ("scaled_up_by_one", {}),
+        ("time_passes_with_every_sidecar_acting", {"seconds": 2}), ("scaled", {"replicas": 3}), SIDECARS,
+        ("scaled", {"replicas": 6}), SIDECARS, SIDECARS, ("time_passes_with_every_sidecar_acting", {"seconds": 2}),
+        ("time_passes_with_every_sidecar_acting", {"seconds": 6}),
+        ("time_passes_with_every_sidecar_acting", {"seconds": 2}), ("a_node_sickens", {"which": 59}), SIDECARS,
+        KILLER, ("a_node_sickens", {"which": 23}), ("a_node_sickens", {"which": 26}),
+        ("a_sidecar_steps", {"which": 31}), ("time_passes", {"ticks": 4})])

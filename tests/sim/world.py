@@ -174,6 +174,8 @@ class World:
         self.names = 0
         self.lost_races = 0
         self.api_errors = 0
+        self.drains = 0  # pods removed by someone else (a node drain)
+        self.leases_lost = 0  # the Lease's annotations lost (an operator's cleanup, an etcd restore)
         # The request mix's ground truth.
         self.killer = "killer"
         self.decoys = tuple(f"decoy{i}" for i in range(knobs.decoys))
@@ -244,6 +246,28 @@ class World:
             # Where the pod's GPU frees, its replacement goes: a restart loop stays on one node.
             self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template,
                          node=pod.node if by_us else None)
+
+    def ready(self, pod: Pod) -> bool:
+        """The pod's Ready condition: what its sidecar's readiness (`policy.serviceable`, the real
+        rule behind `/readyz`) says of its history, as the kubelet probes it."""
+        car = self.sidecars.get(pod.name)
+        return pod.alive and car is not None and policy.serviceable(car.history, self.policy, self.now)
+
+    def census(self) -> fleet.Census:
+        """What a LIST of the workload's pods and a GET of its Deployment answer now."""
+        return fleet.Census(self.desired, tuple(fleet.PodSeen(p.name, self.ready(p)) for p in self.alive()))
+
+    def drain(self, pod: Pod) -> None:
+        """Someone else removes a pod (a node drain): its ReplicaSet makes a stand-in elsewhere."""
+        self._remove(pod, "drained", by_us=False)
+        self.drains += 1
+        self.trace.append(f"{self.now:.0f} drain {pod.name}")
+
+    def lease_lost(self) -> None:
+        """An operator's cleanup or an etcd restore: the Lease's annotations are gone."""
+        self.lease = Lease(version=self.lease.version + 1)
+        self.leases_lost += 1
+        self.trace.append(f"{self.now:.0f} lease lost")
 
     def scale(self, replicas: int) -> None:
         self.desired = replicas
@@ -442,7 +466,7 @@ class World:
         elif step.kind == procedure.TAKE_SLOT:
             version, ledger, _ = self._read()
             new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, pod.name, HANG, RUNG_POD, self.now,
-                                      template=pod.template, marks=True)
+                                      template=pod.template, marks=True, census=self.census())
             car.pending, car.step = Pending("take", version, ledger=new, verdict=verdict), step
         elif step.kind == procedure.HELD:
             if car.held is None:

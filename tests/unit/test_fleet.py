@@ -450,3 +450,78 @@ def test_a_pod_gone_already_unmarks_its_slot() -> None:
     assert not ledger.slots[0].marked and ledger.slots[0].acted_at is None
     _, slot = fleet.replaced(ledger, "a2", 101.0, template="h1", replicas=4)
     assert slot is not None and slot.pod == "a"
+
+
+# -- availability counted from the cluster (the census), as a PodDisruptionBudget counts it ----------------------
+
+ONE = FleetSettings(max_unavailable="1")
+
+
+def census(desired: int, ready: str = "", unready: str = "", terminating: str = "") -> fleet.Census:
+    """`desired` replicas; pods named by letters: Ready, not Ready, and going away."""
+    return fleet.Census(desired, tuple([fleet.PodSeen(p, True) for p in ready]
+                                       + [fleet.PodSeen(p, False) for p in unready]
+                                       + [fleet.PodSeen(p, False, terminating=True) for p in terminating]))
+
+
+def ask(ledger: Ledger, pod: str, seen: fleet.Census, now: float = 100.0,
+        settings: FleetSettings = ONE) -> tuple[Ledger, fleet.Verdict]:
+    return fleet.take(settings, ledger, None, pod, HANG, RUNG_POD, now, census=seen)
+
+
+def test_a_lease_deleted_mid_restart_is_no_licence_a_replacement_still_loading_is_counted() -> None:
+    ledger, verdict = ask(Ledger(), "a", census(4, ready="bcd", unready="a"))
+    assert verdict.granted and [s.pod for s in ledger.slots] == ["a"]
+    # The Lease is deleted (an operator's cleanup, an etcd restore): the ledger reads empty, but the
+    # cluster shows a's replacement (e) still loading.
+    _, held = ask(Ledger(), "b", census(4, ready="cd", unready="be", terminating="a"))
+    assert held.outcome == UNAVAILABLE_LIMIT and held.detail["unavailable"] == 2
+    # It serves: b may go.
+    _, verdict = ask(Ledger(), "b", census(4, ready="cde", unready="b"))
+    assert verdict.granted and verdict.detail["unavailable"] == 1
+
+
+def test_pods_made_by_others_count_whoever_made_them_a_drain_a_surge_a_scale_up() -> None:
+    drained = census(4, ready="acd", unready="x")  # b drained by someone else; x stands in, loading
+    assert ask(Ledger(), "a", drained)[1].outcome == UNAVAILABLE_LIMIT
+    surge = census(8, ready="abcdef", unready="uv", terminating="gh")  # maxSurge 2, maxUnavailable 2
+    assert ask(Ledger(), "a", surge, settings=FleetSettings(max_unavailable="2"))[1].outcome == UNAVAILABLE_LIMIT
+    grown = census(6, ready="abcd", unready="ef")  # scaled from 4 to 6, the new pods loading
+    assert ask(Ledger(), "a", grown)[1].outcome == UNAVAILABLE_LIMIT
+    assert ask(Ledger(), "a", census(6, ready="abcdef"))[1].granted
+
+
+def test_a_restart_asked_that_the_cluster_does_not_show_yet_is_counted() -> None:
+    ledger, _ = ask(Ledger(), "a", census(4, ready="abcd"))  # a still Ready: its eviction not yet done
+    _, held = ask(ledger, "b", census(4, ready="abcd"))
+    assert held.outcome == UNAVAILABLE_LIMIT and held.detail["restarting"] == ["a"]
+
+
+def test_a_slot_whose_pod_is_gone_holds_nobody() -> None:
+    """A scale-down removed the pod holding a slot (or a replacement gave back nothing, its node's
+    clock being off): the next hang is not held for slot_timeout, the census counts what stands."""
+    ledger, _ = ask(Ledger(), "a", census(4, ready="abcd"))
+    _, verdict = ask(ledger, "b", census(3, ready="bcd"), now=110.0)  # scaled to 3, a removed
+    assert verdict.granted and ledger.slots[0].pod == "a"
+    # Gone and replaced by one still loading: held by the census, not by the slot.
+    _, held = ask(ledger, "b", census(4, ready="bcd", unready="e", terminating="a"), now=110.0)
+    assert held.outcome == UNAVAILABLE_LIMIT and held.detail["restarting"] == []
+
+
+def test_replicas_that_already_cannot_serve_go_one_at_a_time() -> None:
+    """Two replicas hung and unready, each waiting: one goes first (the other is out by its fault, not
+    by a restart), the other waits until the first one's replacement serves."""
+    seen = census(4, ready="cd", unready="ab")
+    ledger, first = ask(Ledger(), "a", seen)
+    assert first.outcome == UNAVAILABLE_LIMIT  # b has not asked yet: counted as out
+    ledger, second = ask(ledger, "b", seen)
+    assert second.granted and second.detail["failing_waiting"] == ["a"]
+    _, again = ask(ledger, "a", census(4, ready="cd", unready="ae", terminating="b"))
+    assert again.outcome == UNAVAILABLE_LIMIT
+    ledger = fleet.give_back(ledger, "b", restarted=True)
+    assert ask(ledger, "a", census(4, ready="cde", unready="a"))[1].granted
+
+
+def test_without_a_census_the_ledgers_slots_alone_count() -> None:
+    ledger, _ = take(Ledger(), "a", 100.0, replicas=4, settings=ONE)
+    assert take(ledger, "b", 101.0, replicas=4, settings=ONE)[1].outcome == UNAVAILABLE_LIMIT

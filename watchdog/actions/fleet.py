@@ -57,6 +57,36 @@ def read_workload(api: KubeApi, workload: str, namespace: str, timeout: float) -
     return None
 
 
+def selector_text(workload: dict[str, Any] | None) -> str | None:
+    """The workload's `spec.selector` as a `labelSelector` query; None where it has none (every pod
+    of the namespace would match: nothing to count by)."""
+    selector = ((workload or {}).get("spec") or {}).get("selector") or {}
+    terms = [f"{k}={v}" for k, v in sorted((selector.get("matchLabels") or {}).items())]
+    for e in selector.get("matchExpressions") or []:
+        key, op, values = e.get("key"), e.get("operator"), ",".join(sorted(e.get("values") or []))
+        terms.append({"In": f"{key} in ({values})", "NotIn": f"{key} notin ({values})", "Exists": f"{key}",
+                      "DoesNotExist": f"!{key}"}.get(op, ""))
+    if not terms or not all(terms):
+        return None
+    return ",".join(terms)
+
+
+def _ready(pod: dict[str, Any]) -> bool:
+    conditions = (pod.get("status") or {}).get("conditions") or []
+    return any(isinstance(c, dict) and c.get("type") == "Ready" and c.get("status") == "True" for c in conditions)
+
+
+def census_of(workload: dict[str, Any] | None, pods: list[Any]) -> fleet.Census | None:
+    """The census from the workload's controller and the pods its selector listed; None where the
+    controller says no count (it has no `spec.replicas`)."""
+    desired = ((workload or {}).get("spec") or {}).get("replicas")
+    if not isinstance(desired, int) or isinstance(desired, bool) or desired < 0:
+        return None
+    seen = tuple(fleet.PodSeen(str(meta.get("name")), _ready(p), bool(meta.get("deletionTimestamp")))
+                 for p in pods if isinstance(p, dict) for meta in [p.get("metadata") or {}] if meta.get("name"))
+    return fleet.Census(desired, seen)
+
+
 class LeaseLedger:
     def __init__(self, api_client: KubeApi, namespace: str, name: str, workload: str, pod_name: str,
                  request_timeout: float, wall_clock: Callable[[], float] = time.time) -> None:
@@ -159,6 +189,29 @@ class LeaseLedger:
         found = read_workload(self.api, self.workload, self.namespace, self.timeout)
         replicas = ((found or {}).get("spec") or {}).get("replicas")
         return replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 0 else None
+
+    def census(self) -> fleet.Census:
+        """What the cluster says of the workload now: its controller's desired replicas and every pod
+        its selector matches (GET the Deployment, else StatefulSet; GET pods?labelSelector=). Raises
+        LedgerUnavailable where either cannot be read or says nothing to count by: no count, no slot."""
+        try:
+            found = read_workload(self.api, self.workload, self.namespace, self.timeout)
+            selector = selector_text(found)
+            if found is None or selector is None:
+                raise LedgerUnavailable(f"workload {self.namespace}/{self.workload}: no Deployment or StatefulSet"
+                                        " with a selector to count its pods by")
+            listed = self.api.get(pod_path(self.namespace), query={"labelSelector": selector}, timeout=self.timeout)
+        except LedgerUnavailable:
+            raise
+        except Exception as exc:
+            raise LedgerUnavailable(f"cannot count the pods of {self.namespace}/{self.workload}: {_describe(exc)}") \
+                from None
+        items = listed.get("items") if isinstance(listed, dict) else None
+        census = census_of(found, items if isinstance(items, list) else [])
+        if census is None or not isinstance(items, list):
+            raise LedgerUnavailable(f"workload {self.namespace}/{self.workload}: no replica count or pod list to"
+                                    " count by")
+        return census
 
     def own_pod(self) -> fleet.OwnPod:
         """Our pod's creation (wall clock) and template: a replacement is a pod of the slot's template

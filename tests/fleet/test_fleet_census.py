@@ -1,0 +1,131 @@
+"""Availability counted from what the cluster says, with real sidecars on the API emulator: a ledger
+that vanishes mid-restart, a pod removed by someone else (a node drain) and a node whose clock runs
+30 s fast never put a second replica out with `max_unavailable: 1`, nor hold the fleet for
+`slot_timeout`; and the census itself, read through the real edge.
+
+Each scenario prints one line of figures, read with `-s`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+from kubernetes import client
+
+from gpu_watchdog.watchdog import fleet
+from gpu_watchdog.watchdog.actions.fleet import LeaseLedger, LedgerUnavailable
+from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
+from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT
+from tests.fleet import cluster as k8s
+from tests.fleet.harness import Fleet, FleetPod
+from tests.fleet.test_fleet_restarts import figures, held_lines
+from tests.tooling import faketime_env
+
+NS, LEASE = "serving", "gpu-watchdog-llm"
+ONE = {"policy": {"fleet": {"max_unavailable": "1"}}}
+
+
+def ledger_of(kmock: Any) -> fleet.Ledger:
+    lease = kmock.lease(NS, LEASE)
+    return fleet.parse(None if lease is None else (lease["metadata"].get("annotations") or {}).get(LEDGER_ANNOTATION))
+
+
+def by_sidecars(f: Fleet, drained: set[str]) -> list[str]:
+    return [m.pod for m in f.deletions() if m.pod not in drained]
+
+
+async def test_a_ledger_wiped_mid_restart_never_puts_a_second_replica_out(kmock: Any, tmp_path: Path) -> None:
+    """A hangs and its replacement takes 10 s to load; meanwhile an operator empties the Lease's
+    ledger. B hangs next: the ledger now says nothing is restarting, but the cluster shows A's
+    replacement not Ready, so B waits for it (before, a read that found no ledger was a licence)."""
+    async with Fleet(kmock, tmp_path, replicas=4, sidecar_config=ONE, replacement_delay=10.0) as f:
+        a, b = f.pods()[0], f.pods()[1]
+        await f.hang(a)
+        await f.wait_until(lambda: len(f.deletions()) == 1, 30, "A restarted")
+        kmock.mutate("leases", NS, LEASE, lambda lease: lease["metadata"].setdefault("annotations", {}).pop(
+            LEDGER_ANNOTATION, None))
+        assert ledger_of(kmock).slots == ()
+        replacement = next(p for p in f.pods() if p.replaces == a.name)
+        assert replacement.ready_at is None
+        await f.hang(b)
+        await f.wait_until(lambda: b.name in held_lines(f, FLEET_UNAVAILABLE_LIMIT), 30, "B held")
+        assert len(f.deletions()) == 1
+        await f.wait_until(lambda: len(f.deletions()) == 2, 60, "B restarted once A's replacement serves")
+        b_out = f.deletions()[1].at
+        assert replacement.ready_at is not None and replacement.ready_at <= b_out
+        assert f.max_restarting() == 1, f.restarting_series()
+        figures("ledger_wiped", restarts=len(f.deletions()), held_s=round(b_out - replacement.ready_at, 1))
+
+
+async def test_a_pod_drained_by_someone_else_counts_until_its_stand_in_serves(kmock: Any, tmp_path: Path) -> None:
+    """A node drain deletes C (no sidecar of ours asked); its stand-in loads for 10 s. B hangs: its
+    restart waits for the stand-in, as a PodDisruptionBudget would have it wait."""
+    async with Fleet(kmock, tmp_path, replicas=4, sidecar_config=ONE, replacement_delay=10.0) as f:
+        b, c = f.pods()[1], f.pods()[2]
+        cfg = client.Configuration()
+        cfg.host = str(kmock.url).rstrip("/")
+        drain = client.CoreV1Api(client.ApiClient(cfg))
+        await asyncio.to_thread(drain.delete_namespaced_pod, c.name, NS)
+        stand_in = next(p for p in f.pods() if p.replaces == c.name)
+        await f.hang(b)
+        await f.wait_until(lambda: b.name in held_lines(f, FLEET_UNAVAILABLE_LIMIT), 30, "B held")
+        assert stand_in.ready_at is None and by_sidecars(f, {c.name}) == []
+        await f.wait_until(lambda: by_sidecars(f, {c.name}) == [b.name], 60, "B restarted once the stand-in serves")
+        b_out = next(m.at for m in f.deletions() if m.pod == b.name)
+        assert stand_in.ready_at is not None and stand_in.ready_at <= b_out
+        figures("drained", held_s=round(b_out - stand_in.ready_at, 1))
+
+
+async def test_the_census_is_the_workloads_pods_by_its_selector_ready_and_terminating(kmock: Any) -> None:
+    """Through the real client: the Deployment's spec.replicas, its pods of both templates (a rollout
+    under way), each one's Ready condition and deletionTimestamp; another workload's pods left out."""
+    deploy = kmock.add(k8s.deployment("llm", NS, 3, {"app": "llm"}))
+    old, new = kmock.add(k8s.replica_set(deploy, "aaaa")), kmock.add(k8s.replica_set(deploy, "bbbb"))
+    other = kmock.add(k8s.replica_set(kmock.add(k8s.deployment("other", NS, 1, {"app": "other"})), "cccc"))
+    for rs, name, ready in ((old, "llm-a", True), (old, "llm-b", False), (new, "llm-c", True), (other, "x", True)):
+        kmock.add(k8s.pod_of(rs, name, "n1", ready))
+    kmock.mutate("pods", NS, "llm-a", lambda p: p["metadata"].update(deletionTimestamp="2026-01-01T00:00:00Z"))
+    cfg = client.Configuration()
+    cfg.host = str(kmock.url).rstrip("/")
+    # The emulator answers from this test's loop: the blocking client runs beside it.
+    seen = await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "llm", "llm-c", 5.0).census)
+    assert seen.desired == 3
+    assert sorted(seen.pods, key=lambda p: p.name) == [
+        fleet.PodSeen("llm-a", True, terminating=True), fleet.PodSeen("llm-b", False), fleet.PodSeen("llm-c", True)]
+    none = LeaseLedger(client.ApiClient(cfg), NS, LEASE, "nothing", "llm-c", 5.0)
+    try:
+        await asyncio.to_thread(none.census)
+    except LedgerUnavailable as exc:
+        assert "nothing" in str(exc)
+    else:
+        raise AssertionError("a workload with no controller was counted")
+
+
+async def test_a_node_whose_clock_runs_30s_fast_never_holds_the_fleet_for_slot_timeout(
+        kmock: Any, tmp_path: Path) -> None:
+    """A's sidecar runs with its clock 30 s ahead (libfaketime): its slot is stamped after its own
+    replacement's creation, so no pod ever gives it back by the old rule of which pod replaced which.
+    B hangs once that replacement serves: it is restarted at once, not after `slot_timeout` (30 min),
+    since a slot whose pod the cluster no longer lists holds nobody."""
+    skewed: list[str] = []
+
+    def env(pod: FleetPod) -> dict[str, str]:
+        if not skewed:
+            skewed.append(pod.name)
+        return faketime_env("+30s") if pod.name == skewed[0] else {}
+
+    async with Fleet(kmock, tmp_path, replicas=4, sidecar_config=ONE, replacement_delay=3.0, sidecar_env=env) as f:
+        a = f.pod(skewed[0])
+        b = next(p for p in f.pods() if p is not a)
+        await f.hang(a)
+        await f.wait_until(lambda: len(f.deletions()) == 1, 30, "A restarted")
+        replacement = next(p for p in f.pods() if p.replaces == a.name)
+        await f.wait_until(lambda: replacement.ready_at is not None, 60, "A's replacement serving")
+        await asyncio.sleep(1.0)  # its sidecar has told the ledger it serves
+        assert [s.pod for s in ledger_of(kmock).slots] == [a.name]  # stamped 30 s ahead: never given back
+        await f.hang(b)
+        await f.wait_until(lambda: len(f.deletions()) == 2, 30, "B restarted without waiting for slot_timeout")
+        assert f.max_restarting() == 1, f.restarting_series()
+        figures("clock_fast", restarts=len(f.deletions()))
