@@ -87,7 +87,9 @@ class History:
     edge: EdgeFacts = field(default_factory=EdgeFacts)
 
     def canaries_since_epoch(self) -> list[CanarySample]:
-        return [c for c in self.canaries if c.at >= self.epoch and not self._gone(c.instance_id)]
+        # `_gone` inlined: every rule reads this at every decision, over up to 256 canaries.
+        epoch, gone = self.epoch, self.gone_instance
+        return [c for c in self.canaries if c.at >= epoch and (gone is None or c.instance_id != gone)]
 
     def _gone(self, instance_id: str | None) -> bool:
         """From the process a worker rung restarted: it lives on a moment (a poisoned one until it
