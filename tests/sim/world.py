@@ -186,6 +186,8 @@ class World:
         self.killer_f: list[int] = []
         self.answered_at: dict[str, float] = {}  # fingerprint -> last success anywhere
         self.lifted: dict[str, float] = {}  # an operator's lifts
+        self.crashes: list[tuple[str, str]] = []  # ground truth: each (pod, process) the killer crashed, in order
+        self.lifted_after: dict[str, int] = {}  # a lifted fingerprint: how many crashes came before its lift
         self.trace: list[str] = []
         self.sick: set[str] = set()  # nodes whose servers hang once they served
         for _ in range(knobs.replicas):
@@ -351,6 +353,7 @@ class World:
         server.inflight = inflight
         server.down_until = self.now + RESTART_IN_PLACE_S
         self.killer_failures += 1
+        self.crashes.append((pod.name, server.process))
         failure = quarantine.Failure(self.now, pod.name, server.process, CONTEXT_LOSS,
                                      tuple(reversed(inflight)), one_off, tuple(reversed(server.completed)))
         self.trace.append(f"{self.now:.0f} killer crashes {pod.name} ({self.killer_failures})")
@@ -361,6 +364,7 @@ class World:
         new, was = quarantine.lift_records(records, fingerprint, self.now)
         if was and self._write(version, records=new) == "ok":
             self.lifted[fingerprint] = self.now
+            self.lifted_after[fingerprint] = len(self.crashes)
             self.trace.append(f"{self.now:.0f} lift {fingerprint}")
 
     # -- the sidecars ------------------------------------------------------------------------------
