@@ -115,9 +115,10 @@ def i7_killer_refused(world: World) -> None:
 
 
 def i8_lift_holds(world: World) -> None:
-    """I8: an operator's lift holds until new evidence after it: two processes it crashed after the
-    lift, in the world's own order (not by the records' stamps, which a lost Lease forgets and two
-    events in one second share)."""
+    """I8: an operator's lift, while the Lease still records it, holds until new evidence after it:
+    two processes it crashed after the lift, in the world's own order (not by the records' stamps,
+    which two events in one second share). A Lease lost forgets its lifts: the failures sidecars
+    still retry may quarantine the request again."""
     for q in quarantine.active(world.records(), world.now):
         before = world.lifted_after.get(q.fingerprint)
         if before is None:

@@ -269,6 +269,8 @@ class World:
         """An operator's cleanup or an etcd restore: the Lease's annotations are gone."""
         self.lease = Lease(version=self.lease.version + 1)
         self.leases_lost += 1
+        # The operator's lifts were records of that Lease: gone with it (I8 holds for recorded lifts).
+        self.lifted_after.clear()
         self.trace.append(f"{self.now:.0f} lease lost")
 
     def scale(self, replicas: int) -> None:
