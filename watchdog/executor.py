@@ -130,7 +130,7 @@ class FleetLedger(Protocol):
     def read(self) -> Ledger: ...
     def update(self, decide: Callable[[Ledger, float], tuple[Ledger, T]]) -> T: ...
     def replicas(self) -> int | None: ...
-    def census(self) -> fleet.Census: ...
+    def census(self) -> fleet.Census | None: ...
     def own_pod(self) -> fleet.OwnPod: ...
     def report_breaker(self, breaker: fleet.Breaker) -> None: ...
     def read_records(self) -> quarantine.Records: ...
@@ -656,7 +656,8 @@ class Executor:
             # Counted afresh for every ask: availability is what the cluster shows now, not what the
             # ledger remembers (a Lease can vanish; pods come and go that no sidecar restarted).
             census = await asyncio.to_thread(self.ledger.census)
-            replicas = census.desired
+            if census is not None:
+                replicas = census.desired
             ledger, verdict = await self._update(lambda led, now: _take(s, led, replicas, pod, decision.reason,
                                                                         rung, now, template, census))
         except Exception as exc:
@@ -924,7 +925,7 @@ class Executor:
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,
-          now: float, template: str | None, census: fleet.Census) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
+          now: float, template: str | None, census: fleet.Census | None) -> tuple[Ledger, tuple[Ledger, fleet.Verdict]]:
     """`fleet.take`, also handing back the ledger as written (for the view)."""
     # Every pod's restart goes through `KubeRestarter`, which tells the ledger when the pod goes.
     new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template, marks=True,

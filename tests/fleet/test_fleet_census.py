@@ -94,13 +94,17 @@ async def test_the_census_is_the_workloads_pods_by_its_selector_ready_and_termin
     assert seen.desired == 3
     assert sorted(seen.pods, key=lambda p: p.name) == [
         fleet.PodSeen("llm-a", True, terminating=True), fleet.PodSeen("llm-b", False), fleet.PodSeen("llm-c", True)]
-    none = LeaseLedger(client.ApiClient(cfg), NS, LEASE, "nothing", "llm-c", 5.0)
+    # A bare pod's workload has no controller: no fleet to count (the ledger's slots alone bound it).
+    assert await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "nothing", "llm-c", 5.0).census) \
+        is None
+    # One whose pods cannot be listed holds every slot (fail safe).
+    kmock["get /api/v1/namespaces/serving/pods"] << 403 << {"kind": "Status", "code": 403, "message": "forbidden"}
     try:
-        await asyncio.to_thread(none.census)
+        await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "llm", "llm-c", 5.0).census)
     except LedgerUnavailable as exc:
-        assert "nothing" in str(exc)
+        assert "403" in str(exc) and "llm" in str(exc)
     else:
-        raise AssertionError("a workload with no controller was counted")
+        raise AssertionError("a census was counted without the pods")
 
 
 async def test_a_node_whose_clock_runs_30s_fast_never_holds_the_fleet_for_slot_timeout(

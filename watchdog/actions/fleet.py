@@ -190,16 +190,21 @@ class LeaseLedger:
         replicas = ((found or {}).get("spec") or {}).get("replicas")
         return replicas if isinstance(replicas, int) and not isinstance(replicas, bool) and replicas >= 0 else None
 
-    def census(self) -> fleet.Census:
+    def census(self) -> fleet.Census | None:
         """What the cluster says of the workload now: its controller's desired replicas and every pod
-        its selector matches (GET the Deployment, else StatefulSet; GET pods?labelSelector=). Raises
-        LedgerUnavailable where either cannot be read or says nothing to count by: no count, no slot."""
+        its selector matches (GET the Deployment, else StatefulSet; GET pods?labelSelector=). None
+        where the workload has no such controller (a bare pod, another kind of owner): there is no
+        fleet to count, and the ledger's slots alone bound it, as `spec.replicas` unknown counts as
+        one. Raises LedgerUnavailable where either cannot be read, or the controller has no selector
+        or count: no count, no slot."""
         try:
             found = read_workload(self.api, self.workload, self.namespace, self.timeout)
+            if found is None:
+                return None
             selector = selector_text(found)
-            if found is None or selector is None:
-                raise LedgerUnavailable(f"workload {self.namespace}/{self.workload}: no Deployment or StatefulSet"
-                                        " with a selector to count its pods by")
+            if selector is None:
+                raise LedgerUnavailable(f"workload {self.namespace}/{self.workload}: no selector to count its"
+                                        " pods by")
             listed = self.api.get(pod_path(self.namespace), query={"labelSelector": selector}, timeout=self.timeout)
         except LedgerUnavailable:
             raise
