@@ -20,6 +20,7 @@ from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
 from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT
 from tests.fleet import cluster as k8s
 from tests.fleet.harness import Fleet, FleetPod
+from tests.fleet.test_cluster import api_of
 from tests.fleet.test_fleet_restarts import figures, held_lines
 from tests.tooling import faketime_env
 
@@ -64,9 +65,7 @@ async def test_a_pod_drained_by_someone_else_counts_until_its_stand_in_serves(km
     restart waits for the stand-in, as a PodDisruptionBudget would have it wait."""
     async with Fleet(kmock, tmp_path, replicas=4, sidecar_config=ONE, replacement_delay=10.0) as f:
         b, c = f.pods()[1], f.pods()[2]
-        cfg = client.Configuration()
-        cfg.host = str(kmock.url).rstrip("/")
-        drain = client.CoreV1Api(client.ApiClient(cfg))
+        drain = client.CoreV1Api(api_of(kmock))
         await asyncio.to_thread(drain.delete_namespaced_pod, c.name, NS)
         stand_in = next(p for p in f.pods() if p.replaces == c.name)
         await f.hang(b)
@@ -87,20 +86,19 @@ async def test_the_census_is_the_workloads_pods_by_its_selector_ready_and_termin
     for rs, name, ready in ((old, "llm-a", True), (old, "llm-b", False), (new, "llm-c", True), (other, "x", True)):
         kmock.add(k8s.pod_of(rs, name, "n1", ready))
     kmock.mutate("pods", NS, "llm-a", lambda p: p["metadata"].update(deletionTimestamp="2026-01-01T00:00:00Z"))
-    cfg = client.Configuration()
-    cfg.host = str(kmock.url).rstrip("/")
+    api = api_of(kmock)
     # The emulator answers from this test's loop: the blocking client runs beside it.
-    seen = await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "llm", "llm-c", 5.0).census)
+    seen = await asyncio.to_thread(LeaseLedger(api, NS, LEASE, "llm", "llm-c", 5.0).census)
     assert seen.desired == 3
     assert sorted(seen.pods, key=lambda p: p.name) == [
         fleet.PodSeen("llm-a", True, terminating=True), fleet.PodSeen("llm-b", False), fleet.PodSeen("llm-c", True)]
     # A bare pod's workload has no controller: no fleet to count (the ledger's slots alone bound it).
-    assert await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "nothing", "llm-c", 5.0).census) \
+    assert await asyncio.to_thread(LeaseLedger(api, NS, LEASE, "nothing", "llm-c", 5.0).census) \
         is None
     # One whose pods cannot be listed holds every slot (fail safe).
     kmock["get /api/v1/namespaces/serving/pods"] << 403 << {"kind": "Status", "code": 403, "message": "forbidden"}
     try:
-        await asyncio.to_thread(LeaseLedger(client.ApiClient(cfg), NS, LEASE, "llm", "llm-c", 5.0).census)
+        await asyncio.to_thread(LeaseLedger(api, NS, LEASE, "llm", "llm-c", 5.0).census)
     except LedgerUnavailable as exc:
         assert "403" in str(exc) and "llm" in str(exc)
     else:
