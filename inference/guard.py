@@ -82,6 +82,13 @@ class Guard:
         self._clock = clock
         self._started_at = clock()
         self._lock = threading.Lock()
+        # Seconds a new process waits, refusing work and unready, for its sidecar's quarantine list
+        # once its model is loaded (`serve --quarantine-wait`; 0: it serves at once): a request the
+        # fleet quarantined must not reach a process before the list does. Bounded, so a sidecar that
+        # is down costs a late start, never a replica that stays out.
+        self.quarantine_wait = 0.0
+        self._serving_since: float | None = None
+        self._wait_over_said = False
 
     # -- admission ---------------------------------------------------------------------------
 
@@ -94,10 +101,33 @@ class Guard:
             raise context_lost(self.poison_reason)
 
     def check_admitting(self) -> None:
-        """Refuse new work of a poisoned or draining process (a 500 or a 503, by type)."""
+        """Refuse new work of a poisoned or draining process (a 500 or a 503, by type), or of one that
+        still waits for the fleet's quarantine list (a 503)."""
         self.check_alive()
         if self.drain.active:
             raise Draining("the server is draining")
+        left = self.awaiting_quarantine()
+        if left > 0:
+            raise Draining(f"the server waits for its sidecar's quarantine list before it serves"
+                           f" (at most {left:.0f} s more)")
+
+    def serving(self) -> None:
+        """The model is loaded: the wait for the quarantine list counts from now."""
+        self._serving_since = self._clock()
+
+    def awaiting_quarantine(self) -> float:
+        """Seconds left of the wait for the sidecar's quarantine list (0: not waiting)."""
+        if self.quarantine_wait <= 0 or self.screen.quarantine.received:
+            return 0.0
+        since = self._serving_since if self._serving_since is not None else self._clock()
+        left = self.quarantine_wait - (self._clock() - since)
+        if left > 0:
+            return left
+        if not self._wait_over_said:
+            self._wait_over_said = True
+            log.warning("quarantine_wait_over", waited_s=self.quarantine_wait,
+                        action="serving without the fleet's quarantine list: the sidecar has not sent it")
+        return 0.0
 
     def admit(self, weight: float, queue_timeout: float, max_waiting: int) -> Admitted:
         """Admission by the gate around an app's own GPU-bound call (`serve`'s loops admit a batch's
@@ -248,7 +278,7 @@ class Guard:
             queued=stats.waiting if queued is None else queued,
             draining=self.drain.active,
             drain_deadline_left_s=self.drain.left_s(),
-            ready=ready and not self.poisoned and not self.drain.active,
+            ready=ready and not self.poisoned and not self.drain.active and not self.awaiting_quarantine(),
             instance_id=self.instance_id,
             pid=os.getpid(),
             model=model,

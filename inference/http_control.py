@@ -159,8 +159,11 @@ class ControlAPI:
             entries = await self._entries(request, many=True)
         except BadRequest as exc:
             return _bad(exc)
-        before = {e["fingerprint"] for e in self.service.guard.screen.quarantine.describe()}
-        self.service.guard.screen.quarantine.replace(entries)
+        listed = self.service.guard.screen.quarantine
+        before, first = {e["fingerprint"] for e in listed.describe()}, not listed.received
+        listed.replace(entries)
+        if first:
+            log.info("quarantine_received", entries=len(entries), by="control")
         after = {e.fingerprint for e in entries}
         if before != after:
             log.warning("quarantine_replaced", added=sorted(after - before), lifted=sorted(before - after),

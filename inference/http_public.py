@@ -173,7 +173,8 @@ class PublicAPI:
             # The limit tells `serve --workers`' front which worker has room, without the control
             # API (whose memory read is the watchdog's, and counts as its seeing a poisoning).
             return web.json_response({"ready": True, "admission_limit": s.admission.limit})
-        reason = "poisoned" if s.poisoned else "draining" if s.ready else "warming_up"
+        reason = "poisoned" if s.poisoned else "warming_up" if not s.ready else "draining" if s.guard.drain.active \
+            else "awaiting_quarantine"
         return web.json_response({"ready": False, "reason": reason}, status=503)
 
     def _model_card(self) -> dict[str, Any]:

@@ -253,6 +253,9 @@ class QuarantineList:
         self._lock = threading.Lock()
         self._entries: dict[str, Entry] = {}
         self._clock = clock
+        # Whether a whole list was set (the sidecar's PUT): until then a process started while the
+        # fleet's quarantine is in force may not know of it (`Guard.awaiting_quarantine`).
+        self.received = False
 
     def lookup(self, fp: str) -> Entry | None:
         with self._lock:
@@ -267,6 +270,7 @@ class QuarantineList:
     def replace(self, entries: list[Entry]) -> None:
         with self._lock:
             self._entries = {e.fingerprint: e for e in entries}
+            self.received = True
             self._trim()
 
     def lift(self, fp: str) -> bool:
@@ -456,4 +460,4 @@ class Screen:
             self.book.end(ticket, ok)
 
     def describe(self) -> dict[str, Any]:
-        return {"entries": self.quarantine.describe(), "refused": self.refused}
+        return {"entries": self.quarantine.describe(), "refused": self.refused, "received": self.quarantine.received}

@@ -94,6 +94,7 @@ class InferenceService:
         self.guard = Guard(metrics=InferenceMetrics(),
                            faults=FaultInjector() if settings.fault_injection else None,
                            model=settings.served_model_name or settings.model or BUILTIN_NAME)
+        self.guard.quarantine_wait = settings.quarantine_wait
         self.metrics = self.guard.metrics
         # Set, on the event loop, once the guard recorded a poisoned context: `serve` lingers, then exits.
         self.fatal_event = asyncio.Event()
@@ -151,7 +152,9 @@ class InferenceService:
             log.warning("deprecated_flag", flag="--batch-window-ms", value=s.batch_window_ms,
                         note="ignored: requests join the running batch at the next step")
         self._started = Started(handler, engine, admission)
-        log.info("ready", instance_id=self.guard.instance_id)
+        self.guard.serving()
+        log.info("ready", instance_id=self.guard.instance_id,
+                 **({"awaits_quarantine_s": s.quarantine_wait} if s.quarantine_wait > 0 else {}))
 
     def _loaded(self, handler: Handler, engine: Engine) -> dict[str, Any]:
         """What the `model_loaded` line says of the model."""
@@ -274,7 +277,8 @@ class InferenceService:
         return self.guard.poisoned
 
     def is_ready(self) -> bool:
-        return self.started and not self.guard.poisoned and not self.guard.drain.active
+        return self.started and not self.guard.poisoned and not self.guard.drain.active \
+            and not self.guard.awaiting_quarantine()
 
     async def watch_progress(self, rule: StallRule | None = None, every: float = PROGRESS_CHECK_S) -> None:
         """Until cancelled (a task of `serve`, once started): freeze what is in flight when the

@@ -36,6 +36,16 @@ def _positive_int(value: str) -> int:
     return _whole(value, 1, "must be a positive integer")
 
 
+def _non_negative_float(value: str) -> float:
+    try:
+        n = float(value)
+    except ValueError:
+        raise argparse.ArgumentTypeError("must be a number of seconds") from None
+    if not n >= 0 or n == float("inf"):
+        raise argparse.ArgumentTypeError("must be a number of seconds, 0 or more")
+    return n
+
+
 def _concurrency(value: str) -> int | None:
     return None if value == "auto" else _whole(value, 1, "must be a positive integer or 'auto'")
 
@@ -121,6 +131,10 @@ class ServeSettings:
     default_max_tokens: int = 16
     fault_injection: bool = field(default=False, metadata=flag(
         "--fault-injection", "enable POST /control/fault (tests only)", switch=True))
+    quarantine_wait: float = field(default=0.0, metadata=flag(
+        "--quarantine-wait", "seconds a new process stays unready, answering 503, for its sidecar's quarantine"
+        " list once its model is loaded, then serves without it (0 = serve at once; the chart sets it where"
+        " the fleet's quarantine is on)", parse=_non_negative_float, metavar="S"))
     token_file: str | None = field(default=None, metadata=flag(
         "--token-file", "control token file (GPU_WATCHDOG_TOKEN wins)", metavar="FILE", serve_only=True))
     memory_watermark: float = 0.85

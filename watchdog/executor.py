@@ -422,7 +422,9 @@ class Executor:
         try:
             listed = await control.quarantine()
             have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
-            if have != sorted(e["fingerprint"] for e in entries):
+            # A process started while the fleet's quarantine is in force serves only once it has a
+            # list (`serve --quarantine-wait`): an empty one is sent to it all the same.
+            if have != sorted(e["fingerprint"] for e in entries) or listed.get("received") is False:
                 await control.set_quarantine(entries)
                 log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries],
                          **({"worker": worker} if worker else {}))

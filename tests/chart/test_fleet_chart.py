@@ -206,3 +206,20 @@ def comment_above(text: str, line_start: str) -> str:
             break
         comment.insert(0, line.strip().lstrip("# "))
     return " ".join(comment)
+
+
+QUARANTINE_OFF = {"watchdog": {"config": {"policy": {"quarantine": {"enabled": False}}}}}
+
+
+@pytest.mark.parametrize(("values", "waits"), [({}, True), (strategy("none"), True), (QUARANTINE_OFF, False)])
+def test_the_server_waits_for_the_quarantine_wherever_the_sidecar_keeps_one(values: dict[str, Any],
+                                                                            waits: bool) -> None:
+    """The bundled server's flags as the real `serve` parser reads them: a new process serves only once
+    its sidecar's list is in force, wherever the sidecar pushes one."""
+    from gpu_watchdog.cli import build_parser
+    from gpu_watchdog.inference.settings import from_args
+    from tests.chart.test_chart import containers
+
+    args = containers(render(values))["inference"]["args"]
+    settings = from_args(build_parser().parse_args(args))
+    assert settings.quarantine_wait == (60.0 if waits else 0.0)

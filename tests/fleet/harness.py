@@ -194,7 +194,8 @@ class Fleet:
                  probe_interval: float = 0.2, stop_timeout: float = 5.0, env: dict[str, str] | None = None,
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
                  serve_faults: list[dict[str, Any]] | None = None, scheduler: Scheduler | None = None,
-                 sidecar_env: Callable[[FleetPod], dict[str, str]] | None = None) -> None:
+                 sidecar_env: Callable[[FleetPod], dict[str, str]] | None = None,
+                 serve_args: tuple[str, ...] = ()) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
                             f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
@@ -226,6 +227,7 @@ class Fleet:
         self.clock = clock
         self.model = model
         self.serve_faults = serve_faults or []
+        self.serve_args = serve_args  # more of `serve`'s flags, as the chart adds them
         self.serve_ready: set[tuple[str, int]] = set()  # (pod, start): ready with its faults injected
         self.random = random.Random(seed)
         self.template_hash = "".join(self.random.choice(NAME_ALPHABET) for _ in range(10))
@@ -449,7 +451,8 @@ class Fleet:
     def _model_argv(self, pod: FleetPod) -> list[str]:
         if self.model == "serve":
             return ["-m", "gpu_watchdog", "serve", "--device", "cpu", "--host", "127.0.0.1",
-                    "--port", str(pod.model_port), "--control-port", str(pod.control_port), "--fault-injection"]
+                    "--port", str(pod.model_port), "--control-port", str(pod.control_port), "--fault-injection",
+                    *self.serve_args]
         argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
         if pod.hang_after is not None:
             argv += ["--hang-after", str(pod.hang_after)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,7 @@ from tests.integration.test_kubernetes import events as all_events
 MARK = "QOD-7f3a"
 MARKED = {"prompt": f"compute the {MARK} shape", "max_tokens": 6}
 INNOCENT = {"prompt": "a long and entirely innocent story", "max_tokens": 400}
+SERVE_ARGS = ("--quarantine-wait", "60")  # as the chart starts the bundled server beside a quarantine
 CONFIG = {
     "canary": {"interval": "300ms", "timeout": "2s"},
     "sampling": {"torch_interval": "300ms"},
@@ -236,7 +238,8 @@ async def test_a_killer_that_varies_its_settings_is_refused_by_its_input_and_the
     there) takes the killer's input, and every replica refuses it under any setting while the innocent
     is served everywhere."""
     async with Fleet(kmock, tmp_path, replicas=2, sidecar_config=CONFIG, model="serve", ready_timeout=120,
-                     serve_faults=[{"kind": "context_loss", "when_prompt_contains": MARK}]) as fleet:
+                     serve_faults=[{"kind": "context_loss", "when_prompt_contains": MARK}],
+                     serve_args=SERVE_ARGS) as fleet:
         first = fleet.pods()
         await fleet.wait_until(lambda: all((p.name, 1) in fleet.serve_ready for p in first), 60, "faults armed")
         key = f"key-of-{fleet.deployment}".encode()  # the workload's fingerprint key (the harness's Secret)
@@ -295,6 +298,35 @@ async def test_a_killer_that_varies_its_settings_is_refused_by_its_input_and_the
             assert [(q["fingerprint"], q["input"]) for q in entries] == [(killer_input, True)]
             assert len(entries[0]["failures"]) == 3
         assert len(recorded()) == 3
+
+        # A new process of a replica (its container restarted in place) serves nothing before the list
+        # is in force there, however late its sidecar is: here it is stopped until the model has loaded.
+        pod = fleet.pods()[0]
+        assert pod.model is not None and pod.sidecar is not None
+        starts = pod.model_starts
+        pod.sidecar.proc.send_signal(signal.SIGSTOP)
+        try:
+            pod.model.proc.kill()
+            await fleet.wait_until(lambda: pod.model_starts > starts, 30, "the process started again in its pod")
+            await fleet.wait_until(lambda: sum(e.get("event") == "ready" for e in json_lines(pod.model_log_text()))
+                                   == pod.model_starts, 120, "the new process's model loaded")
+            status, answer = await fleet.complete(pod, {**MARKED, "temperature": 0.4}, 10)
+            assert status == 503 and "quarantine list" in answer["error"]["message"], (status, answer)
+        finally:
+            pod.sidecar.proc.send_signal(signal.SIGCONT)
+        seen: list[int] = []
+
+        async def refused_by_the_new_process() -> bool:
+            status, answer = await fleet.complete(pod, {**MARKED, "temperature": 0.4}, 10)
+            if not seen or seen[-1] != status:
+                seen.append(status)
+            assert status in (503, 422), (seen, answer)
+            return status == 422
+
+        await fleet.wait_until(refused_by_the_new_process, 60, "the new process refusing the killer", interval=0.02)
+        assert pod.model_starts == starts + 1  # it never crashed it
+        received = [e for e in json_lines(pod.model_log_text()) if e.get("event") == "quarantine_received"]
+        assert len(received) == pod.model_starts  # each process, its list once
         quarantined = [line["fingerprint"] for p in fleet.all_pods.values() for line in p.log()
                        if line.get("event") == "request_quarantined" and "workload" in line]
         assert quarantined == [killer_input] and innocent_fp not in quarantined

@@ -301,3 +301,50 @@ def test_a_failure_the_budget_blocks_the_restart_of_is_still_recorded_and_quaran
         wd.stop()
         for srv in servers:
             srv.proc.stop()
+
+
+def test_a_new_process_serves_only_once_its_quarantine_list_has_arrived(tmp_path: Path) -> None:
+    """`--quarantine-wait`: loaded, the process stays unready and answers 503 + Retry-After until the
+    sidecar's list arrives (an empty one too), and serves then with that list in force; its canary
+    answers meanwhile, so the sidecar still sees the model serve."""
+    port, control_port = free_port(), free_port()
+    srv = Server(port, control_port, f"test-token-{port}",
+                 spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--control-port",
+                        str(control_port), "--quarantine-wait", "600"], tmp_path / "serve.log",
+                       env={"GPU_WATCHDOG_TOKEN": f"test-token-{port}"}))
+    try:
+        wait_http(srv.url + "/readyz", srv.proc, status=503)
+        wait_for(lambda: requests.get(srv.url + "/readyz", timeout=5).json().get("reason") == "awaiting_quarantine",
+                 90, "the model loaded, the list awaited")
+        body = {"prompt": "a question the fleet quarantined", "max_tokens": 4}
+        waiting = post(srv, body)
+        assert waiting.status_code == 503 and waiting.headers["Retry-After"]
+        assert "quarantine list" in waiting.json()["error"]["message"]
+        listed = srv.ctl("GET", "/control/quarantine").json()
+        assert listed["received"] is False and listed["entries"] == []
+        assert srv.ctl("POST", "/control/canary", {"timeout": 30}).json()["ok"] is True
+        assert srv.memory()["ready"] is False
+
+        fp_entry = {"fingerprint": "0" * 16, "until": time.time() + 600}
+        assert srv.ctl("PUT", "/control/quarantine", {"entries": [fp_entry]}).json()["received"] is True
+        assert requests.get(srv.url + "/readyz", timeout=5).status_code == 200
+        assert post(srv, body).status_code == 200
+        fp = logged_fingerprint(srv)
+        assert srv.ctl("PUT", "/control/quarantine",
+                       {"entries": [{"fingerprint": fp, "until": time.time() + 600}]}).status_code == 200
+        assert post(srv, body).status_code == 422
+        assert [e["event"] for e in json_lines(srv.proc.log()) if e.get("event") == "quarantine_received"] \
+            == ["quarantine_received"]
+    finally:
+        srv.proc.stop()
+
+
+def test_a_process_whose_sidecar_never_sends_the_list_serves_after_the_wait(tmp_path: Path) -> None:
+    srv = start_server(tmp_path, "--quarantine-wait", "1")
+    try:
+        assert post(srv, {"prompt": "hello", "max_tokens": 2}).status_code == 200
+        assert srv.ctl("GET", "/control/quarantine").json()["received"] is False
+        over = [e for e in json_lines(srv.proc.log()) if e.get("event") == "quarantine_wait_over"]
+        assert len(over) == 1 and over[0]["waited_s"] == 1.0
+    finally:
+        srv.proc.stop()
