@@ -2,7 +2,10 @@
 move against the invariants (`tests/sim/invariants.py`), and the figures: runs (seeds) explored,
 simulated seconds (one a tick) and how many a second of real time, the sidecars' steps and how many a
 second, the restarts the budget blocked, the node drains and Leases lost the runs went through, and
-F (the killer's failures in the records when it was refused) at 0, 4 and 8 decoys.
+F (the killer's failures in the records when it was refused) at 0, 4 and 8 decoys and at the bundled
+server's admission limit on a CPU (64 in one step: the killer, 61 decoys, the popular request and a
+one-off), the killer sending another sampler or spelling at each try, and how often the popular
+request (answered all along) was refused.
 
     python -m gpu_watchdog.benchmarks.fleet_sim [--runs N] [--steps N] [--seed S]
 
@@ -14,30 +17,36 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import sys
 import time
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
+import structlog
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import run_state_machine_as_test
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from gpu_watchdog.inference.settings import ServeSettings
 from tests.sim.machine import machine
 from tests.sim.world import Knobs
 
 CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
            Knobs(replicas=5, max_unavailable="1", decoys=8), Knobs(replicas=8, max_unavailable="2", decoys=8,
                                                                    api_error_rate=0.1),
-           Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False))
+           Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
+           # The admission limit: `serve`'s default concurrency on a CPU (`cpu_default_concurrency`).
+           Knobs(replicas=4, max_unavailable="1", decoys=ServeSettings().cpu_default_concurrency - 3))
 
 
 def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"runs": 0, "ticks": 0, "sidecar_steps": 0, "evictions": 0, "budget_blocks": 0,
                                "killer_failures": 0, "lost_races": 0, "api_errors": 0, "drains": 0,
-                               "leases_lost": 0, "F": Counter()}
+                               "leases_lost": 0, "killer_tries_refused": 0,
+                               "popular_refused": 0, "F": Counter()}
     base = machine(knobs)
 
     class Counted(base):  # type: ignore[misc, valid-type]
@@ -54,6 +63,8 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
             figures["api_errors"] += w.api_errors
             figures["drains"] += w.drains
             figures["leases_lost"] += w.leases_lost
+            figures["killer_tries_refused"] += w.killer_refused
+            figures["popular_refused"] += len(w.popular_refused)
             figures["F"].update(w.killer_f)
 
     started = time.perf_counter()
@@ -73,6 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="moves per run at most")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
+    # The servers' screens log each refusal, thousands a run: the figures are the output here.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
     if args.runs < 1 or args.steps < 1:
         parser.error("--runs and --steps must be at least 1")
     failed = False

@@ -6,7 +6,7 @@ from __future__ import annotations
 from gpu_watchdog.watchdog import fleet, quarantine
 from gpu_watchdog.watchdog.app import BUDGET_READ_S
 from gpu_watchdog.watchdog.names import FLEET_HOLDS
-from tests.sim.world import STEP_S, Sidecar, World
+from tests.sim.world import STEP_S, SYNC_S, Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
 KILLER_FAILURES = 3
@@ -16,28 +16,20 @@ class Broken(AssertionError):
     pass
 
 
-def out_because_of_us(world: World) -> list[str]:
-    """The replicas we restarted that do not serve again yet: removed by a sidecar, and the pod that
-    stands in for each (ground truth: the ReplicaSet made it for that removal) never served."""
-    return sorted(p.replaces for p in world.alive() if p.replaces is not None and p.first_served_at is None)
-
-
-def serving(world: World) -> list[str]:
-    """Ground truth: the pods whose model serves now."""
-    return sorted(p.name for p in world.alive() if p.serves(world.now))
-
-
 def i1_max_unavailable(world: World) -> None:
-    """I1: never more than `max_unavailable` of the replicas out because of us while fewer than the
-    desired replicas less `max_unavailable` serve (as a PodDisruptionBudget counts: pods a rollout
-    surged or a scale-down has not removed yet stand in for those we restarted), through rollouts,
-    surges, scale-ups and -downs, node drains, a Lease lost and lost races."""
-    out = out_because_of_us(world)
-    limit = fleet.unavailable_slots(world.fleet_settings, world.desired)
-    up = serving(world)
-    if len(out) > limit and len(up) < world.desired - limit:
-        raise Broken(f"I1: {len(out)} replicas out because of us ({', '.join(out)}) with max_unavailable {limit},"
-                     f" {len(up)} of {world.desired} serving")
+    """I1, judged as each pod we restart leaves, on which pods serve then: never more than
+    `max_unavailable` replicas out because of us (restarted, their stand-in not serving yet) while
+    fewer than the desired replicas less `max_unavailable` serve once it is gone (as a
+    PodDisruptionBudget counts: pods a rollout surged or a scale-down has not removed yet stand in),
+    through rollouts, surges, scale-ups and -downs, node drains, a Lease lost and lost races. What
+    others do afterwards (a scale-up, a drain) is theirs, not a restart's."""
+    for r in world.removals:
+        if not r.by_us:
+            continue
+        limit = fleet.unavailable_slots(world.fleet_settings, r.desired)
+        if r.out_after > limit and r.serving_after < r.desired - limit:
+            raise Broken(f"I1: {r.pod} left at {r.at:.0f} with {r.out_after} replicas out because of us"
+                         f" (max_unavailable {limit}) and {r.serving_after} of {r.desired} serving")
 
 
 def i2_event_first(world: World) -> None:
@@ -84,32 +76,38 @@ def i4_no_zombie(world: World) -> None:
                          f" ({None if car is None else car.held})")
 
 
-def i6_answered_is_never_quarantined(world: World) -> None:
-    """I6: a fingerprint answered successfully by a replica (its sidecar said so in the records, or
-    the failing process had answered it) is never in force."""
-    records = world.records()
-    cleared = quarantine.cleared_in(world.q_settings, records, world.now)
-    for q in quarantine.active(records, world.now):
-        if q.fingerprint in cleared:
-            raise Broken(f"I6: {q.fingerprint} is refused though a replica answered it")
+# How long a success takes to reach every server at most: its replica's sidecar clears it in the
+# records at its next sync, and every sidecar pushes the list at its next.
+I6_REACH_S = 2 * SYNC_S + 2 * STEP_S
+
+
+def i6_answered_is_never_refused(world: World) -> None:
+    """I6, on what happened: a request answered by any replica of the fleet is refused by no server
+    from I6_REACH_S after that answer until the quarantine's window has passed since it."""
+    window = world.q_settings.window
+    for at, pod in world.popular_refused:
+        answered = [a for a in world.popular_answers if at - window <= a <= at - I6_REACH_S]
+        if answered:
+            raise Broken(f"I6: {pod} refused the popular request at {at:.0f}, answered at {answered[-1]:.0f}")
 
 
 def i6_settled(world: World) -> None:
-    """I6 once settled: the popular request, answered all along, is refused nowhere."""
+    """I6 once settled: the popular request, answered all along, is refused by no server that takes
+    requests (their screens asked)."""
     if world.popular in world.answered_at:
-        refusing = [p.name for p in world.alive() if world.popular in p.server.refuses]
-        active = [q.fingerprint for q in quarantine.active(world.records(), world.now)]
-        if world.popular in active or refusing:
-            raise Broken(f"I6: the popular request is refused (active: {active}, by {refusing})")
+        refusing = [p.name for p in world.alive() if p.server.admits(world.now)
+                    and p.server.refuses(world.prints(world.popular_body))]
+        if refusing:
+            raise Broken(f"I6: the popular request is refused by {refusing}")
 
 
 def i7_killer_refused(world: World) -> None:
     """I7: a request in flight at KILLER_FAILURES failures (on as many processes) of the workload, that
     no replica ever answered, is in force (or lifted since), whatever decoys came with it."""
     records = world.records()
-    k = world.killer
-    at = {(f.pod, f.process) for f in records.failures if k in f.inflight and f.at > world.lifted.get(k, -1e18)}
-    if len(at) >= KILLER_FAILURES and k not in {q.fingerprint for q in quarantine.active(records, world.now)}:
+    at = world.killer_failures_recorded(records)
+    if len(at) >= KILLER_FAILURES and not world.killer_prints & {q.fingerprint
+                                                                  for q in quarantine.active(records, world.now)}:
         raise Broken(f"I7: the killer was in flight at {len(at)} recorded failures with {len(world.decoys)}"
                      " decoys and is not refused")
 
@@ -129,7 +127,7 @@ def i8_lift_holds(world: World) -> None:
                          f" with {len(after)} failures after it")
 
 
-EVERY_STEP = (i1_max_unavailable, i2_event_first, i5_lineage_bounded, i6_answered_is_never_quarantined,
+EVERY_STEP = (i1_max_unavailable, i2_event_first, i5_lineage_bounded, i6_answered_is_never_refused,
               i7_killer_refused, i8_lift_holds)
 SETTLED = (i4_no_zombie, i6_settled)
 

@@ -91,7 +91,7 @@ class FleetMachine(RuleBasedStateMachine):
 
     @rule()
     def an_operator_lifts_the_killer(self) -> None:
-        self.world.lift(self.world.killer)
+        self.world.lift_killer()
 
     @invariant()
     def holds(self) -> None:

@@ -10,6 +10,12 @@ failing run to the shortest one). A sidecar's read and its write of the Lease ar
 sidecars' writes come in between and are lost races (409), decided again on what the winner wrote,
 as the real `LeaseLedger.update` does. Every invariant is a function of the world (`invariants.py`).
 
+The servers keep the real request record and screen (`inference.screen`: `RequestBook`, the
+quarantine list, the fingerprints of real request bodies); the sidecars read a failure's evidence
+from the record's report as they read `GET /control/requests` (`quarantine.failure_from`) and push
+the list as `PUT /control/quarantine` takes it. The killer's client varies what does not matter to
+the bug between tries (its sampler, its spelling), as a hostile client does.
+
 What is simulated, not run: the canary's answer (each sidecar's canary, once a second, times out
 on a hung server, is refused by one down or loading, and served otherwise), the drain, the kubelet,
 the scheduler (a pod we restarted is replaced on its node: the lineage a restart loop is bounded
@@ -22,9 +28,20 @@ opens, what counts as evidence, what is quarantined and when it clears.
 from __future__ import annotations
 
 import dataclasses
+import json
 import random
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
+from gpu_watchdog.inference.screen import (
+    QuarantinedRequest,
+    QuarantineList,
+    RequestBook,
+    Screen,
+    parse_entry,
+    workload_key,
+)
 from gpu_watchdog.watchdog import fleet, policy, procedure, quarantine, state
 from gpu_watchdog.watchdog.app import BUDGET_READ_S
 from gpu_watchdog.watchdog.history import History
@@ -40,29 +57,78 @@ DETECT_S = PolicySettings().hang.consecutive_timeouts * CANARY_S
 LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (seeded, per pod)
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
 SYNC_S = 5.0  # each sidecar reads the quarantine and pushes it to its server this often
-COMPLETED_KEPT = 256
+# A new server process waits this long at most for its sidecar's list before it serves without it
+# (`serve --quarantine-wait`, as the chart starts it).
+QUARANTINE_WAIT_S = 60.0
+MODEL = "sim-model"  # every replica's: one fingerprint key for the workload
+KILLER_PROMPT = "compute the shape that wedges the kernel"
+
+
+Prints = tuple[str | None, str | None]  # a request's fingerprint and input fingerprint (`Screen.prints`)
 
 
 @dataclass
 class Server:
-    """A pod's inference process: serving, hung, or down after a crash."""
+    """A pod's inference process: serving, hung, or down after a crash; its screen (the request
+    record and the quarantine list) is the real one, on the world's clock."""
 
     process: str
     started_at: float
+    screen: Screen
     hung_since: float | None = None
     down_until: float | None = None  # crashed: started again in place at this time
-    inflight: list[str] = field(default_factory=list)
-    completed: list[str] = field(default_factory=list)
-    refuses: set[str] = field(default_factory=set)  # the quarantine pushed to it
 
     def serving(self, now: float) -> bool:
+        """Its model answers (the control canary too)."""
         return self.hung_since is None and self.down_until is None
 
-    def answered(self, fp: str) -> None:
-        if fp in self.completed:
-            self.completed.remove(fp)
-        self.completed.append(fp)
-        del self.completed[:-COMPLETED_KEPT]
+    def admits(self, now: float) -> bool:
+        """It takes clients' requests: serving, and its sidecar's quarantine list in force (or the
+        wait for it over)."""
+        return self.serving(now) and (self.screen.quarantine.received or now - self.started_at >= QUARANTINE_WAIT_S)
+
+    def refuses(self, prints: Prints) -> bool:
+        try:
+            self.screen.check(*prints)
+        except QuarantinedRequest:
+            return True
+        return False
+
+    def run(self, requests: list[Prints], ok: bool) -> list[int]:
+        """Admit these requests (those not refused) in one step; answered successfully when `ok`, else
+        left in flight (the step failed). Their tickets."""
+        tickets: list[int] = []
+        for fp, input_fp in requests:
+            try:
+                self.screen.check(fp, input_fp)
+            except QuarantinedRequest:
+                continue
+            ticket = self.screen.admit(fp, input_fp)
+            if ticket is not None:
+                tickets.append(ticket)
+        if ok:
+            for t in tickets:
+                self.screen.done(t, True)
+        return tickets
+
+
+def new_server(process: str, now: float, clock: Callable[[], float]) -> Server:
+    screen = Screen(process, MODEL)
+    screen.book = RequestBook(process, clock)
+    screen.quarantine = QuarantineList(clock)
+    return Server(process, now, screen)
+
+
+def killer_body(rnd: random.Random) -> dict[str, object]:
+    """The killer as its client sends it this time: its fatal prompt, as a completion or a chat, with a
+    setting that changes nothing of the bug (another sampler, seed, length, a stop that never matches)."""
+    spelt: dict[str, object] = {"prompt": KILLER_PROMPT} if rnd.random() < 0.5 else {
+        "messages": [{"role": "user", "content": KILLER_PROMPT}]}
+    settings: list[dict[str, object]] = [
+        {"temperature": round(rnd.uniform(0.0, 1.5), 2)}, {"seed": rnd.randrange(1 << 30)},
+        {"top_p": round(rnd.uniform(0.5, 1.0), 3)}, {"max_tokens": rnd.randint(1, 64)},
+        {"stop": [f"never {rnd.randrange(1 << 30)}"]}, {"presence_penalty": 1e-9}]
+    return {**spelt, **rnd.choice(settings)}
 
 
 @dataclass
@@ -132,6 +198,11 @@ class Removal:
     at: float
     reason: str
     by_us: bool
+    # Ground truth as the pod left: the desired replicas, the pods that serve once it is gone, and the
+    # replicas out because of us with it (restarted, their stand-in not serving yet).
+    desired: int = 0
+    serving_after: int = 0
+    out_after: int = 0
 
 
 @dataclass
@@ -176,11 +247,22 @@ class World:
         self.api_errors = 0
         self.drains = 0  # pods removed by someone else (a node drain)
         self.leases_lost = 0  # the Lease's annotations lost (an operator's cleanup, an etcd restore)
-        # The request mix's ground truth.
-        self.killer = "killer"
-        self.decoys = tuple(f"decoy{i}" for i in range(knobs.decoys))
-        self.popular = "popular"
+        # The request mix's ground truth: real bodies, fingerprinted as every server does.
+        self.key = workload_key(MODEL)
+        self._prints: dict[str, Prints] = {}
+        # Its client's own choices (a generator of its own: the world's moves stay as they were seeded).
+        self.client = random.Random(seed + 1)
+        killer = input_fingerprint(self.key, {"prompt": KILLER_PROMPT})  # its input: the same every try
+        assert killer is not None
+        self.killer: str = killer
+        self.killer_prints: set[str] = {self.killer}  # every fingerprint a try of it had
+        self.decoys = tuple({"prompt": f"decoy {i}", "max_tokens": 8} for i in range(knobs.decoys))
+        self.popular_body = {"prompt": "the popular question", "max_tokens": 8}
+        self.popular = fingerprint(self.key, self.popular_body)
+        self.popular_refused: list[tuple[float, str]] = []  # ground truth: (when, by which pod) it was refused
+        self.popular_answers: list[float] = []  # ground truth: when it was answered (anywhere)
         self.tries = 0
+        self.killer_refused = 0  # tries refused (ground truth: what the servers answered)
         self.killer_failures = 0  # failures the killer caused
         # F: the killer's failures in the records when it was quarantined (each time, lifts between).
         self.killer_f: list[int] = []
@@ -193,6 +275,7 @@ class World:
         for _ in range(knobs.replicas):
             pod = self._create(growth=False, ready_now=True)
             pod.served_once, pod.first_served_at = True, self.now
+            pod.server.screen.quarantine.replace([])  # its sidecar's first list, before the run
         self.canaries()  # the pods there before the run served: their sidecars saw it
 
     # -- the cluster -------------------------------------------------------------------------------
@@ -201,7 +284,7 @@ class World:
                 template: str | None = None, node: str | None = None) -> Pod:
         self.names += 1
         name = f"p{self.names}"
-        server = Server(f"{name}-1", self.now)
+        server = new_server(f"{name}-1", self.now, self.clock)
         load = 0.0 if ready_now else float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
         pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
                   replaces=replaces, growth=growth)
@@ -209,6 +292,18 @@ class World:
         self.sidecars[name] = Sidecar(name, History(started_at=self.now, epoch=self.now, pod=name, node=pod.node,
                                                     strategy="evict", budget_from_events=True))
         return pod
+
+    def clock(self) -> float:
+        return self.now
+
+    def prints(self, body: dict[str, object]) -> Prints:
+        """`Screen.prints` of a body, as every server computes it (one key for the workload), once per
+        body: the simulation sends the same few bodies thousands of times."""
+        text = json.dumps(body, sort_keys=True)
+        found = self._prints.get(text)
+        if found is None:
+            found = self._prints[text] = (fingerprint(self.key, body), input_fingerprint(self.key, body))
+        return found
 
     def alive(self) -> list[Pod]:
         return [p for p in self.pods.values() if p.alive]
@@ -242,7 +337,9 @@ class World:
         if car is not None:
             self._leaving(car, pod)
         pod.removed_at = self.now
-        self.removals.append(Removal(pod.name, self.now, reason, by_us))
+        out = len({p.replaces for p in self.alive() if p.replaces is not None and p.first_served_at is None})
+        self.removals.append(Removal(pod.name, self.now, reason, by_us, self.desired,
+                                     sum(1 for p in self.alive() if p.serves(self.now)), out + int(by_us)))
         self.sidecars.pop(pod.name, None)
         if len([p for p in self.alive() if p.template == pod.template]) < self.rs.get(pod.template, 0):
             # Where the pod's GPU frees, its replacement goes: a restart loop stays on one node.
@@ -253,7 +350,8 @@ class World:
         """The pod's Ready condition: what its sidecar's readiness (`policy.serviceable`, the real
         rule behind `/readyz`) says of its history, as the kubelet probes it."""
         car = self.sidecars.get(pod.name)
-        return pod.alive and car is not None and policy.serviceable(car.history, self.policy, self.now)
+        return pod.alive and car is not None and policy.serviceable(car.history, self.policy, self.now) \
+            and pod.server.admits(self.now)
 
     def census(self) -> fleet.Census:
         """What a LIST of the workload's pods and a GET of its Deployment answer now."""
@@ -333,41 +431,60 @@ class World:
         self.trace.append(f"{self.now:.0f} sick {node}")
 
     def popular_traffic(self) -> None:
-        """The popular request and one-offs answered by every serving replica that does not refuse them."""
+        """The popular request answered by every replica that takes requests and does not refuse it."""
         for pod in self.alive():
-            if pod.serves(self.now) and self.popular not in pod.server.refuses:
-                pod.server.answered(self.popular)
-                self.answered_at[self.popular] = self.now
+            if not (pod.serves(self.now) and pod.server.admits(self.now)):
+                continue
+            if pod.server.refuses(self.prints(self.popular_body)):
+                self.popular_refused.append((self.now, pod.name))
+                continue
+            pod.server.run([self.prints(self.popular_body)], ok=True)
+            self.answered_at[self.popular] = self.now
+            if not self.popular_answers or self.popular_answers[-1] != self.now:
+                self.popular_answers.append(self.now)
 
     def killer_try(self) -> None:
-        """The killer's client: the killer, its decoys in flight beside it, a fresh one-off after it
-        (the newest arrival), to one replica that serves; it crashes that replica's server unless refused."""
-        serving = [p for p in self.alive() if p.serves(self.now)]
+        """The killer's client: the killer (its sampler or spelling new each try), its decoys in flight
+        beside it, the popular request, a fresh one-off after it, in one step of one replica that takes
+        requests; the step crashes that replica's server unless the killer is refused."""
+        serving = [p for p in self.alive() if p.serves(self.now) and p.server.admits(self.now)]
         if not serving:
             return
         pod = self.random.choice(serving)
-        if self.killer in pod.server.refuses:
+        prints = self.prints(killer_body(self.client))
+        assert prints[0] is not None and prints[1] == self.killer
+        self.killer_prints.add(prints[0])
+        if pod.server.refuses(prints):
+            self.killer_refused += 1
             return
         self.tries += 1
-        one_off = f"one-off-{self.tries}"
-        inflight = [self.killer, *self.decoys, self.popular, one_off]
+        one_off = {"prompt": f"one-off {self.tries}", "max_tokens": 8}
         server = pod.server
-        server.inflight = inflight
+        ran = server.run([prints, *(self.prints(d) for d in self.decoys), self.prints(self.popular_body),
+                          self.prints(one_off)], ok=False)
+        server.screen.book.failed(ran)
         server.down_until = self.now + RESTART_IN_PLACE_S
         self.killer_failures += 1
         self.crashes.append((pod.name, server.process))
-        failure = quarantine.Failure(self.now, pod.name, server.process, CONTEXT_LOSS,
-                                     tuple(reversed(inflight)), one_off, tuple(reversed(server.completed)))
+        # What the sidecar reads from `GET /control/requests` and records.
+        failure = quarantine.failure_from(server.screen.book.report(), pod.name, CONTEXT_LOSS, self.now)
         self.trace.append(f"{self.now:.0f} killer crashes {pod.name} ({self.killer_failures})")
         self._begin_record(self.sidecars[pod.name], failure)
 
-    def lift(self, fingerprint: str) -> None:
+    def lift_killer(self) -> None:
+        """An operator lifts what refuses the killer (`gpu-watchdog quarantine lift FP`, each entry)."""
         version, _, records = self._read()
-        new, was = quarantine.lift_records(records, fingerprint, self.now)
-        if was and self._write(version, records=new) == "ok":
-            self.lifted[fingerprint] = self.now
-            self.lifted_after[fingerprint] = len(self.crashes)
-            self.trace.append(f"{self.now:.0f} lift {fingerprint}")
+        new, lifted = records, []
+        for q in quarantine.active(records, self.now):
+            if q.fingerprint in self.killer_prints:
+                new, was = quarantine.lift_records(new, q.fingerprint, self.now)
+                if was:
+                    lifted.append(q.fingerprint)
+        if lifted and self._write(version, records=new) == "ok":
+            for fp in {*lifted, self.killer}:
+                self.lifted[fp] = self.now
+                self.lifted_after[fp] = len(self.crashes)
+            self.trace.append(f"{self.now:.0f} lift {', '.join(lifted)}")
 
     # -- the sidecars ------------------------------------------------------------------------------
 
@@ -395,7 +512,8 @@ class World:
         server = pod.server
         if server.down_until is not None and self.now >= server.down_until:
             pod.starts += 1
-            pod.server = Server(f"{name}-{pod.starts}", self.now, refuses=set(server.refuses))
+            pod.server = new_server(f"{name}-{pod.starts}", self.now, self.clock)  # awaits its sidecar's list
+            car.synced_at = -1e9  # which pushes it at its next sync
         if pod.serves(self.now):
             car.blocked = False  # no restart wanted: nothing held back any more
             if not pod.served_once:
@@ -458,8 +576,8 @@ class World:
         assert step is not None
         server = pod.server
         if step.kind == procedure.EVIDENCE:
-            failure = quarantine.Failure(self.now, pod.name, server.process, HANG, tuple(server.inflight), None,
-                                         tuple(server.completed))
+            server.screen.book.stalled()
+            failure = quarantine.failure_from(server.screen.book.report(), pod.name, HANG, self.now)
             self._begin_record(car, failure)  # written beside the restart: committed at its next step
             car.proc = procedure.advance(car.proc, step, inflight=failure.inflight)
         elif step.kind == procedure.READ_BUDGET:
@@ -497,16 +615,28 @@ class World:
     def _sync(self, car: Sidecar, pod: Pod) -> None:
         version, _, records = self._read()
         car.synced_at = self.now
-        pod.server.refuses = {q.fingerprint for q in quarantine.active(records, self.now)}
-        new, _removed = quarantine.clear(self.q_settings, records, pod.server.completed, pod.name, self.now)
+        self._push(pod, records)
+        answered = quarantine.answered_in(pod.server.screen.book.report())
+        new, _removed = quarantine.clear(self.q_settings, records, answered, pod.name, self.now)
         if new != records:
             car.pending = Pending("clear", version, records=new)
+
+    def _push(self, pod: Pod, records: quarantine.Records) -> None:
+        """`PUT /control/quarantine`, as the server's control API parses it."""
+        pod.server.screen.quarantine.replace([parse_entry(e) for e in quarantine.server_entries(records, self.now)])
+
+    def killer_failures_recorded(self, records: quarantine.Records) -> set[tuple[str, str]]:
+        """The (pod, process) of each recorded failure the killer was in flight at, after its last lift."""
+        lifted = self.lifted.get(self.killer, -1e18)
+        return {(f.pod, f.process) for f in records.failures
+                if f.at > lifted and self.killer_prints & {*f.inflight, *f.inputs}}
 
     def _leaving(self, car: Sidecar, pod: Pod) -> None:
         """A stopping sidecar clears what its server answered (`Executor.leaving`): one read and one
         write, lost to a race or an API error like any other."""
         version, _, records = self._read()
-        new, _removed = quarantine.clear(self.q_settings, records, pod.server.completed, pod.name, self.now)
+        answered = quarantine.answered_in(pod.server.screen.book.report())
+        new, _removed = quarantine.clear(self.q_settings, records, answered, pod.name, self.now)
         if new != records:
             self._write(version, records=new)
 
@@ -530,13 +660,11 @@ class World:
         if p.what == "record":
             assert p.failure is not None
             car.recorded.add((p.failure.process, p.failure.reason))
-            if p.failure.reason == CONTEXT_LOSS or any(q.fingerprint == self.killer for q in p.new_quarantine):
-                pod.server.refuses |= {q.fingerprint for q in quarantine.active(self.records(), self.now)}
-            if any(q.fingerprint == self.killer for q in p.new_quarantine):
-                records = self.records()
-                lifted = self.lifted.get(self.killer, -1e18)
-                self.killer_f.append(len({(f.pod, f.process) for f in records.failures
-                                          if self.killer in f.inflight and f.at > lifted}))
+            killer = any(q.fingerprint in self.killer_prints for q in p.new_quarantine)
+            if p.failure.reason == CONTEXT_LOSS or killer:
+                self._push(pod, self.records())
+            if killer:
+                self.killer_f.append(len(self.killer_failures_recorded(self.records())))
         elif p.what == "replaced":
             pod.served_once = True
         elif p.what == "give_back":
