@@ -34,7 +34,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpu_watchdog.contract import CanaryResult
+from gpu_watchdog.contract import CanaryProbe, CanaryResult
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.faults import FaultInjector
 from gpu_watchdog.inference.guard import Admitted, Guard
@@ -215,8 +215,12 @@ class Agent:
                 raise replacement from exc
             raise
 
-    async def canary(self, timeout: float) -> CanaryResult:
-        """The registered function on the canary's reserved slot: a busy app still answers it."""
+    async def canary(self, timeout: float, probe: CanaryProbe | None = None) -> CanaryResult:
+        """The registered function on the canary's reserved slot: a busy app still answers it. A
+        correctness probe is the app's own check (`register_canary` returning its answer), never ours."""
+        if probe is not None:
+            return CanaryResult(False, 0.0, "other", "probe: the agent answers no correctness probe; the app's"
+                                " canary is its own check")
         if self._canary_fn is None:
             return CanaryResult(False, 0.0, "other", "no canary function registered (agent.register_canary)")
         return await self.guard.canary(timeout, lambda: self._canary_pool.submit(self._run_canary))
