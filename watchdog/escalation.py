@@ -15,10 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RESTART_REASONS
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, CORRUPT, HANG, RESTART_REASONS
 from gpu_watchdog.watchdog.settings import EscalationSettings
 
 CURING_REASONS = (CONTEXT_LOSS, HANG)  # restarts meant to cure the GPU's state, not the process's age
+# Restarts that, when they do not cure, make the card suspect. A corrupt answer is no request's fault,
+# so it is not among the curing reasons whose in-flight requests are the query of death's evidence.
+SUSPECT_REASONS = (*CURING_REASONS, CORRUPT)
 GPUS_ANNOTATION = "gpu-watchdog.io/gpus"
 REASON_ANNOTATION = "gpu-watchdog.io/reason"
 XID_ANNOTATION = "gpu-watchdog.io/xid"
@@ -79,7 +82,7 @@ def suspects(settings: EscalationSettings, records: list[RestartRecord], now: fl
     """Our GPUs with at least `restarts` curing restarts within `window`."""
     by_gpu: dict[str, list[RestartRecord]] = defaultdict(list)
     for r in records:
-        if r.reason in CURING_REASONS and now - r.at < settings.window:
+        if r.reason in SUSPECT_REASONS and now - r.at < settings.window:
             for uuid in r.gpus:
                 by_gpu[uuid].append(r)
     return [Suspect(uuid, tuple(sorted(rs, key=lambda r: r.at))) for uuid, rs in sorted(by_gpu.items())

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import edges, escalation, fleet, ladder, placement, procedure, quarantine
+from gpu_watchdog.watchdog import correctness, edges, escalation, fleet, ladder, placement, procedure, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
@@ -138,6 +138,9 @@ class FleetLedger(Protocol):
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None: ...
     def read_placement(self) -> placement.Records: ...
     def update_placement(self, decide: Callable[[placement.Records, float], tuple[placement.Records, T]]) -> T: ...
+    def read_correctness(self) -> correctness.Records: ...
+    def update_correctness(self, decide: Callable[[correctness.Records, float], tuple[correctness.Records, T]]
+                           ) -> T: ...
 
 
 class Executor:
@@ -831,6 +834,15 @@ class Executor:
             log.info("fleet_replica_back", replaced=slot.pod, reason=slot.reason,
                      restarting_s=round(self.wall_clock() - slot.at, 3))
         return True
+
+    async def own_template(self) -> str | None:
+        """Our pod's template (its pod-template-hash), None where it cannot be read."""
+        if self.ledger is None:
+            return None
+        try:
+            return (await self._own_pod()).template
+        except Exception:  # an API that does not answer: the reference's key says `unknown`
+            return None
 
     async def _own_pod(self) -> OwnPod:
         own = self.edge.own_pod

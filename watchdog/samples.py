@@ -176,6 +176,17 @@ class CanarySample:
 
 
 @dataclass(frozen=True)
+class ProbeSample:
+    """One correctness probe compared with the fleet's agreed reference (`watchdog.correctness`):
+    `result` of correctness.RESULTS, and what differed (probe ids and token ids, never a prompt)."""
+
+    at: float
+    result: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    instance_id: str | None = None
+
+
+@dataclass(frozen=True)
 class ServerSample:
     """The target server's own signals from its Prometheus page (None: the server has no such figure)."""
 
