@@ -100,7 +100,7 @@ class AnswerCheck:
         """Every probe asked; a complete set of finite answers is this card's vote. Answers that an
         agreed reference already exists for are compared at once (a replacement checked at start)."""
         if self._reference is None:
-            await self._look(key)  # a fleet that agreed before us: our answers are compared at once
+            await self._look(key, quiet=True)  # a fleet that agreed before us: our answers are compared at once
         answers: list[correctness.Answer] = []
         for pid, prompt in self.prompts.items():
             got = await self._ask(prompt)
@@ -130,13 +130,17 @@ class AnswerCheck:
                 if ref is not None and answer.probe in correctness.informative(self.c, self._reference):
                     self._compared(correctness.compare(self.c, ref, answer), instance)
 
-    async def _look(self, key: str) -> None:
+    async def _look(self, key: str, quiet: bool = False) -> None:
+        """The agreement as the records stand (`quiet`: only taken where there is one)."""
         try:
             records = await asyncio.to_thread(self.ledger.read_correctness)
         except Exception as exc:
-            self._say("unreadable", "correctness_records_unavailable", error=str(exc)[:300])
+            if not quiet:
+                self._say("unreadable", "correctness_records_unavailable", error=str(exc)[:300])
             return
-        self._agreed(correctness.agree(self.c, records.entry(key), 0.0))
+        agreement = correctness.agree(self.c, records.entry(key), 0.0)
+        if not quiet or agreement.reference is not None:
+            self._agreed(agreement)
 
     def _agreed(self, agreement: correctness.Agreement) -> None:
         self._reference = agreement.reference
