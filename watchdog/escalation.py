@@ -53,6 +53,8 @@ class Suspect:
     driver_says: str | None = None
     node_action: str | None = None
     xid: int | None = None  # the Xid the driver's word came with
+    # Suspect on its answers: wrong again after a restart on it (what differed).
+    answers: str | None = None
 
     @property
     def reasons(self) -> list[str]:
@@ -102,6 +104,18 @@ def driver_says(reason: str, detail: Mapping[str, Any]) -> Suspect | None:
     xid = detail.get("xid")
     return Suspect(str(uuid), (), driver_says=str(word or node_action), node_action=str(node_action),
                    xid=xid if isinstance(xid, int) else None)
+
+
+def answers_wrong(reason: str, detail: Mapping[str, Any]) -> Suspect | None:
+    """A process restarted for corrupt answers whose successor on the same card answers wrong again: the
+    card is suspect now (the Node is told), whatever the rung can do about it."""
+    if reason != CORRUPT or not detail.get("after_restart"):
+        return None
+    gpus = list(detail.get("gpus") or [])
+    differed = detail.get("differed") or {}
+    what = ", ".join(f"{k} {differed[k]}" for k in ("probe", "step", "expected", "got") if k in differed)
+    return Suspect(str(gpus[0] if len(gpus) == 1 else "unknown"), (),
+                   answers=f"its answers deviate from the fleet's reference again after a restart ({what})")
 
 
 def workload_restarts(records: list[RestartRecord], workload: str | None) -> tuple[RestartRecord, ...]:

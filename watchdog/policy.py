@@ -643,8 +643,12 @@ def _corrupt(settings: PolicySettings, h: History, now: float) -> Decision | Non
     if len(run) < c.consecutive:
         return None
     run.reverse()
-    again = [a for a in h.actions if a.action == "restart" and a.reason == CORRUPT and a.rung != RUNG_POD
+    # Ours in place, or any of our lineage's (the same card, else node) read back from the workload's
+    # Events: a pod restarted for it lands on the same card again as often as not.
+    again = [a.at for a in h.actions if a.action == "restart" and a.reason == CORRUPT and a.rung != RUNG_POD
              and now - a.at < settings.in_place.window]
+    again += [r.at for r in h.workload_restarts or () if r.reason == CORRUPT and same_lineage(h, r)
+              and now - r.at < settings.in_place.window and r.at not in again]
     detail: dict[str, Any] = {"evidence": "probes", "consecutive": len(run),
                               "deviations": [p.result for p in run[-c.consecutive:]], "differed": run[-1].detail}
     if again:

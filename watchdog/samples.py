@@ -247,6 +247,7 @@ class PastRestart:
     pod: str = ""
     node: str | None = None
     gpus: tuple[str, ...] = ()
+    reason: str = ""
 
 
 # Growth of active memory at idle, as a share of the card, above which the watchdog logs a

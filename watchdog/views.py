@@ -158,7 +158,8 @@ def status(settings: Settings, h: History, now: float, wall_now: float) -> dict[
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
             else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
-                         "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in e.suspects],
+                         "driver_says": sp.driver_says, "node_action": sp.node_action,
+                         "answers": sp.answers} for sp in e.suspects],
         "last_decisions": [d.to_json() for d in list(h.decisions)[-20:]],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }

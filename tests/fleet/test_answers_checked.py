@@ -1,0 +1,104 @@
+"""Answers checked across a fleet, end to end: three pods of one Deployment (real sidecars, real model
+servers answering with log-probabilities) against the API emulator. One card computes wrong from its
+first answer: the other two agree the reference in the workload's Lease, the sick card never becomes it,
+its pod is restarted within the stated number of probes, and its replacement on the same card answers
+wrong again: the Node hears that the card computes wrong. The other replicas are untouched.
+
+Prints one line of figures (read with `-s`)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from gpu_watchdog.watchdog import correctness
+from gpu_watchdog.watchdog.names import CORRUPT
+from tests.fleet.harness import Fleet
+from tests.integration.test_kubernetes import events as all_events
+
+pytestmark = pytest.mark.timeout(180)
+
+CONSECUTIVE = 2
+CONFIG = {"policy": {"correctness": {"enabled": True, "every": 1, "consecutive": CONSECUTIVE,
+                                     "prompts": ["alpha beta gamma", "delta epsilon"]}}}
+
+
+def decisions(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [e for e in lines if e.get("event") == "decision" and e.get("reason") == CORRUPT]
+
+
+async def test_a_card_that_computes_wrong_is_restarted_then_reported_and_never_the_reference(
+        kmock: Any, tmp_path: Path) -> None:
+    async with Fleet(kmock, tmp_path, replicas=3, sidecar_config=CONFIG, replacement_node="same",
+                     corrupt_nodes=frozenset({"node-0"})) as fleet:
+        first = fleet.pods()
+        [sick] = [p for p in first if p.node == "node-0"]
+        healthy = [p for p in first if p is not sick]
+        await fleet.wait_until(lambda: len(fleet.deletions()) >= 2, 90, "the sick card's pod restarted twice")
+        reports = await fleet.wait_until(
+            lambda: [e for e in all_events(kmock) if e.get("reason") == "GPUSuspect"
+                     and (e.get("regarding") or {}).get("name") == "node-0"], 30, "the Node told")
+        # Only the sick card's pods went; the healthy replicas were never restarted.
+        gone = [m.pod for m in fleet.deletions()]
+        [replacement, *_] = fleet.replacements()
+        assert gone[:2] == [sick.name, replacement.name], gone
+        assert replacement.node == "node-0"
+        assert all(p.alive for p in healthy)
+        assert not [d for p in healthy for d in decisions(p.log())]
+
+        # The reference is the healthy cards' agreement; the sick card voted and lost.
+        lease = kmock.lease(fleet.namespace, f"gpu-watchdog-{fleet.deployment}")
+        records = correctness.parse(lease["metadata"]["annotations"][correctness.ANNOTATION])
+        [entry] = records.entries
+        assert entry.reference is not None and entry.reference.cards == ("node-1", "node-2")
+        assert "node-0" in {s.card for s in entry.submissions}
+        assert entry.key.startswith("m|")
+
+        # Detected within the stated number of probes: the first decision on the deviations that made it.
+        [first_decision] = decisions(sick.log())
+        assert first_decision["detail"]["consecutive"] == CONSECUTIVE and "after_restart" not in first_decision["detail"]
+        assert first_decision["detail"]["differed"]["got"] == " #"
+        deviations = [e for e in sick.log() if e.get("event") == "correctness_deviation"]
+        assert len(deviations) == CONSECUTIVE
+        # Its replacement on the same card: wrong again, the pod's rung, and the card reported.
+        [again] = decisions(replacement.log())
+        assert again["detail"]["after_restart"] >= 1
+        [suspect] = [e for e in replacement.log() if e.get("event") == "gpu_suspect"]
+        assert suspect["trigger"] == "answers"
+        note = reports[0].get("note") or ""
+        assert "reference again after a restart" in note, note
+        # The healthy sidecars compared their probes and found them matching.
+        for p in healthy:
+            status = await fleet.status(p)
+            assert status["correctness"]["reference"]["agreed"] is True
+            assert status["correctness"]["deviations_in_a_row"] == 0
+        print(json.dumps({"scenario": "answers_checked", "replicas": 3,
+                          "probes_to_first_restart": len(deviations),
+                          "restarts": len(fleet.deletions()), "node_reports": len(reports)}))
+
+
+async def test_two_cards_that_disagree_agree_on_nothing_and_nothing_is_restarted(kmock: Any, tmp_path: Path) -> None:
+    """One card wrong from boot, one right: no majority, so no reference, so no restart, and both say so."""
+    async with Fleet(kmock, tmp_path, replicas=2, sidecar_config=CONFIG, corrupt_nodes=frozenset({"node-0"})) as fleet:
+        pods = fleet.pods()
+
+        async def unagreed() -> bool:
+            for p in pods:
+                ref = (await fleet.status(p))["correctness"]["reference"] or {}
+                if ref.get("agreed") is not False or ref.get("why") != "1 card(s) answered alike, 2 needed":
+                    return False
+            return True
+
+        await fleet.wait_until(unagreed, 60, "both sidecars saying there is no agreed reference")
+        # Long enough for many probes: every canary interval, each one not compared.
+        await fleet.wait_until(lambda: sum(1 for p in pods for e in p.log()
+                                           if e.get("event") == "correctness_voted") >= 2, 30, "both voted")
+        for p in pods:
+            status = await fleet.status(p)
+            assert status["correctness"]["deviations_in_a_row"] == 0
+            assert all(x["result"] == correctness.NO_REFERENCE for x in status["correctness"]["last"])
+        assert fleet.deletions() == [] and all(p.alive for p in pods)
+        assert not [d for p in pods for d in decisions(p.log())]
