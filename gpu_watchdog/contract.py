@@ -92,8 +92,8 @@ class CanaryResult:
     nonfinite: bool = False
 
     def to_json(self, instance_id: str, draining: bool) -> dict[str, Any]:
-        out: dict[str, Any] = {"ok": self.ok, "latency_s": self.latency_s, "error_class": self.error_class, "error": self.error,
-               "instance_id": instance_id, "draining": draining}
+        out: dict[str, Any] = {"ok": self.ok, "latency_s": self.latency_s, "error_class": self.error_class,
+                               "error": self.error, "instance_id": instance_id, "draining": draining}
         if self.answer is not None:
             out["answer"] = self.answer
         if self.nonfinite:

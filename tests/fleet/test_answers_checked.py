@@ -59,7 +59,8 @@ async def test_a_card_that_computes_wrong_is_restarted_then_reported_and_never_t
 
         # Detected within the stated number of probes: the first decision on the deviations that made it.
         [first_decision] = decisions(sick.log())
-        assert first_decision["detail"]["consecutive"] == CONSECUTIVE and "after_restart" not in first_decision["detail"]
+        detail = first_decision["detail"]
+        assert detail["consecutive"] == CONSECUTIVE and "after_restart" not in detail
         assert first_decision["detail"]["differed"]["got"] == " #"
         deviations = [e for e in sick.log() if e.get("event") == "correctness_deviation"]
         assert len(deviations) == CONSECUTIVE
