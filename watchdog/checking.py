@@ -88,7 +88,8 @@ class AnswerCheck:
         await self.evaluate()
 
     async def _reference_key(self, h: History) -> str:
-        gpu = next((g.name for g in h.gpus if g.available and g.name), None)
+        gpu = next((f"{g.name} driver {g.driver}" if g.driver else g.name for g in h.gpus if g.available and g.name),
+                   None)
         device = gpu or next((t.device for t in reversed(h.torch) if t.reachable), None)
         return correctness.reference_key(await self.prober.model(), device, await self.template())
 

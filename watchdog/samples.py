@@ -23,6 +23,7 @@ class GpuSample:
     lost: bool = False
     # NVML's GPU recovery action (`xid_catalog.RECOVERY_ACTIONS`); None: this driver has no such field.
     recovery_action: int | None = None
+    driver: str | None = None  # the driver's version (NVML)
 
 
 @dataclass(frozen=True)
