@@ -2,7 +2,9 @@
 servers answering with log-probabilities) against the API emulator. One card computes wrong from its
 first answer: the other two agree the reference in the workload's Lease, the sick card never becomes it,
 its pod is restarted within the stated number of probes, and its replacement on the same card answers
-wrong again: the Node hears that the card computes wrong. The other replicas are untouched.
+wrong again: the Node hears that the card computes wrong, and with `policy.placement` on the card is
+kept out of the next placement. The other replicas are untouched; two cards that disagree agree on
+nothing, and nothing is restarted.
 
 Prints one line of figures (read with `-s`)."""
 
@@ -14,9 +16,11 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import correctness
+from gpu_watchdog.watchdog import correctness, placement
 from gpu_watchdog.watchdog.names import CORRUPT
-from tests.fleet.harness import Fleet
+from tests.fleet.cluster import Cluster
+from tests.fleet.harness import Fleet, deep_merge
+from tests.fleet.scheduler import Scheduler
 from tests.integration.test_kubernetes import events as all_events
 
 pytestmark = pytest.mark.timeout(180)
@@ -103,3 +107,24 @@ async def test_two_cards_that_disagree_agree_on_nothing_and_nothing_is_restarted
             assert all(x["result"] == correctness.NO_REFERENCE for x in status["correctness"]["last"])
         assert fleet.deletions() == [] and all(p.alive for p in pods)
         assert not [d for p in pods for d in decisions(p.log())]
+
+
+async def test_a_card_wrong_again_after_a_restart_is_kept_out_and_the_next_pod_lands_elsewhere(
+        kmock: Cluster, tmp_path: Path) -> None:
+    """With `policy.placement` on, the card the second restart blames is tainted before its pod goes, and
+    the replacement is placed on another card, where it answers right."""
+    scheduler = Scheduler(kmock, {"node-a": 1, "node-b": 1, "node-c": 1, "node-d": 1}, mode="dra")
+    config = deep_merge(CONFIG, {"restart": {"strategy": "evict"}, "policy": {"placement": {"strategy": "device"}}})
+    async with Fleet(kmock, tmp_path, replicas=3, sidecar_config=config, scheduler=scheduler,
+                     corrupt_nodes=frozenset({"node-a"})) as fleet:
+        [sick] = [p for p in fleet.pods() if p.node == "node-a"]
+        await fleet.wait_until(lambda: any(p.node == "node-d" and p.ready for p in fleet.pods()), 120,
+                               "a replacement on the free card, serving")
+        [rule] = kmock.stored("devicetaintrules")
+        assert rule["spec"]["deviceSelector"]["pool"] == "node-a"
+        assert "again after a restart" in rule["metadata"]["annotations"][placement.EVIDENCE_ANNOTATION]
+        on_a = [p for p in fleet.all_pods.values() if p.node == "node-a"]
+        assert on_a[0] is sick and len(on_a) == 2  # the sick card's pod, and its replacement there, once
+        assert all(not p.alive for p in on_a)
+        # Only node-a's pods were restarted: the replicas on the good cards were never touched.
+        assert {fleet.pod(m.pod).node for m in fleet.deletions()} == {"node-a"}
