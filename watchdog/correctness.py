@@ -151,17 +151,24 @@ def reference_key(model: str | None, device_class: str | None, template: str | N
 
 
 def from_control(probe: str, answer: Mapping[str, Any]) -> Answer:
-    """The bundled server's probe answer (`{"tokens": [...], "top": [[[id, logprob], ...], ...]}`);
-    ValueError when it is not one."""
+    """A control API's probe answer (`{"tokens": [...], "top": [[[id, logprob], ...], ...]}`; an agent's
+    app may give its tokens alone, as ids or texts); ValueError when it is not one."""
     tokens, tops = answer.get("tokens"), answer.get("top")
-    if not isinstance(tokens, list) or not isinstance(tops, list) or len(tokens) != len(tops) or not tokens:
-        raise ValueError("a probe answer has `tokens` and one `top` list per token")
+    if not isinstance(tokens, list) or not tokens or (tops is not None and (
+            not isinstance(tops, list) or len(tops) != len(tokens))):
+        raise ValueError("a probe answer has `tokens` and, where given, one `top` list per token")
     steps = []
-    for token, top in zip(tokens, tops, strict=True):
+    for i, token in enumerate(tokens):
+        if isinstance(token, bool) or not isinstance(token, int | str):
+            raise ValueError("a probe's token is an id or a text")
+        if tops is None:
+            steps.append(Step(str(token)))
+            continue
+        top = tops[i]
         pairs = [(str(p[0]), _float(p[1])) for p in top if isinstance(p, list) and len(p) == 2] \
             if isinstance(top, list) else []
-        if isinstance(token, bool) or not isinstance(token, int) or not pairs:
-            raise ValueError("a probe step has an integer token and [id, logprob] pairs")
+        if not pairs:
+            raise ValueError("a probe step's `top` is [token, logprob] pairs")
         steps.append(_step(str(token), pairs))
     return Answer(probe, tuple(steps))
 

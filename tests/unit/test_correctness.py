@@ -224,3 +224,30 @@ def test_settings_never_allow_acting_on_one_deviation_or_one_card() -> None:
         from_mapping({"restart": {"strategy": "none"}, "policy": {"correctness": {"consecutive": 1, "quorum": 1}}})
     assert "policy.correctness.consecutive" in str(err.value) and "policy.correctness.quorum" in str(err.value)
     assert dataclasses.replace(C, consecutive=3).consecutive == 3
+
+
+# -- the agent: the app's own answer -------------------------------------------------------------------------
+
+async def test_the_agent_answers_a_probe_with_the_apps_own_function_and_compares_like_any_other() -> None:
+    from gpu_watchdog.contract import CanaryProbe
+    from gpu_watchdog.inference.agent import Agent, AgentSettings
+
+    agent = Agent(AgentSettings())
+    probe = CanaryProbe("one", 2, 2)
+    refused = await agent.canary(5.0, probe)
+    assert not refused.ok and "register_probe" in (refused.error or "")
+
+    @agent.register_probe
+    def answer(prompt: str, n: int, k: int) -> dict[str, object]:
+        return {"tokens": [" a", " b"][:n], "top": [[[" a", -0.1], [" c", -3.0]], [[" b", -0.2], [" d", -2.9]]][:n]}
+
+    result = await agent.canary(5.0, probe)
+    assert result.ok and result.answer is not None
+    got = correctness.from_control(P1, result.answer)
+    assert correctness.compare(C, got, got).result == correctness.MATCH
+    # Tokens alone (an app without log-probabilities): the greedy tokens are compared.
+    alone = correctness.from_control(P1, {"tokens": [" a", " x"]})
+    assert correctness.compare(C, alone, correctness.from_control(P1, {"tokens": [" a", " y"]})).result == \
+        correctness.TOKEN
+    # The plain canary is unchanged.
+    assert not (await agent.canary(5.0)).ok
