@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -32,15 +31,16 @@ class LocalRecords:
     """The records where there is no Lease (`gpu-watchdog up`, no Kubernetes API): this card alone,
     which never makes a quorum, so nothing is ever acted on; the answers are still shown."""
 
-    def __init__(self) -> None:
+    def __init__(self, wall_clock: Callable[[], float]) -> None:
         self.records = correctness.Records()
+        self.wall_clock = wall_clock
 
     def read_correctness(self) -> correctness.Records:
         return self.records
 
     def update_correctness(self, decide: Callable[[correctness.Records, float], tuple[correctness.Records, Any]]
                            ) -> Any:
-        self.records, result = decide(self.records, time.time())
+        self.records, result = decide(self.records, self.wall_clock())
         return result
 
 
@@ -48,11 +48,12 @@ class AnswerCheck:
     def __init__(self, *, settings: Settings, prober: Prober, ledger: Any, metrics: WatchdogMetrics,
                  history: Callable[[], History], fold: Callable[[Outcome], None],
                  evaluate: Callable[[], Awaitable[None]], clock: Callable[[], float],
-                 template: Callable[[], Awaitable[str | None]], pod: str, node: str | None) -> None:
+                 wall_clock: Callable[[], float], template: Callable[[], Awaitable[str | None]], pod: str,
+                 node: str | None) -> None:
         self.settings = settings
         self.c = settings.policy.correctness
         self.prober = prober
-        self.ledger = ledger if ledger is not None else LocalRecords()
+        self.ledger = ledger if ledger is not None else LocalRecords(wall_clock)
         self.metrics = metrics
         self.history = history
         self.fold = fold
@@ -145,7 +146,9 @@ class AnswerCheck:
 
     def _agreed(self, agreement: correctness.Agreement) -> None:
         self._reference = agreement.reference
-        self.fold(CorrectnessSeen({**correctness.describe(agreement), "key": self._key}))
+        seen = {**correctness.describe(agreement), "key": self._key}
+        if seen != self.history().edge.correctness:
+            self.fold(CorrectnessSeen(seen))
         self.metrics.correctness_reference.set(1 if agreement.reference is not None else 0)
         if agreement.reference is None:
             self._record(correctness.NO_REFERENCE, {"why": agreement.why}, _instance(self.history()))

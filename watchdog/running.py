@@ -108,7 +108,8 @@ def _answer_check(wd: Watchdog, samplers: Samplers, session: aiohttp.ClientSessi
                     action="target.http answers no probe: policy.correctness is off for this target")
         return None
     return AnswerCheck(settings=s, prober=prober, ledger=wd.ledger, metrics=wd.metrics, history=lambda: wd.history,
-                       fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, template=executor.own_template,
+                       fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, wall_clock=wd.wall_clock,
+                       template=executor.own_template,
                        pod=s.kubernetes.pod_name, node=s.kubernetes.node_name or None)
 
 
