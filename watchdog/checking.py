@@ -68,6 +68,7 @@ class AnswerCheck:
         self._key: str | None = None
         self._next = 0
         self._said: str | None = None
+        self._nonfinite: float | None = None  # the engine's count of failed non-finite steps, as last read
 
     def interval(self) -> float:
         return self.settings.canary.interval * self.c.every
@@ -85,8 +86,19 @@ class AnswerCheck:
         elif self._reference is None:
             await self._look(key)
         if self._reference is not None:
+            self._engine_nonfinite(h, instance)
             await self._compare_next()
         await self.evaluate()
+
+    def _engine_nonfinite(self, h: History, instance: str | None) -> None:
+        """Steps the engine failed for non-finite logits since the last round (its metrics page): evidence
+        like a probe's, once a reference is agreed (the count starts again with a new process)."""
+        counts = [s.nonfinite for s in h.server_since_epoch() if s.nonfinite is not None]
+        if not counts:
+            return
+        seen, self._nonfinite = self._nonfinite, counts[-1]
+        if seen is not None and counts[-1] > seen:
+            self._record(correctness.NONFINITE, {"evidence": "engine", "steps": counts[-1] - seen}, instance)
 
     async def _reference_key(self, h: History) -> str:
         gpu = next((f"{g.name} driver {g.driver}" if g.driver else g.name for g in h.gpus if g.available and g.name),

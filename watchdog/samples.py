@@ -204,6 +204,8 @@ class ServerSample:
     progress: float | None = None
     kv_cache_usage_ratio: float | None = None
     preemptions: float | None = None
+    # Steps the engine failed because their logits held NaN or infinities (the bundled server's count).
+    nonfinite: float | None = None
 
     @property
     def pending(self) -> float:

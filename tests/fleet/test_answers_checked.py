@@ -128,3 +128,36 @@ async def test_a_card_wrong_again_after_a_restart_is_kept_out_and_the_next_pod_l
         assert all(not p.alive for p in on_a)
         # Only node-a's pods were restarted: the replicas on the good cards were never touched.
         assert {fleet.pod(m.pod).node for m in fleet.deletions()} == {"node-a"}
+
+
+async def test_the_bundled_server_corrupted_in_memory_is_restarted_and_its_replacement_answers_right(
+        kmock: Any, tmp_path: Path) -> None:
+    """Two bundled servers on the built-in model agree the reference through their control canaries;
+    one is then corrupted in memory (the `corrupt` fault: until its process exits). Its probes deviate,
+    it is restarted, and the new process, on a fresh card, answers as the reference says."""
+    config = deep_merge(CONFIG, {"policy": {"correctness": {"prompts": list(correctness.PROMPTS)}}})
+    async with Fleet(kmock, tmp_path, replicas=2, sidecar_config=config, model="serve", ready_timeout=120) as fleet:
+        sick, healthy = fleet.pods()
+
+        async def agreed(p: Any) -> bool:
+            ref = (await fleet.status(p))["correctness"]["reference"] or {}
+            return ref.get("agreed") is True
+
+        await fleet.wait_until(lambda: agreed(sick), 90, "the two replicas agreeing a reference")
+        await fleet.control(sick, "POST", "/control/fault", {"kind": "corrupt", "mode": "perturb", "amount": 50.0})
+        await fleet.wait_until(lambda: fleet.deletions(), 60, "the corrupted replica restarted")
+        assert [m.pod for m in fleet.deletions()] == [sick.name]
+        [decision] = decisions(sick.log())
+        assert all(d in correctness.DEVIATIONS for d in decision["detail"]["deviations"])
+        [replacement] = fleet.replacements()
+        await fleet.wait_until(lambda: replacement.ready, 90, "the replacement serving")
+        await fleet.wait_until(lambda: any(e.get("event") == "correctness_voted" for e in replacement.log()), 30,
+                               "the replacement's vote")
+        assert not decisions(replacement.log()) and not decisions(healthy.log())
+        assert healthy.alive and len(fleet.deletions()) == 1
+
+        async def matched() -> bool:
+            last = (await fleet.status(replacement))["correctness"]["last"]
+            return bool(last) and all(x["result"] == correctness.MATCH for x in last)
+
+        await fleet.wait_until(matched, 30, "the replacement's answers matching the reference")
