@@ -301,12 +301,6 @@ def submit(settings: CorrectnessSettings, records: Records, key: str, sub: Submi
     return Records((*others, entry)[-KEYS_KEPT:]), agreement
 
 
-def reset(records: Records, key: str | None = None) -> Records:
-    """An operator's reset: the reference (of one key, or every one) forgotten, to be agreed anew."""
-    return Records(tuple(replace(e, reference=None, submissions=()) if key in (None, e.key) else e
-                         for e in records.entries))
-
-
 # -- the annotation ---------------------------------------------------------------------------------------
 
 
