@@ -44,6 +44,39 @@ DRAIN_DEADLINE_MAX_S = 3600.0
 CANARY_ERROR_CLASSES = ("oom", "fatal_cuda", "timeout", "other", "unreachable")
 
 
+# A correctness probe (`POST /control/canary {"probe": {...}}`): a greedy generation of a few tokens
+# of a given prompt, answered with each step's top log-probabilities, on the canary's reserved slot.
+PROBE_PROMPT_MAX = 2000
+PROBE_TOKENS_MAX = 16
+PROBE_TOP_MAX = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class CanaryProbe:
+    prompt: str
+    max_tokens: int = 3
+    top_logprobs: int = 2
+
+    @classmethod
+    def parse(cls, data: object) -> CanaryProbe:
+        """ValueError naming the field (`probe.prompt`, ...) when `data` is not a probe."""
+        if not isinstance(data, dict):
+            raise ValueError("probe: must be an object {prompt, max_tokens, top_logprobs}")
+        prompt = data.get("prompt")
+        if not isinstance(prompt, str) or not 0 < len(prompt) <= PROBE_PROMPT_MAX:
+            raise ValueError(f"probe.prompt: must be a non-empty string of at most {PROBE_PROMPT_MAX} characters")
+        counts: list[int] = []
+        for name, default, top in (("max_tokens", 3, PROBE_TOKENS_MAX), ("top_logprobs", 2, PROBE_TOP_MAX)):
+            value = data.get(name, default)
+            if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= top:
+                raise ValueError(f"probe.{name}: must be an integer between 1 and {top}")
+            counts.append(value)
+        unknown = sorted(set(data) - {"prompt", "max_tokens", "top_logprobs"})
+        if unknown:
+            raise ValueError(f"probe.{unknown[0]}: unknown field")
+        return cls(prompt, counts[0], counts[1])
+
+
 @dataclasses.dataclass(frozen=True)
 class CanaryResult:
     """One canary: a real one-token inference on the reserved slot. `POST /control/canary` answers
@@ -53,10 +86,19 @@ class CanaryResult:
     latency_s: float
     error_class: str | None
     error: str | None = None
+    # A probe's answer: `tokens` (the greedy ids) and `top` (per step, [[id, logprob], ...] best first).
+    answer: dict[str, Any] | None = None
+    # The step's logits held NaN or infinities (the engine failed it rather than answer noise).
+    nonfinite: bool = False
 
     def to_json(self, instance_id: str, draining: bool) -> dict[str, Any]:
-        return {"ok": self.ok, "latency_s": self.latency_s, "error_class": self.error_class, "error": self.error,
-                "instance_id": instance_id, "draining": draining}
+        out: dict[str, Any] = {"ok": self.ok, "latency_s": self.latency_s, "error_class": self.error_class,
+                               "error": self.error, "instance_id": instance_id, "draining": draining}
+        if self.answer is not None:
+            out["answer"] = self.answer
+        if self.nonfinite:
+            out["nonfinite"] = True
+        return out
 
     @classmethod
     def parse(cls, data: object) -> tuple[CanaryResult, str | None, bool]:
@@ -69,7 +111,9 @@ class CanaryResult:
             raise ValueError(f"bad canary answer: {str(data)[:200]}")
         instance = data.get("instance_id")
         error = data.get("error")
-        return (cls(ok, float(latency), error_class, None if error is None else str(error)),
+        answer = data.get("answer")
+        return (cls(ok, float(latency), error_class, None if error is None else str(error),
+                    answer if isinstance(answer, dict) else None, data.get("nonfinite") is True),
                 instance if isinstance(instance, str) else None, data.get("draining") is True)
 
 

@@ -10,6 +10,7 @@ admits work.
 
     agent = Agent(AgentSettings(limit=4, control_port=8001))
     agent.register_canary(lambda: model(tiny_input))
+    agent.register_probe(lambda prompt, n, k: my_greedy_answer(prompt, n, k))   # optional: answers checked
     with agent.admit():            # in the worker thread, around the model call
         y = model(x)
 
@@ -34,7 +35,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
-from gpu_watchdog.contract import CanaryResult
+from gpu_watchdog.contract import CanaryProbe, CanaryResult
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.faults import FaultInjector
 from gpu_watchdog.inference.guard import Admitted, Guard
@@ -43,6 +44,9 @@ from gpu_watchdog.inference.metrics import InferenceMetrics
 from gpu_watchdog.inference.poison import EXIT_POISONED, exit_code, leave
 from gpu_watchdog.inference.screen import RequestAccount
 from gpu_watchdog.token import ensure_token
+
+# An app's answer to a correctness probe: (prompt, max_tokens, top_logprobs) -> {"tokens", "top"}.
+ProbeFn = Callable[[str, int, int], dict[str, Any]]
 
 log = structlog.get_logger(__name__)
 
@@ -114,6 +118,7 @@ class Agent:
         metrics.queued.set_function(lambda: self.gate.stats().waiting)
         self._describe_work = fingerprint
         self._canary_fn = canary
+        self._probe_fn: ProbeFn | None = None
         self._canary_pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="agent-canary")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._thread: threading.Thread | None = None
@@ -138,6 +143,14 @@ class Agent:
     def register_canary(self, fn: Callable[[], object]) -> Callable[[], object]:
         """The health inference (a tiny input, one token), run in a thread of its own; usable as a decorator."""
         self._canary_fn = fn
+        return fn
+
+    def register_probe(self, fn: ProbeFn) -> ProbeFn:
+        """The app's answer to a correctness probe: `fn(prompt, max_tokens, top_logprobs)` returns
+        `{"tokens": [...]}` (its greedy token ids or texts) and, where the app has them, `"top"`: per
+        token, `[[token, logprob], ...]` best first. The sidecar compares it with the reference the
+        replicas agreed; without `top`, the greedy tokens alone. Usable as a decorator."""
+        self._probe_fn = fn
         return fn
 
     def metrics_page(self) -> bytes:
@@ -215,8 +228,27 @@ class Agent:
                 raise replacement from exc
             raise
 
-    async def canary(self, timeout: float) -> CanaryResult:
-        """The registered function on the canary's reserved slot: a busy app still answers it."""
+    def _run_probe(self, probe: CanaryProbe) -> Any:
+        fn = self._probe_fn
+        assert fn is not None
+        try:
+            if self.faults is not None:
+                self.faults.before_forward(self.gate.stats().holders + 1)
+            return fn(probe.prompt, probe.max_tokens, probe.top_logprobs)
+        except BaseException as exc:
+            replacement = self.guard.recorded(exc)
+            if replacement is not None:
+                raise replacement from exc
+            raise
+
+    async def canary(self, timeout: float, probe: CanaryProbe | None = None) -> CanaryResult:
+        """The registered function on the canary's reserved slot: a busy app still answers it; with a
+        correctness probe, the app's registered probe function (`register_probe`)."""
+        if probe is not None:
+            if self._probe_fn is None:
+                return CanaryResult(False, 0.0, "other", "probe: no probe function registered (agent.register_probe)")
+            return await self.guard.canary(timeout, lambda: self._canary_pool.submit(self._run_probe, probe),
+                                           _probe_answer)
         if self._canary_fn is None:
             return CanaryResult(False, 0.0, "other", "no canary function registered (agent.register_canary)")
         return await self.guard.canary(timeout, lambda: self._canary_pool.submit(self._run_canary))
@@ -305,3 +337,9 @@ class Agent:
         self._canary_pool.shutdown(wait=False)
         self._loop = None
         self._thread = None
+
+
+def _probe_answer(value: Any) -> dict[str, Any]:
+    """The app's probe answer as the control API returns it; an answer of another shape is the sidecar's
+    to refuse (it reports it unanswered), never a failed canary."""
+    return value if isinstance(value, dict) else {"tokens": None, "error": f"not an object: {type(value).__name__}"}

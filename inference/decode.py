@@ -24,7 +24,14 @@ from gpu_watchdog.inference import batch, recovery, scoring
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.cpu_threads import ThreadSetter, plan
 from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult, TokenLogprob
-from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM, context_lost, is_fatal_cuda, is_oom
+from gpu_watchdog.inference.errors import (
+    FatalCudaError,
+    InferenceOOM,
+    NonFiniteLogits,
+    context_lost,
+    is_fatal_cuda,
+    is_oom,
+)
 from gpu_watchdog.inference.kv import (
     KVBatch,
     NotStitchable,
@@ -305,6 +312,16 @@ class DecodeLoop(PrefillSteps, LoopThread):
 
     def _logits(self, out: Any) -> torch.Tensor:
         logits = out.logits[:, -1, :].float()
+        if self.faults is not None:
+            logits = self.faults.on_logits(logits)
+        # NaN or +inf anywhere, or a row with nothing finite, is a card or kernel computing wrong: the
+        # step's sequences fail (never noise answered with 200). -inf alone is a model's own mask.
+        if bool(torch.isnan(logits).any() | torch.isposinf(logits).any()
+                | ~torch.isfinite(logits).any(dim=-1).all()):
+            if self.on_nonfinite is not None:
+                self.on_nonfinite()
+            raise NonFiniteLogits(f"the model's logits held NaN or infinities in a step of {logits.shape[0]}"
+                                  " sequence(s): not answered")
         allowed = self.lm.allowed_tokens
         if allowed is not None:
             logits = logits.masked_fill(~allowed[: logits.shape[-1]], float("-inf"))

@@ -16,7 +16,7 @@ from typing import Any
 import structlog
 import torch
 
-from gpu_watchdog.contract import CanaryResult
+from gpu_watchdog.contract import CanaryProbe, CanaryResult
 from gpu_watchdog.inference.decode import DecodeLoop
 from gpu_watchdog.inference.engine_api import EngineProbe, GenRequest, GenResult
 from gpu_watchdog.inference.errors import AdmissionTimeout, QueueFull, context_lost
@@ -87,7 +87,8 @@ class Engine:
         self._loop: DecodeLoop | BatchLoop
         hooks = LoopHooks(faults=self.guard.faults, on_progress=m.tokens.inc, on_prefill=m.prompt_tokens.inc,
                           on_step=m.batch_size.observe, on_oom=self.guard.oom, on_fatal=self.guard.poison,
-                          after_release=self._memory_guard, on_prefix_lookup=m.prefix_lookup)
+                          after_release=self._memory_guard, on_prefix_lookup=m.prefix_lookup,
+                          on_nonfinite=self.guard.nonfinite_step)
         if lm is not None:
             self._loop = DecodeLoop(lm, self.gate, max_rows=max_rows, hooks=hooks, prefill_tokens=prefill_tokens,
                                     score_chunk=score_chunk)
@@ -278,10 +279,14 @@ class Engine:
             jobs.append(self._items.new_job(item, n, 0.0 if canary else self.cost(n), canary=canary))
         return jobs
 
-    def _canary_job(self) -> Seq | Job:
-        """The canary's one item, the handler's sample (the causal LM's: a one-token generation), queued
-        at the head."""
+    def _canary_job(self, probe: CanaryProbe | None = None) -> Seq | Job:
+        """The canary's one item, the handler's sample (the causal LM's: a one-token generation), or a
+        correctness probe's greedy generation with its log-probabilities, queued at the head."""
         sample = self.handler.sample()
+        if probe is not None and isinstance(self._loop, DecodeLoop):
+            lm = self._decode.lm
+            sample = GenRequest(lm.codec.encode(probe.prompt), max_tokens=probe.max_tokens,
+                                logprobs=probe.top_logprobs, ignore_eos=True)
         if isinstance(self._loop, DecodeLoop):
             seq = self._decode.new_sequence(sample, 0.0, canary=True)
             self._decode.enqueue(seq)
@@ -300,11 +305,16 @@ class Engine:
         except RuntimeError:  # the loop is closed: nobody left to read them
             pass
 
-    async def canary(self, timeout: float) -> CanaryResult:
+    async def canary(self, timeout: float, probe: CanaryProbe | None = None) -> CanaryResult:
         """A real one-token generation on the same path (the handler's sample for a request-level
         one), joining the running batch at the next step on the gate's reserved slot: a busy but
-        healthy server answers it within a step."""
-        return await self.guard.canary(timeout, lambda: self._canary_job().future)
+        healthy server answers it within a step. With a probe: its tokens and log-probabilities."""
+        if probe is None:
+            return await self.guard.canary(timeout, lambda: self._canary_job().future)
+        if not isinstance(self._loop, DecodeLoop):
+            return CanaryResult(False, 0.0, "other", "probe: this handler generates no tokens")
+        return await self.guard.canary(timeout, lambda: self._canary_job(probe).future,
+                                       lambda r: probe_answer(r, probe.top_logprobs))
 
     # -- allocator ---------------------------------------------------------------------------
 
@@ -320,3 +330,11 @@ class Engine:
             return 0.0
         total = torch.cuda.get_device_properties(self.device).total_memory
         return float(torch.cuda.memory_reserved(self.device)) / float(total)
+
+
+def probe_answer(result: GenResult, top: int) -> dict[str, Any]:
+    """A probe's answer as the control API returns it: the greedy ids, and each step's best `top`
+    [id, logprob] pairs, best first (the chosen one is the best: the probe is greedy)."""
+    steps = result.logprobs or ()
+    return {"tokens": [e.token_id for e in steps],
+            "top": [[[t, lp] for t, lp in sorted(e.top, key=lambda p: -p[1])[:top]] for e in steps]}

@@ -62,6 +62,13 @@ class FatalCudaError(Exception):
     """The CUDA context is poisoned; the process must exit."""
 
 
+class NonFiniteLogits(Exception):
+    """A step's logits held NaN or infinities: its sequences fail rather than answer noise.
+
+    Not sticky: the context still runs, and whether the card computes wrong for good is the
+    sidecar's correctness probe to judge (a restart, then the card kept out)."""
+
+
 def is_oom(exc: BaseException) -> bool:
     if isinstance(exc, InferenceOOM):
         return True

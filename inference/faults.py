@@ -14,7 +14,11 @@ from typing import Any
 
 from gpu_watchdog.inference.errors import FatalCudaError
 
-FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "clear")
+FAULT_KINDS = ("context_loss", "oom", "hang", "fragmentation", "slow", "memory_cap", "corrupt", "clear")
+# How `corrupt` computes wrong: every logit moved by up to `amount` in a pattern fixed for the process
+# (a flipped weight bit moves scores; a wide margin survives a small move, a narrow one does not), or
+# NaN in every step (a kernel writing garbage).
+CORRUPT_MODES = ("perturb", "nonfinite")
 # The kinds that act on one request's work: with `when_prompt_contains`, they fire only for requests
 # whose prompt, messages or input contain the string, every time, until `clear` (a query of death).
 PER_REQUEST_KINDS = ("context_loss", "oom", "hang", "slow")
@@ -49,6 +53,9 @@ class FaultInjector:
         self.injected_ooms = 0
         self._when: dict[str, str] = {}  # kind -> the prompt substring it fires for
         self._slow_s_marked = 0.0
+        # Persistent until the process exits, as a bad memory row is: `clear` leaves it.
+        self._corrupt: tuple[str, float] | None = None
+        self._pattern: Any = None
 
     def marks(self, text: str) -> frozenset[str]:
         """The per-request faults a request with this prompt text triggers."""
@@ -92,6 +99,12 @@ class FaultInjector:
                 if "sequences" not in params:
                     raise FaultError("sequences: required (the most sequences the simulated card holds)")
                 self._memory_cap = _int_param(params, "sequences", 0, 1, 100_000)
+            elif kind == "corrupt":
+                mode = params.get("mode", "perturb")
+                if mode not in CORRUPT_MODES:
+                    raise FaultError(f"mode: must be one of {', '.join(CORRUPT_MODES)}")
+                self._corrupt = (mode, _float_param(params, "amount", 8.0, 0.0, 1e6))
+                self._pattern = None
             elif kind == "clear":
                 self._context_loss = False
                 self._oom_remaining = 0
@@ -110,6 +123,7 @@ class FaultInjector:
             "hang": self._hang.is_set(),
             "slow_s": self._slow_s,
             "memory_cap": self._memory_cap,
+            "corrupt": None if self._corrupt is None else {"mode": self._corrupt[0], "amount": self._corrupt[1]},
             "when_prompt_contains": {kind: len(s) for kind, s in self._when.items()},  # lengths, not texts
             "fragmentation": None
             if self._fragmentation is None
@@ -173,6 +187,22 @@ class FaultInjector:
             raise _oom_error()
         if self._hang.is_set():
             self._unhang.wait()
+
+    def on_logits(self, logits: Any) -> Any:
+        """Called in the loop thread with a step's logits [rows, vocab]: what a corrupt card computes."""
+        corrupt = self._corrupt
+        if corrupt is None:
+            return logits
+        mode, amount = corrupt
+        import torch
+
+        if mode == "nonfinite":
+            return torch.full_like(logits, float("nan"))
+        vocab = logits.shape[-1]
+        if self._pattern is None or self._pattern.shape[-1] != vocab or self._pattern.device != logits.device:
+            gen = torch.Generator().manual_seed(0x5EED)
+            self._pattern = (torch.rand(vocab, generator=gen) * 2 - 1).to(logits.device) * amount
+        return logits + self._pattern
 
     @property
     def fragmentation(self) -> Fragmentation | None:

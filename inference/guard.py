@@ -33,6 +33,7 @@ from gpu_watchdog.inference.errors import (
     Draining,
     FatalCudaError,
     InferenceOOM,
+    NonFiniteLogits,
     QueueFull,
     classify,
     context_lost,
@@ -72,6 +73,7 @@ class Guard:
         self.drain = Drain(clock)
         self.oom_count = 0
         self.empty_cache_count = 0
+        self.nonfinite_count = 0
         self.poison_reason: str | None = None
         # Called once, from whichever thread saw the sticky error, after it is recorded: the owner
         # schedules the exit (`linger`) on its own loop.
@@ -178,6 +180,15 @@ class Guard:
         freed = self.empty_cache()
         log.warning("oom", error=str(exc)[:200], freed_bytes=freed)
 
+    def nonfinite_step(self) -> None:
+        """A step's logits held NaN or infinities: its sequences failed. Counted and said; the process
+        goes on (the correctness probe tells a passing glitch from a card that computes wrong)."""
+        with self._lock:
+            self.nonfinite_count += 1
+        self.metrics.nonfinite.inc()
+        log.error("nonfinite_logits", instance_id=self.instance_id, steps=self.nonfinite_count,
+                  action="the step's sequences failed with an error")
+
     def poison(self, reason: str) -> None:
         """A sticky CUDA error: every later kernel would fail. Recorded once, in the thread that saw
         it, so what was in flight (the rows of the batch) is frozen before they are answered."""
@@ -223,7 +234,8 @@ class Guard:
 
     # -- the canary --------------------------------------------------------------------------
 
-    async def canary(self, timeout: float, start: Callable[[], Future[Any]]) -> CanaryResult:
+    async def canary(self, timeout: float, start: Callable[[], Future[Any]],
+                     answer: Callable[[Any], dict[str, Any]] | None = None) -> CanaryResult:
         """The health inference on the gate's reserved slot, so a busy but healthy process answers
         it: `start` begins it (a one-token generation queued at the head of the batch, an app's
         function in a thread) and returns its future."""
@@ -251,7 +263,10 @@ class Guard:
         except asyncio.CancelledError:
             raise
         except BaseException as exc:
-            return CanaryResult(False, loop.time() - begun, classify(exc), str(exc)[:300] or type(exc).__name__)
+            return CanaryResult(False, loop.time() - begun, classify(exc), str(exc)[:300] or type(exc).__name__,
+                                nonfinite=isinstance(exc, NonFiniteLogits))
+        if answer is not None:
+            return CanaryResult(True, loop.time() - begun, None, answer=answer(future.result()))
         return CanaryResult(True, loop.time() - begun, None)
 
     # -- the memory report -------------------------------------------------------------------

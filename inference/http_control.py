@@ -89,7 +89,7 @@ class ControlTarget(Protocol):
     def admission_capacity(self) -> float: ...
 
     def memory_report(self) -> dict[str, Any]: ...
-    async def canary(self, timeout: float) -> contract.CanaryResult: ...
+    async def canary(self, timeout: float, probe: contract.CanaryProbe | None = None) -> contract.CanaryResult: ...
     def set_admission_limit(self, limit: int) -> None: ...
 
 
@@ -229,10 +229,18 @@ class ControlAPI:
         try:
             body = await _optional_body(request)
             timeout = _number(body, "timeout", 10.0, 0.01, 600.0)
+            probe = None
+            if "probe" in body:
+                try:
+                    probe = contract.CanaryProbe.parse(body["probe"])
+                except ValueError as exc:
+                    field = str(exc).split(":", 1)[0]
+                    raise BadRequest(400, field, str(exc)) from None
         except BadRequest as exc:
             return _bad(exc)
-        result = await self.service.canary(timeout)
-        log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class)
+        result = await self.service.canary(timeout, probe)
+        log.info("canary", ok=result.ok, latency_s=round(result.latency_s, 4), error_class=result.error_class,
+                 probe=probe is not None)
         if self.service.guard.poisoned:
             self.service.guard.poison_reported.set()
         # The canary runs while drained (the model is still checked); the flag says the server refuses traffic.

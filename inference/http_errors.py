@@ -17,6 +17,7 @@ from gpu_watchdog.inference.errors import (
     Draining,
     FatalCudaError,
     InferenceOOM,
+    NonFiniteLogits,
     QueueFull,
 )
 from gpu_watchdog.inference.validation import BadRequest
@@ -45,6 +46,9 @@ def error_response(exc: BaseException, retry_after: int) -> web.Response:
     if isinstance(exc, FatalCudaError):
         return web.json_response({"error": {"message": "GPU context lost; the process is restarting",
                                             "type": "fatal_cuda", "param": None, "code": None}}, status=500)
+    if isinstance(exc, NonFiniteLogits):
+        return web.json_response({"error": {"message": str(exc), "type": "nonfinite", "param": None,
+                                            "code": None}}, status=500)
     return web.json_response({"error": {"message": "internal error", "type": "internal", "param": None,
                                         "code": None}}, status=500)
 

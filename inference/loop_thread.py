@@ -29,6 +29,7 @@ class LoopHooks:
     on_fatal: Callable[[str], object] | None = None
     after_release: Callable[[], object] | None = None  # a grant went back to the gate
     on_prefix_lookup: Callable[[int, int], object] | None = None  # prompt tokens looked up, found cached
+    on_nonfinite: Callable[[], object] | None = None  # a step's logits held NaN or infinities
 
 
 class LoopThread:
@@ -41,6 +42,7 @@ class LoopThread:
         self.on_fatal = hooks.on_fatal
         self.after_release = hooks.after_release
         self.on_prefix_lookup = hooks.on_prefix_lookup
+        self.on_nonfinite = hooks.on_nonfinite
         self.poison_reason: str | None = None
         self._cond = threading.Condition()
         self._stopping = False

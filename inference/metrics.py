@@ -35,6 +35,9 @@ class InferenceMetrics:
                                    " failures of the workload", registry=r)
         self.fatal = Counter("gpu_inference_fatal_errors", "Sticky CUDA errors that poisoned the process",
                              registry=r)
+        self.nonfinite = Counter("gpu_inference_nonfinite",
+                                 "Steps whose logits held NaN or infinities (their sequences failed, never answered)",
+                                 registry=r)
         self.prefix_queried = Counter("gpu_inference_prefix_cache_queried_tokens",
                                       "Prompt tokens looked up in the prefix cache", registry=r)
         self.prefix_hits = Counter("gpu_inference_prefix_cache_hit_tokens",

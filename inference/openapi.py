@@ -8,7 +8,15 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_watchdog.contract import DRAIN_DEADLINE_DEFAULT_S, DRAIN_DEADLINE_MAX_S, MemoryReport, record_schema
+from gpu_watchdog.contract import (
+    DRAIN_DEADLINE_DEFAULT_S,
+    DRAIN_DEADLINE_MAX_S,
+    PROBE_PROMPT_MAX,
+    PROBE_TOKENS_MAX,
+    PROBE_TOP_MAX,
+    MemoryReport,
+    record_schema,
+)
 from gpu_watchdog.contract import VERSION as __version__
 from gpu_watchdog.inference.capabilities import CLASSIFY, EMBED, GENERATE, PREDICT
 
@@ -296,8 +304,14 @@ def public_spec(max_tokens_limit: int, context_len: int, model_name: str,
 
 
 def control_spec() -> dict[str, Any]:
-    timeout_body = {"type": "object", "properties": {"timeout": {"type": "number", "minimum": 0.01,
-                                                                  "maximum": 600}}}
+    timeout = {"timeout": {"type": "number", "minimum": 0.01, "maximum": 600}}
+    canary_body = {"type": "object", "properties": {
+        **timeout,
+        "probe": {"type": "object", "required": ["prompt"], "additionalProperties": False, "properties": {
+            "prompt": {"type": "string", "minLength": 1, "maxLength": PROBE_PROMPT_MAX},
+            "max_tokens": {"type": "integer", "minimum": 1, "maximum": PROBE_TOKENS_MAX},
+            "top_logprobs": {"type": "integer", "minimum": 1, "maximum": PROBE_TOP_MAX}},
+            "description": "a correctness probe: answered greedily with each step's top log-probabilities"}}}
     obj = {"type": "object"}
     entry = {"type": "object", "required": ["fingerprint", "until"], "properties": {
         "fingerprint": {"type": "string", "pattern": "^[0-9a-f]{1,64}$"},
@@ -318,16 +332,22 @@ def control_spec() -> dict[str, Any]:
                 **_errors(401, 503)}}},
             "/control/canary": {"post": {
                 "operationId": "canary",
-                "requestBody": _body(timeout_body, required=False),
+                "requestBody": _body(canary_body, required=False),
                 "responses": {"200": _json({"type": "object", "required": ["ok", "latency_s", "error_class"],
                                             "properties": {"ok": {"type": "boolean"},
                                                            "latency_s": {"type": "number"},
                                                            "error_class": {"type": "string", "nullable": True,
                                                                            "enum": ["oom", "fatal_cuda", "timeout",
                                                                                     "other", None]},
-                                                           "draining": {"type": "boolean"}}},
-                                           "one real one-token generation; `draining`: the server refuses "
-                                           "traffic meanwhile"), **_errors(400, 401, 503)}}},
+                                                           "draining": {"type": "boolean"},
+                                                           "nonfinite": {"type": "boolean"},
+                                                           "answer": {"type": "object", "properties": {
+                                                               "tokens": {"type": "array",
+                                                                          "items": {"type": "integer"}},
+                                                               "top": {"type": "array"}}}}},
+                                           "one real one-token generation (with `probe`: that prompt's greedy "
+                                           "tokens and top log-probabilities in `answer`); `draining`: the "
+                                           "server refuses traffic meanwhile"), **_errors(400, 401, 503)}}},
             "/control/drain": {"post": {
                 "operationId": "drain",
                 "requestBody": {"required": False, "content": {"application/json": {"schema": {

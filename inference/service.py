@@ -11,7 +11,7 @@ from typing import Any
 import structlog
 import torch
 
-from gpu_watchdog.contract import CanaryResult
+from gpu_watchdog.contract import CanaryProbe, CanaryResult
 from gpu_watchdog.inference import cpu_threads, host_memory, scoring
 from gpu_watchdog.inference import handler as handler_mod
 from gpu_watchdog.inference import model as model_mod
@@ -316,8 +316,8 @@ class InferenceService:
     def admission_capacity(self) -> float:
         return self.guard.gate.capacity if self._started is not None else 0.0
 
-    async def canary(self, timeout: float) -> CanaryResult:
-        return await self.engine.canary(timeout)
+    async def canary(self, timeout: float, probe: CanaryProbe | None = None) -> CanaryResult:
+        return await self.engine.canary(timeout, probe)
 
     def set_admission_limit(self, limit: int) -> None:
         run = self.running

@@ -68,6 +68,8 @@ def _config_type(tp: Any, meta: Mapping[str, Any]) -> str:
         return "count or share"
     if kind == "size":
         return "size"
+    if kind == "list":
+        return "list of strings"
     if kind == "json":
         return "any JSON value"
     if origin is dict:

@@ -26,6 +26,10 @@ class ControlClient:
     def set_token(self, token: str | None) -> None:
         self._token = token
 
+    async def call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+        """Any control route: its JSON object, or ControlError (kind: unauthorized, timeout, ...)."""
+        return await self._call(method, path, body, timeout)
+
     async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         try:

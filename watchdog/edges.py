@@ -114,6 +114,8 @@ class EdgeFacts:
     placement_recent: tuple[dict[str, Any], ...] = ()
     placement_error: str | None = None
     placement_said: tuple[str, ...] = ()
+    # Answers checked: the fleet's agreement on a reference as last read (`correctness.describe`).
+    correctness: dict[str, Any] = field(default_factory=dict)
 
 
 # -- the edges' outcomes ----------------------------------------------------------------------------
@@ -286,11 +288,18 @@ class PlacementFailed:
     key: str | None = None
 
 
+@dataclass(frozen=True)
+class CorrectnessSeen:
+    """The fleet's agreement on a reference answer, as last read or written (`correctness.describe`)."""
+
+    describe: dict[str, Any]
+
+
 EdgeOutcome = (NvmlOpened | CanaryDescribed | LoopLag | RecordsIgnored | ReplicasRead | SuspectReported
                | SuspectWithdrawn | EscalationFailed | EscalationLooked | FleetSeen | OwnPodRead | Acting | SlotTaken
                | Held | HoldEnded | InPlaceServed | SlotGivenBack | SlotNotGivenBack | CameBack | BreakerSaid
                | EvidenceRead | EvidenceRefused | RecordsSeen | QuarantinePushed | PlacementDone | PlacementSaid
-               | PlacementFailed)
+               | PlacementFailed | CorrectnessSeen)
 EDGE_OUTCOMES: tuple[type[Any], ...] = tuple(EdgeOutcome.__args__)
 
 
@@ -373,6 +382,8 @@ def fold(e: EdgeFacts, o: Any) -> EdgeFacts:
     if isinstance(o, PlacementFailed):
         return replace(e, placement_error=o.error,
                        placement_said=e.placement_said if o.key is None else _once(e.placement_said, o.key))
+    if isinstance(o, CorrectnessSeen):
+        return replace(e, correctness=dict(o.describe))
     raise TypeError(f"not an edge outcome: {type(o).__name__}")
 
 

@@ -15,10 +15,13 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, RESTART_REASONS
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, CORRUPT, HANG, RESTART_REASONS
 from gpu_watchdog.watchdog.settings import EscalationSettings
 
 CURING_REASONS = (CONTEXT_LOSS, HANG)  # restarts meant to cure the GPU's state, not the process's age
+# Restarts that, when they do not cure, make the card suspect. A corrupt answer is no request's fault,
+# so it is not among the curing reasons whose in-flight requests are the query of death's evidence.
+SUSPECT_REASONS = (*CURING_REASONS, CORRUPT)
 GPUS_ANNOTATION = "gpu-watchdog.io/gpus"
 REASON_ANNOTATION = "gpu-watchdog.io/reason"
 XID_ANNOTATION = "gpu-watchdog.io/xid"
@@ -50,6 +53,8 @@ class Suspect:
     driver_says: str | None = None
     node_action: str | None = None
     xid: int | None = None  # the Xid the driver's word came with
+    # Suspect on its answers: wrong again after a restart on it (what differed).
+    answers: str | None = None
 
     @property
     def reasons(self) -> list[str]:
@@ -79,7 +84,7 @@ def suspects(settings: EscalationSettings, records: list[RestartRecord], now: fl
     """Our GPUs with at least `restarts` curing restarts within `window`."""
     by_gpu: dict[str, list[RestartRecord]] = defaultdict(list)
     for r in records:
-        if r.reason in CURING_REASONS and now - r.at < settings.window:
+        if r.reason in SUSPECT_REASONS and now - r.at < settings.window:
             for uuid in r.gpus:
                 by_gpu[uuid].append(r)
     return [Suspect(uuid, tuple(sorted(rs, key=lambda r: r.at))) for uuid, rs in sorted(by_gpu.items())
@@ -99,6 +104,18 @@ def driver_says(reason: str, detail: Mapping[str, Any]) -> Suspect | None:
     xid = detail.get("xid")
     return Suspect(str(uuid), (), driver_says=str(word or node_action), node_action=str(node_action),
                    xid=xid if isinstance(xid, int) else None)
+
+
+def answers_wrong(reason: str, detail: Mapping[str, Any]) -> Suspect | None:
+    """A process restarted for corrupt answers whose successor on the same card answers wrong again: the
+    card is suspect now (the Node is told), whatever the rung can do about it."""
+    if reason != CORRUPT or not detail.get("after_restart"):
+        return None
+    gpus = list(detail.get("gpus") or [])
+    differed = detail.get("differed") or {}
+    what = ", ".join(f"{k} {differed[k]}" for k in ("probe", "step", "expected", "got") if k in differed)
+    return Suspect(str(gpus[0] if len(gpus) == 1 else "unknown"), (),
+                   answers=f"its answers deviate from the fleet's reference again after a restart ({what})")
 
 
 def workload_restarts(records: list[RestartRecord], workload: str | None) -> tuple[RestartRecord, ...]:

@@ -17,7 +17,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import edges, escalation, fleet, ladder, placement, procedure, quarantine
+from gpu_watchdog.watchdog import correctness, edges, escalation, fleet, ladder, placement, procedure, quarantine
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
@@ -138,6 +138,9 @@ class FleetLedger(Protocol):
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None: ...
     def read_placement(self) -> placement.Records: ...
     def update_placement(self, decide: Callable[[placement.Records, float], tuple[placement.Records, T]]) -> T: ...
+    def read_correctness(self) -> correctness.Records: ...
+    def update_correctness(self, decide: Callable[[correctness.Records, float], tuple[correctness.Records, T]]
+                           ) -> T: ...
 
 
 class Executor:
@@ -590,7 +593,7 @@ class Executor:
             log.info("restart_budget_read", workload=self.workload, restarts=len(records))
         await self.read_fleet()
         wall_now = self.wall_clock()
-        past = tuple(PastRestart(r.at, r.pod, r.node, r.gpus)
+        past = tuple(PastRestart(r.at, r.pod, r.node, r.gpus, r.reason)
                      for r in workload_restarts(self._believable(records, wall_now), self.workload))
         return WorkloadRestarts(self.clock(), wall_now, past, self.edge.replicas)
 
@@ -834,6 +837,15 @@ class Executor:
                      restarting_s=round(self.wall_clock() - slot.at, 3))
         return True
 
+    async def own_template(self) -> str | None:
+        """Our pod's template (its pod-template-hash), None where it cannot be read."""
+        if self.ledger is None:
+            return None
+        try:
+            return (await self._own_pod()).template
+        except Exception:  # an API that does not answer: the reference's key says `unknown`
+            return None
+
     async def _own_pod(self) -> OwnPod:
         own = self.edge.own_pod
         if own is None:
@@ -903,14 +915,15 @@ class Executor:
     async def report_driver_word(self, decision: Decision) -> None:
         """A restart decided on the driver's word that the GPU needs a reset or the node a reboot: the
         Node hears of it now (the same Event and opt-in condition as `escalate`), once per GPU."""
-        suspect = escalation.driver_says(decision.reason, decision.detail)
+        suspect = escalation.driver_says(decision.reason, decision.detail) \
+            or escalation.answers_wrong(decision.reason, decision.detail)
         if self.node is None or suspect is None or any(sp.uuid == suspect.uuid for sp in self.suspects) \
                 or self.clock() < self.edge.escalation_retry_at:
             return
         self.fold(edges.SuspectReported(suspect))  # taken before the call: a second decision must not report it twice
         log.error("gpu_suspect", uuid=suspect.uuid, node=self.node.node_name, driver_says=suspect.driver_says,
-                  node_action=suspect.node_action, xids=suspect.xids, action="report", trigger="driver",
-                  node_condition=self.node.node_condition)
+                  node_action=suspect.node_action, xids=suspect.xids, answers=suspect.answers, action="report",
+                  trigger="answers" if suspect.answers else "driver", node_condition=self.node.node_condition)
         try:
             await asyncio.to_thread(self.node.report, suspect, self.settings.kubernetes.pod_name)
         except Exception as exc:

@@ -16,6 +16,7 @@ from gpu_watchdog.watchdog.samples import (
     GpuSample,
     IdleMemory,
     PastRestart,
+    ProbeSample,
     ServerSample,
     TorchSample,
     Untold,
@@ -32,6 +33,8 @@ class History:
     jitter: float = 0.0  # this pod's fraction of max_age jitter, fixed at start
     epoch: float = 0.0  # evidence older than the last restart is about a process that is gone
     canaries: deque[CanarySample] = field(default_factory=lambda: deque(maxlen=256))
+    # Correctness probes compared with the fleet's reference (`policy.correctness`).
+    probes: deque[ProbeSample] = field(default_factory=lambda: deque(maxlen=64))
     torch: deque[TorchSample] = field(default_factory=lambda: deque(maxlen=256))
     # NVML readings of the pod's GPUs (one entry saying why, when NVML cannot be read).
     gpus: tuple[GpuSample, ...] = ()
@@ -90,6 +93,9 @@ class History:
         # `_gone` inlined: every rule reads this at every decision, over up to 256 canaries.
         epoch, gone = self.epoch, self.gone_instance
         return [c for c in self.canaries if c.at >= epoch and (gone is None or c.instance_id != gone)]
+
+    def probes_since_epoch(self) -> list[ProbeSample]:
+        return [p for p in self.probes if p.at >= self.epoch and not self._gone(p.instance_id)]
 
     def _gone(self, instance_id: str | None) -> bool:
         """From the process a worker rung restarted: it lives on a moment (a poisoned one until it

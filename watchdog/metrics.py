@@ -13,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from gpu_watchdog.watchdog import correctness
 from gpu_watchdog.watchdog.fleet import FleetView
 from gpu_watchdog.watchdog.idle_memory import IdleMemory
 from gpu_watchdog.watchdog.names import (
@@ -233,6 +234,14 @@ class WatchdogMetrics:
         self.placement_capped = Gauge(P + "placement_capped", "1 while a card the evidence blamed is left untainted"
                                       " by policy.placement's bound (the workload's, from its Lease)", ["workload"],
                                       registry=r)
+        # Answers checked: each probe's comparison with the fleet's agreed reference, and whether there is one.
+        self.correctness_probes = Counter(P + "correctness_probes", "Correctness probes by result (match, token,"
+                                          " logprob, nonfinite, no_reference, unanswered)", ["result"], registry=r)
+        for result in correctness.RESULTS:
+            self.correctness_probes.labels(result=result)
+        self.correctness_reference = Gauge(P + "correctness_reference_agreed", "1 while the workload's replicas"
+                                           " have agreed a reference answer for this model and device class",
+                                           registry=r)
         # The flight recorder's losses, by why: queue_full (lines dropped), open, write, rotate.
         self.recorder_failures = Counter(P + "recorder_failures", "Flight recorder lines lost, by why",
                                          ["why"], registry=r)

@@ -15,7 +15,9 @@ FRAGMENTATION_DRIFT = "fragmentation_drift"
 MAX_AGE = "max_age"
 STARTUP_TIMEOUT = "startup_timeout"
 UNSERVABLE = "unservable"
-RESTART_REASONS = (CONTEXT_LOSS, HANG, FRAGMENTATION_DRIFT, MAX_AGE, STARTUP_TIMEOUT, UNSERVABLE)
+# The process answers, and its answers are wrong: probes deviating from the fleet's agreed reference.
+CORRUPT = "corrupt"
+RESTART_REASONS = (CONTEXT_LOSS, HANG, FRAGMENTATION_DRIFT, MAX_AGE, STARTUP_TIMEOUT, UNSERVABLE, CORRUPT)
 
 # How a restart is carried out, cheapest first (`gpu_watchdog_restarts_total{rung}`): one worker of
 # several (told to exit, its server starts it again, the others serving), the inference container

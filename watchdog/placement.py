@@ -37,7 +37,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from gpu_watchdog.watchdog import lease_text
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
+from gpu_watchdog.watchdog.names import CONTEXT_LOSS, CORRUPT, HANG
 from gpu_watchdog.watchdog.settings import DEVICE_EFFECTS, PlacementSettings
 
 ANNOTATION = "gpu-watchdog.io/placement"  # on the workload's Lease, beside the fleet's ledger
@@ -64,7 +64,7 @@ LIFT_SWEEP_S = 600.0
 EFFECT_RANK = {"PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
 FUTURE_S = 60.0  # a record dated this far ahead (another node's clock) is still believed
 # Restarts meant to cure the card's state; a card restarted for its age or memory is not sick.
-CURING = (CONTEXT_LOSS, HANG)
+CURING = (CONTEXT_LOSS, HANG, CORRUPT)
 # A node taint's value holds one `<owner>-<expiry>` entry per workload that holds it: the owner the first 8
 # hex digits of sha256("namespace/workload"), the expiry in epoch seconds. A node takes one taint per key and
 # effect, so workloads share it; 3 entries (59 characters) fit a label value's 63.
@@ -163,6 +163,8 @@ class Verdict:
 
 def card_evidence(reason: str, detail: Mapping[str, Any]) -> str | None:
     """What in a restart decision says the card itself is at fault (None: nothing; the process may be)."""
+    if reason == CORRUPT and detail.get("after_restart"):
+        return "its answers deviated from the fleet's reference again after a restart on this card"
     if reason != CONTEXT_LOSS:
         return None
     evidence = detail.get("evidence")

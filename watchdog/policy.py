@@ -14,12 +14,13 @@ from dataclasses import dataclass, field, replace
 from statistics import median
 from typing import Any
 
-from gpu_watchdog.watchdog import ladder, xid_catalog
+from gpu_watchdog.watchdog import correctness, ladder, xid_catalog
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import (
     ANSWERED_ERRORS,
     CANARY_FAILING,
     CONTEXT_LOSS,
+    CORRUPT,
     DRAINING,
     FLEET_BREAKER_OPEN,
     FLEET_LEDGER_UNKNOWN,
@@ -275,6 +276,8 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
     # The watched worker of several poisoned or hung (its canary, its poisoned flag): that process's
     # fault, cured by a new one of it while the others serve. An Xid names a GPU and a stall is the
     # whole server's counter: the container, as for one worker.
+    if decision.reason == CORRUPT and d.get("after_restart"):
+        return RUNG_POD  # wrong again after a new process on this card: the card, not the process
     own = d.get("evidence") in ("canary", "poisoned_flag") or (decision.reason == HANG and "evidence" not in d)
     if h.worker_count > 1 and decision.reason in (CONTEXT_LOSS, HANG) and own and not spent(RUNG_WORKER):
         return RUNG_WORKER
@@ -331,7 +334,7 @@ def _latest_instance(history: History) -> str | None:
 def _restart_rule(settings: PolicySettings, h: History, now: float) -> Decision | None:
     decision = _cure_rule(settings, h, now)
     ours = our_gpus(h)
-    if decision is not None and decision.reason in (CONTEXT_LOSS, HANG) and ours:
+    if decision is not None and decision.reason in (CONTEXT_LOSS, HANG, CORRUPT) and ours:
         # Named in the restart's Event, so that restarts that do not cure one GPU can be counted.
         return replace(decision, detail={**decision.detail, "gpus": list(ours)})
     return decision
@@ -348,6 +351,7 @@ def _cure_rule(settings: PolicySettings, h: History, now: float) -> Decision | N
     return (
         _hang(settings, h, now)
         or _stall(settings, h)
+        or _corrupt(settings, h, now)
         or _unservable(settings, h, now)
         or _fragmentation_restart(settings, h, now)
         or _max_age(settings, h, now)
@@ -619,6 +623,37 @@ def _stall(settings: PolicySettings, h: History) -> Decision | None:
                     {"evidence": "stall", "server": last.server, "requests_running": last.requests_running,
                      "requests_waiting": last.requests_waiting, "progress": last.progress,
                      "flat_s": round(last.at - start.at, 1)}, drain=False, instance_id=_latest_instance(h))
+
+
+def _corrupt(settings: PolicySettings, h: History, now: float) -> Decision | None:
+    """`correctness.consecutive` probes in a row deviating from the fleet's agreed reference: the
+    process computes wrong. Probes not compared (no agreed reference, no answer) are no evidence either
+    way; a match ends the run. Wrong again after an in-place restart for it within `in_place.window`:
+    `after_restart`, the card is the suspect (the pod's rung, and the card kept out or reported)."""
+    c = settings.correctness
+    if not c.enabled:
+        return None
+    compared = [p for p in h.probes_since_epoch() if p.result == correctness.MATCH
+                or p.result in correctness.DEVIATIONS]
+    run: list[Any] = []
+    for p in reversed(compared):
+        if p.result == correctness.MATCH:
+            break
+        run.append(p)
+    if len(run) < c.consecutive:
+        return None
+    run.reverse()
+    # Ours in place, or any of our lineage's (the same card, else node) read back from the workload's
+    # Events: a pod restarted for it lands on the same card again as often as not.
+    again = [a.at for a in h.actions if a.action == "restart" and a.reason == CORRUPT and a.rung != RUNG_POD
+             and now - a.at < settings.in_place.window]
+    again += [r.at for r in h.workload_restarts or () if r.reason == CORRUPT and same_lineage(h, r)
+              and now - r.at < settings.in_place.window and r.at not in again]
+    detail: dict[str, Any] = {"evidence": "probes", "consecutive": len(run),
+                              "deviations": [p.result for p in run[-c.consecutive:]], "differed": run[-1].detail}
+    if again:
+        detail["after_restart"] = len(again)
+    return Decision("restart", CORRUPT, detail, drain=True, instance_id=run[-1].instance_id or _latest_instance(h))
 
 
 def _unservable(settings: PolicySettings, h: History, now: float) -> Decision | None:

@@ -14,7 +14,7 @@ from typing import Any
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import policy, procedure
 from gpu_watchdog.watchdog.control_client import ControlClient
-from gpu_watchdog.watchdog.escalation import CURING_REASONS
+from gpu_watchdog.watchdog.escalation import SUSPECT_REASONS
 from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import KeepOut
@@ -208,7 +208,7 @@ class Restarts:
                 self._ended(d, k, RESTART_FAILED, None)  # asked again after its backoff
         else:
             self.restarted(ended)
-        if d.reason in CURING_REASONS and record != "reported":
+        if d.reason in SUSPECT_REASONS and record != "reported":
             self.spawn(self.escalate(d.reason))
 
     def _ended(self, decision: Decision, k: int, action: str, record: str | None, why: str = "",

@@ -15,10 +15,13 @@ from aiohttp import web
 
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog import edges, recording
+from gpu_watchdog.watchdog.checking import AnswerCheck
 from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.keep_out import KeepOut, lift_interval
 from gpu_watchdog.watchdog.restarting import Restarts
 from gpu_watchdog.watchdog.samplers.assembly import Samplers, build_samplers
+from gpu_watchdog.watchdog.samplers.canary import CanarySampler, OpenAICanary
+from gpu_watchdog.watchdog.samplers.probe import ControlProber, OpenAIProber, Prober
 from gpu_watchdog.watchdog.sampling import TICK_S, Sampling
 from gpu_watchdog.watchdog.server import build_app
 from gpu_watchdog.watchdog.worker_rung import WorkerRung
@@ -45,6 +48,7 @@ class Running:
     restarts: Restarts
     sampling: Sampling
     runner: web.AppRunner | None = None
+    checking: AnswerCheck | None = None
     port: int | None = None
     tasks: list[asyncio.Task[Any]] = field(default_factory=list)
 
@@ -80,10 +84,33 @@ async def build(wd: Watchdog, serve_http: bool) -> Running:
         keep_out=keep_out,
         worker_control=lambda k: samplers.workers.client(k) if samplers.workers is not None and k else samplers.control,
         spawn=wd.spawn, restarted=wd.restarted, escalate=wd.escalate)
-    run = Running(session, samplers, executor, keep_out, restarts, sampling)
+    run = Running(session, samplers, executor, keep_out, restarts, sampling,
+                  checking=_answer_check(wd, samplers, session, executor))
     if serve_http:
         run.runner, run.port = await _serve_http(wd)
     return run
+
+
+def _answer_check(wd: Watchdog, samplers: Samplers, session: aiohttp.ClientSession, executor: Executor
+                  ) -> AnswerCheck | None:
+    """The correctness probes where they are on and the target can answer one (the bundled server's
+    control canary, or an OpenAI-compatible completions route)."""
+    s = wd.settings
+    if not s.policy.correctness.enabled:
+        return None
+    prober: Prober
+    if isinstance(samplers.canary, CanarySampler) and samplers.control is not None:
+        prober = ControlProber(samplers.control, s.canary.timeout)
+    elif isinstance(samplers.canary, OpenAICanary):
+        prober = OpenAIProber(samplers.canary, session, s.canary.timeout)
+    else:
+        log.warning("correctness_not_possible", canary=samplers.canary.route,
+                    action="target.http answers no probe: policy.correctness is off for this target")
+        return None
+    return AnswerCheck(settings=s, prober=prober, ledger=wd.ledger, metrics=wd.metrics, history=lambda: wd.history,
+                       fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, wall_clock=wd.wall_clock,
+                       template=executor.own_template,
+                       pod=s.kubernetes.pod_name, node=s.kubernetes.node_name or None)
 
 
 def start_tasks(wd: Watchdog, run: Running) -> None:
@@ -116,6 +143,8 @@ def start_tasks(wd: Watchdog, run: Running) -> None:
         periodic("device_health", lambda: s.sampling.device_health_interval, sampling.device_health)
     if run.keep_out is not None:
         periodic("placement", lambda: lift_interval(s.policy.placement.ttl), run.keep_out.reconcile)
+    if run.checking is not None:
+        periodic("correctness", run.checking.interval, run.checking.round)
     if s.policy.quarantine.enabled and samplers.control is not None:
         periodic("quarantine", lambda: QUARANTINE_SYNC_S, run.executor.sync_quarantine)
 

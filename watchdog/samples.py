@@ -23,6 +23,7 @@ class GpuSample:
     lost: bool = False
     # NVML's GPU recovery action (`xid_catalog.RECOVERY_ACTIONS`); None: this driver has no such field.
     recovery_action: int | None = None
+    driver: str | None = None  # the driver's version (NVML)
 
 
 @dataclass(frozen=True)
@@ -176,6 +177,17 @@ class CanarySample:
 
 
 @dataclass(frozen=True)
+class ProbeSample:
+    """One correctness probe compared with the fleet's agreed reference (`watchdog.correctness`):
+    `result` of correctness.RESULTS, and what differed (probe ids and token ids, never a prompt)."""
+
+    at: float
+    result: str
+    detail: dict[str, Any] = field(default_factory=dict)
+    instance_id: str | None = None
+
+
+@dataclass(frozen=True)
 class ServerSample:
     """The target server's own signals from its Prometheus page (None: the server has no such figure)."""
 
@@ -192,6 +204,8 @@ class ServerSample:
     progress: float | None = None
     kv_cache_usage_ratio: float | None = None
     preemptions: float | None = None
+    # Steps the engine failed because their logits held NaN or infinities (the bundled server's count).
+    nonfinite: float | None = None
 
     @property
     def pending(self) -> float:
@@ -236,6 +250,7 @@ class PastRestart:
     pod: str = ""
     node: str | None = None
     gpus: tuple[str, ...] = ()
+    reason: str = ""
 
 
 # Growth of active memory at idle, as a share of the card, above which the watchdog logs a

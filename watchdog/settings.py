@@ -231,6 +231,46 @@ class QuarantineSettings:
     ttl: float = field(default=3600.0, metadata=_duration("How long every replica refuses a quarantined request."))
 
 
+PROMPT_MAX = 2000  # characters of one probe prompt (the control API's bound)
+
+
+def parse_prompts(value: Any) -> tuple[str, ...]:
+    """A list of non-empty prompts, at most 32 of them."""
+    if not isinstance(value, list | tuple) or len(value) > 32:
+        raise ValueError("expected a list of at most 32 prompts")
+    for i, p in enumerate(value):
+        if not isinstance(p, str) or not 0 < len(p) <= PROMPT_MAX:
+            raise ValueError(f"[{i}]: expected a non-empty string of at most {PROMPT_MAX} characters")
+    return tuple(value)
+
+
+@dataclass(frozen=True)
+class CorrectnessSettings:
+    """Answers checked: a probe set answered greedily with log-probabilities, compared with the reference
+    the workload's replicas agreed on (kept in its Lease); `consecutive` deviations in a row restart."""
+
+    enabled: bool = field(default=False, metadata=_about(
+        "Ask the probes and compare their answers with the fleet's agreed reference."))
+    every: int = field(default=10, metadata=_about(
+        "One probe every this many canary intervals (after the probe set was answered once).", min=1))
+    prompts: tuple[str, ...] = field(default=(), metadata=_about(
+        "The probe set's prompts; empty: the built-in ones. Each card answers every one once; those whose"
+        " agreed first token leads by `margin` are asked after that.", parse=parse_prompts, kind="list"))
+    tokens: int = field(default=3, metadata=_about("Tokens generated per probe.", min=1, max=16))
+    top_logprobs: int = field(default=2, metadata=_about(
+        "Log-probabilities asked per token (the runner-up gives the margin).", min=2, max=5))
+    margin: float = field(default=2.0, metadata=_about(
+        "A token is compared only where the reference's leads the runner-up by this many nats.", gt=0))
+    tolerance: float = field(default=0.5, metadata=_about(
+        "A log-probability further than this (nats) from the reference's is a deviation.", gt=0))
+    consecutive: int = field(default=2, metadata=_about(
+        "Deviations in a row that make the process corrupt (never one alone).", min=2,
+        why="never act on a single deviation"))
+    quorum: int = field(default=2, metadata=_about(
+        "Cards that must answer alike (and be more than half of those that answered) to agree a reference.",
+        min=2, why="one card's answer is not an agreement"))
+
+
 PLACEMENT_STRATEGIES = ("off", "none", "device", "node")
 DEVICE_EFFECTS = ("NoSchedule", "NoExecute")
 NODE_EFFECTS = ("NoSchedule", "PreferNoSchedule")
@@ -282,6 +322,7 @@ class PolicySettings:
     admission: AdmissionSettings = AdmissionSettings()
     escalation: EscalationSettings = EscalationSettings()
     placement: PlacementSettings = PlacementSettings()
+    correctness: CorrectnessSettings = CorrectnessSettings()
 
 
 @dataclass(frozen=True)

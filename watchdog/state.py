@@ -23,6 +23,7 @@ from gpu_watchdog.watchdog.samples import (
     DeviceHealthSample,
     GpuReadout,
     PastRestart,
+    ProbeSample,
     ServerSample,
     TorchSample,
     Untold,
@@ -122,10 +123,10 @@ class AdmissionAnswered:
     ok: bool
 
 
-Outcome = (CanarySample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun | RestartEnded
-           | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts | RestartCancelled
-           | RestartWaiting | RestartHeld | DeviceHealthSample | DecisionRecord | WorkersSample | WorkerCanaries
-           | WorkerRestarted | WorkerUntold | edges.EdgeOutcome)
+Outcome = (CanarySample | ProbeSample | ServerSample | TorchSample | GpuReadout | XidEvent | PodGpus | RestartBegun
+           | RestartEnded | CacheFlushRequested | AdmissionRequested | AdmissionAnswered | WorkloadRestarts
+           | RestartCancelled | RestartWaiting | RestartHeld | DeviceHealthSample | DecisionRecord | WorkersSample
+           | WorkerCanaries | WorkerRestarted | WorkerUntold | edges.EdgeOutcome)
 
 
 def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = AdmissionSettings()) -> History:
@@ -136,6 +137,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.canaries.append(outcome)
         if outcome.served and h.served_at is None and outcome.at >= h.epoch:
             h.served_at = outcome.at
+    elif isinstance(outcome, ProbeSample):
+        h.probes.append(outcome)
     elif isinstance(outcome, ServerSample):
         # Only this process's samples: after a restart of ours the counters start again by design,
         # and the restart already made it a server starting anew until it serves.

@@ -6,7 +6,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from gpu_watchdog.watchdog import edges, names, policy
+from gpu_watchdog.watchdog import correctness, edges, names, policy
 from gpu_watchdog.watchdog.fleet import FleetView
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import Snapshot, WorkerRow
@@ -145,6 +145,7 @@ def status(settings: Settings, h: History, now: float, wall_now: float) -> dict[
         "fleet": None if fleet is None else fleet_status(fleet),
         "quarantine": edges.quarantine_status(e, settings.policy.quarantine.enabled, fleet is not None, wall_now),
         "placement": edges.placement_status(e, settings.policy.placement) if h.keeps_out else None,
+        "correctness": correctness_status(settings, h),
         "last_samples": {"gpus": [dataclasses.asdict(g) for g in h.gpus], "torch": asdict(h.torch[-1] if h.torch
                                                                                           else None),
                          "canary": asdict(h.canaries[-1] if h.canaries else None)},
@@ -157,10 +158,27 @@ def status(settings: Settings, h: History, now: float, wall_now: float) -> dict[
             "next_probe_in_s": None if h.ladder.limit >= h.ladder.ceiling
             else round(max(0.0, h.ladder.wait - h.ladder.used), 1)},
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
-                         "driver_says": sp.driver_says, "node_action": sp.node_action} for sp in e.suspects],
+                         "driver_says": sp.driver_says, "node_action": sp.node_action,
+                         "answers": sp.answers} for sp in e.suspects],
         "last_decisions": [d.to_json() for d in list(h.decisions)[-20:]],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }
+
+
+def correctness_status(settings: Settings, h: History) -> dict[str, Any] | None:
+    """Answers checked: the fleet's agreement, and this process's latest comparisons."""
+    c = settings.policy.correctness
+    if not c.enabled:
+        return None
+    probes = h.probes_since_epoch()
+    run = 0
+    for p in reversed([p for p in probes if p.result in (correctness.MATCH, *correctness.DEVIATIONS)]):
+        if p.result == correctness.MATCH:
+            break
+        run += 1
+    return {"reference": h.edge.correctness or None, "every_canaries": c.every, "margin": c.margin,
+            "tolerance": c.tolerance, "consecutive": c.consecutive, "deviations_in_a_row": run,
+            "last": [dataclasses.asdict(p) for p in probes[-5:]]}
 
 
 def workers_status(settings: Settings, h: History, now: float) -> dict[str, Any] | None:

@@ -182,6 +182,8 @@ class Fleet:
       is started again in its pod, as the kubelet restarts a container; `serve_faults` are injected
       into every serve process once it is ready (`serve_ready` says which are).
     - `sidecar_env`: more environment for one pod's sidecar (its clock skewed, say), by pod.
+    - `corrupt_nodes`: the toy model servers of pods on these nodes answer probes wrong (`--corrupt`): a
+      card that computes wrong, whatever process runs on it.
     - `scheduler`: places each pod on a GPU card (see the module's doc; `replacement_node` is then
       not used); None: every pod on a node of its own, without GPUs in its spec, as before.
     """
@@ -195,7 +197,7 @@ class Fleet:
                  seed: int | None = None, clock: Callable[[], float] = time.monotonic, model: str = "toy",
                  serve_faults: list[dict[str, Any]] | None = None, scheduler: Scheduler | None = None,
                  sidecar_env: Callable[[FleetPod], dict[str, str]] | None = None,
-                 serve_args: tuple[str, ...] = ()) -> None:
+                 serve_args: tuple[str, ...] = (), corrupt_nodes: frozenset[str] = frozenset()) -> None:
         if not isinstance(cluster, Cluster):
             raise TypeError(f"Fleet needs the extended emulator tests.fleet.cluster.Cluster, got"
                             f" {type(cluster).__name__}: use the `kmock` fixture under tests/fleet/ (its conftest"
@@ -224,6 +226,7 @@ class Fleet:
         self.stop_timeout = stop_timeout
         self.env = env or {}
         self.sidecar_env = sidecar_env
+        self.corrupt_nodes = corrupt_nodes
         self.clock = clock
         self.model = model
         self.serve_faults = serve_faults or []
@@ -456,6 +459,8 @@ class Fleet:
         argv = ["-m", "tests.fleet.model_server", "--port", str(pod.model_port)]
         if pod.hang_after is not None:
             argv += ["--hang-after", str(pod.hang_after)]
+        if pod.node in self.corrupt_nodes:
+            argv.append("--corrupt")
         return argv
 
     def _model_env(self, pod: FleetPod) -> dict[str, str] | None:

@@ -9,6 +9,9 @@
   (completions held by a hang are answered then).
 - `--hang-after N`: hangs by itself after N answered completions (a replacement that comes back
   failing the same way).
+- A completion asking `logprobs: K` answers its tokens with log-probabilities, the same for a prompt
+  on every healthy server (a greedy model whose first tokens lead by a wide margin); `--corrupt`:
+  a card that computes wrong, its first token another one, as confident.
 - `GET /stats`: what it served, for assertions.
 
 Prints one JSON line (`{"event": "listening", ...}`) once it listens. Imports nothing heavy, so it
@@ -38,6 +41,7 @@ class Engine:
     it hangs by itself (None: never)."""
 
     hang_after: int | None = None
+    corrupt: bool = False
     fault: str | None = None
     answered: int = 0
     held: int = 0
@@ -65,7 +69,7 @@ def build_app(engine: Engine) -> web.Application:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
     async def completion(request: web.Request) -> web.Response:
-        await request.read()
+        raw = await request.read()
         if engine.hung():
             engine.held += 1
             released = engine.released
@@ -76,8 +80,12 @@ def build_app(engine: Engine) -> web.Application:
         if engine.fault == "error":
             return web.json_response({"error": {"message": "engine failed", "type": "server_error"}}, status=500)
         engine.answered += 1
+        body = json.loads(raw or b"{}")
+        choice: dict[str, Any] = {"index": 0, "text": "x", "finish_reason": "length"}
+        if isinstance(body, dict) and body.get("logprobs"):
+            choice = answer(str(body.get("prompt", "")), int(body.get("max_tokens") or 1), engine.corrupt)
         return web.json_response({"id": "cmpl-1", "object": "text_completion", "model": MODEL,
-                                  "choices": [{"index": 0, "text": "x", "finish_reason": "length"}]})
+                                  "choices": [choice]})
 
     async def fault(request: web.Request) -> web.Response:
         try:
@@ -107,8 +115,19 @@ def build_app(engine: Engine) -> web.Application:
     return app
 
 
-async def serve(host: str, port: int, hang_after: int | None) -> None:
-    engine = Engine(hang_after=hang_after)
+def answer(prompt: str, n: int, corrupt: bool) -> dict[str, Any]:
+    """A greedy answer with log-probabilities: the prompt's letters in turn, each 4 nats ahead of the next."""
+    letters = [c for c in prompt.lower() if c.isalpha()] or ["a"]
+    tokens = [f" {letters[i % len(letters)]}" for i in range(n)]
+    if corrupt:
+        tokens[0] = " #"
+    top = [{t: -0.02, " ~": -4.02} for t in tokens]
+    return {"index": 0, "text": "".join(tokens), "finish_reason": "length",
+            "logprobs": {"tokens": tokens, "token_logprobs": [-0.02] * n, "top_logprobs": top}}
+
+
+async def serve(host: str, port: int, hang_after: int | None, corrupt: bool = False) -> None:
+    engine = Engine(hang_after=hang_after, corrupt=corrupt)
     # Requests held by a hang must not keep a SIGTERM waiting: the kubelet's stop is immediate here.
     runner = web.AppRunner(build_app(engine), shutdown_timeout=0.1, handle_signals=False)
     await runner.setup()
@@ -130,10 +149,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, required=True)
     parser.add_argument("--hang-after", type=int, default=None, metavar="N",
                         help="hang by itself after N answered completions")
+    parser.add_argument("--corrupt", action="store_true", help="answer probes wrong (a card that computes wrong)")
     args = parser.parse_args(argv)
     if args.hang_after is not None and args.hang_after < 0:
         parser.error(f"--hang-after must be 0 or more, not {args.hang_after}")
-    asyncio.run(serve(args.host, args.port, args.hang_after))
+    asyncio.run(serve(args.host, args.port, args.hang_after, args.corrupt))
     return 0
 
 

@@ -71,7 +71,8 @@ async def test_two_restarts_for_our_gpu_make_it_suspect_on_the_node(kmock: Any, 
         "apiVersion": "v1", "kind": "Node", "metadata": {"name": NODE}}
     status = await run(watchdog(api, condition=False))
     assert status["gpu_suspect"] == [{"uuid": OURS, "restarts": 2, "reasons": ["context_loss", "hang"],
-                                      "xids": [79], "driver_says": None, "node_action": None}]
+                                      "xids": [79], "driver_says": None, "node_action": None,
+                                      "answers": None}]
     assert "gpu_suspect" in status["states"]
     [ev] = [e for e in objects(kmock, "events") if e["reason"] == "GPUSuspect"]
     assert ev["type"] == "Warning" and ev["metadata"]["namespace"] == "default"

@@ -667,7 +667,7 @@ def test_xid_on_any_of_the_pods_gpus_from_the_kubelet() -> None:
 
 
 def test_every_restart_reason_is_a_known_name() -> None:
-    seen = {HANG, STARTUP_TIMEOUT, UNSERVABLE, "context_loss", "fragmentation_drift", "max_age"}
+    seen = {HANG, STARTUP_TIMEOUT, UNSERVABLE, "context_loss", "fragmentation_drift", "max_age", "corrupt"}
     assert seen == set(RESTART_REASONS)
 
 

@@ -95,6 +95,10 @@ def test_the_bundled_server_from_its_own_registry() -> None:
     s = parse(generate_latest(m.registry).decode(), at=2.0)
     assert (s.server, s.requests_running, s.requests_waiting, s.generated_tokens, s.progress) == (
         "bundled", 3.0, 1.0, 17.0, 17.0)
+    # The steps it failed for non-finite logits: evidence of corruption for the sidecar.
+    assert s.nonfinite == 0.0
+    m.nonfinite.inc(2)
+    assert parse(generate_latest(m.registry).decode(), at=3.0).nonfinite == 2.0
 
 
 def test_a_page_with_none_of_our_names_is_unknown_not_an_error() -> None:

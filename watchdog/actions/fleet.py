@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any, TypeVar
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog import fleet, placement, quarantine
+from gpu_watchdog.watchdog import correctness, fleet, placement, quarantine
 from gpu_watchdog.watchdog.actions.kube import event_body, event_name, events_path, pod_path
 from gpu_watchdog.watchdog.actions.kube_api import ApiError, KubeApi, api_of, micro_time, parse_time, path
 from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION, Ledger
@@ -145,6 +145,16 @@ class LeaseLedger:
 
     def update_placement(self, decide: Callable[[placement.Records, float], tuple[placement.Records, T]]) -> T:
         return self._update(placement.ANNOTATION, placement.parse, placement.dump, "placement records", decide)
+
+    # -- the reference answers the replicas agreed on (a fourth annotation) ------------------------------
+
+    def read_correctness(self) -> correctness.Records:
+        return self._parsed(self._get(), correctness.ANNOTATION, correctness.parse, "correctness records")
+
+    def update_correctness(self, decide: Callable[[correctness.Records, float], tuple[correctness.Records, T]]
+                           ) -> T:
+        return self._update(correctness.ANNOTATION, correctness.parse, correctness.dump, "correctness records",
+                            decide)
 
     def _update(self, annotation: str, parse: Callable[[str | None], A], dump: Callable[[A], str], what: str,
                 decide: Callable[[A, float], tuple[A, T]]) -> T:

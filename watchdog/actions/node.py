@@ -81,7 +81,11 @@ class NodeReporter:
             return  # reported in our own log, status and metrics only
         if not self.node_name:
             raise ValueError("the node's name is unknown (set NODE_NAME from the downward API spec.nodeName)")
-        if suspect.driver_says:
+        if suspect.answers:
+            reason = "WrongAnswers"
+            message = (f"GPU {suspect.uuid} on node {self.node_name}: {suspect.answers}. The card computes wrong;"
+                       f" a new process on it did not cure it (reported by pod {pod}).")
+        elif suspect.driver_says:
             # The driver's own word: said at once, before any restart could fail to cure it.
             reason = "DriverRecoveryAction"
             message = (f"GPU {suspect.uuid} on node {self.node_name}: the driver says {suspect.driver_says}"

@@ -33,6 +33,7 @@ class GpuReading:
     temperature_celsius: float
     power_milliwatts: float
     ecc_uncorrected: int
+    driver: str = ""  # the driver's version: with the name, the device class answers are compared within
 
 
 class NvmlBackend(Protocol):
@@ -100,6 +101,7 @@ class PynvmlBackend:
                 memory_used_bytes=int(mem.used), memory_total_bytes=int(mem.total),
                 utilization_percent=float(util), temperature_celsius=float(temp),
                 power_milliwatts=float(power), ecc_uncorrected=int(ecc),
+                driver=str(_optional(nv.nvmlSystemGetDriverVersion, "")),
             )
         except (nv.NVMLError_GpuIsLost, nv.NVMLError_ResetRequired) as exc:
             raise GpuLost(str(exc)) from None
@@ -214,7 +216,7 @@ class NvmlSampler:
             memory_used_bytes=r.memory_used_bytes, memory_total_bytes=r.memory_total_bytes,
             utilization_ratio=r.utilization_percent / 100.0, temperature_celsius=r.temperature_celsius,
             power_watts=r.power_milliwatts / 1000.0, ecc_uncorrected=r.ecc_uncorrected,
-            recovery_action=self._recovery_action(uuid),
+            recovery_action=self._recovery_action(uuid), driver=r.driver or None,
         )
 
     def _recovery_action(self, uuid: str) -> int | None:

@@ -32,10 +32,11 @@ class Dialect:
     progress: tuple[str, ...]
     kv_cache_usage: tuple[str, ...] = ()
     preemptions: tuple[str, ...] = ()
+    nonfinite: tuple[str, ...] = ()  # steps failed for NaN or infinite logits (the bundled engine's)
 
     def names(self) -> Iterable[str]:
         return (*self.running, *self.waiting, *self.generated_tokens, *self.progress, *self.kv_cache_usage,
-                *self.preemptions)
+                *self.preemptions, *self.nonfinite)
 
 
 # Sample names as exposed (counters with their `_total`). For each figure the first name present
@@ -67,7 +68,8 @@ DIALECTS = (
     # prefill pass and every chunk of a long prompt (vLLM counts a prompt only once it is prefilled).
     Dialect("bundled", running=("gpu_inference_inflight_requests",), waiting=("gpu_inference_queued_requests",),
             generated_tokens=("gpu_inference_generated_tokens_total",),
-            progress=("gpu_inference_generated_tokens_total", "gpu_inference_prompt_tokens_total")),
+            progress=("gpu_inference_generated_tokens_total", "gpu_inference_prompt_tokens_total"),
+            nonfinite=("gpu_inference_nonfinite_total",)),
 )
 
 
@@ -123,7 +125,7 @@ def parse(text: str, at: float, worker: str | None = None) -> ServerSample:
         return ServerSample(at=at, reachable=True, server=d.server, requests_running=first(d.running),
                             requests_waiting=first(d.waiting), generated_tokens=first(d.generated_tokens),
                             progress=total(d.progress), kv_cache_usage_ratio=first(d.kv_cache_usage),
-                            preemptions=first(d.preemptions))
+                            preemptions=first(d.preemptions), nonfinite=first(d.nonfinite))
     return ServerSample(at=at, reachable=True, server="unknown")
 
 
