@@ -17,12 +17,13 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import edges, escalation, fleet, ladder, placement, procedure, quarantine
+from gpu_watchdog.watchdog import edges, escalation, fleet, ladder, placement, policy, procedure, quarantine, state
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
     WORKER_ACTION,
     WORKER_PREFIX,
+    WOULD_ACTION,
     DrainHandle,
     Restarter,
     RestartOutcome,
@@ -38,6 +39,7 @@ from gpu_watchdog.watchdog.names import (
     CONTEXT_LOSS,
     FLEET_BREAKER_OPEN,
     FLEET_LEDGER_UNKNOWN,
+    QUARANTINE,
     RUNG_CONTAINER,
     RUNG_POD,
     RUNG_WORKER,
@@ -294,7 +296,15 @@ class Executor:
         log.warning("failure_recorded", reason=decision.reason, process=failure.process,
                     inflight=list(failure.inflight), newest=failure.newest,
                     workload_failures=len(records.failures))
+        shadow = not policy.enforced(self.settings.policy, QUARANTINE, decision.reason)
         for q in new:
+            if shadow:
+                log.warning("would_quarantine", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
+                            failures=len(q.failures), workload=self.workload, shadow=True,
+                            action="served as before: every replica logs would_quarantine for it until then")
+                self.fold(state.would(self.history(), self.clock(), QUARANTINE, decision.reason,
+                                      {"fingerprint": q.fingerprint, "pods": list(q.pods)}))
+                continue
             log.error("request_quarantined", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
                       failures=len(q.failures), workload=self.workload,
                       action="refused (422) by every replica until then; find the client by its fingerprint"
@@ -395,7 +405,7 @@ class Executor:
         if self.control is None or not self.settings.policy.quarantine.enabled:
             return
         now = self.wall_clock()
-        entries = quarantine.server_entries(self.edge.records, now)
+        entries = self._entries(now)
         self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
         for k in self.worker_controls:
             # Beside this: a hung worker slow to answer delays neither the target's list nor its canary.
@@ -414,15 +424,22 @@ class Executor:
         if control is None or not self.settings.policy.quarantine.enabled:
             return
         if entries is None:
-            entries = quarantine.server_entries(self.edge.records, self.wall_clock())
+            entries = self._entries(self.wall_clock())
         if await self._push(control, entries, worker) and instance_id is not None:
             self.fold(edges.QuarantinePushed(worker, instance_id, tuple(e["fingerprint"] for e in entries)))
+
+    def _entries(self, wall_now: float) -> list[dict[str, Any]]:
+        """The active quarantine as our servers take it: refused, or in shadow served and logged."""
+        # Whatever the failures' reasons: the quarantine answers to its own name in policy.enforce.
+        refuse = policy.enforced(self.settings.policy, QUARANTINE, "")
+        return quarantine.server_entries(self.edge.records, wall_now, refuse)
 
     async def _push(self, control: ControlClient, entries: list[dict[str, Any]], worker: int = 0) -> bool:
         try:
             listed = await control.quarantine()
-            have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
-            if have != sorted(e["fingerprint"] for e in entries):
+            have = sorted((str(e.get("fingerprint")), e.get("enforce", True) is not False)
+                          for e in listed.get("entries", []) if isinstance(e, dict))
+            if have != sorted((e["fingerprint"], e.get("enforce", True)) for e in entries):
                 await control.set_quarantine(entries)
                 log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries],
                          **({"worker": worker} if worker else {}))
@@ -508,6 +525,20 @@ class Executor:
             await drain.lift("restart_failed")
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id, detail=detail, recorded=recorded), record
+
+    async def would_restart(self, decision: Decision) -> str:
+        """A shadow restart's Normal Event on our pod: `written`, `none` where the restarter writes no
+        Events, else why not. Nothing else is done: no drain, no slot, no budget spent."""
+        if self.restarter.strategy in ("none", "local"):
+            return "none"
+        try:
+            error = await self.restarter.record_event(decision, WOULD_ACTION, shadow=True)
+        except Exception as exc:  # a refusal of the API's own rules: the log line and /status still say it
+            error = repr(exc)[:300]
+        if error is not None:
+            log.warning("would_restart_event_failed", reason=decision.reason, error=error)
+            return f"failed: {error}"
+        return "written"
 
     async def _mark(self, at: float | None) -> None:
         """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that

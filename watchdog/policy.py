@@ -21,6 +21,7 @@ from gpu_watchdog.watchdog.names import (
     CANARY_FAILING,
     CONTEXT_LOSS,
     DRAINING,
+    ENFORCE_ALL,
     FLEET_BREAKER_OPEN,
     FLEET_LEDGER_UNKNOWN,
     FLEET_UNAVAILABLE_LIMIT,
@@ -30,7 +31,10 @@ from gpu_watchdog.watchdog.names import (
     MAX_AGE,
     MEMORY_PRESSURE,
     OOM,
+    PLACEMENT,
     PROGRESS_UNKNOWN,
+    QUARANTINE,
+    RECOVERED,
     RUNG_CONTAINER,
     RUNG_POD,
     RUNG_WORKER,
@@ -90,6 +94,23 @@ class Decision:
     # The cheapest cure that may still work (restart.strategy container honours it; the others
     # always restart the pod, or the process they own).
     rung: str = RUNG_CONTAINER
+    # Performed (`policy.enforce` names its action or reason), or shadow: reported, nothing done.
+    enforced: bool = True
+
+
+def enforced(settings: PolicySettings, action: str, reason: str) -> bool:
+    """Whether `policy.enforce` has `action` (a decision's, or quarantine, placement) performed for
+    `reason`. The quarantine and placement answer to their own names only: a reason enforced restarts
+    for it, and keeps the card and the requests it blames in shadow until they are named too."""
+    e = settings.enforce
+    action = ladder.enforce_action(action)
+    if ENFORCE_ALL in e or action in e:
+        return True
+    return action not in (QUARANTINE, PLACEMENT) and reason in e
+
+
+def _enforce(settings: PolicySettings, decisions: list[Decision]) -> list[Decision]:
+    return [d if enforced(settings, d.action, d.reason) else replace(d, enforced=False) for d in decisions]
 
 
 def workload_allowance(settings: PolicySettings, replicas: int | None) -> int:
@@ -152,6 +173,11 @@ def budget_blocker(settings: PolicySettings, history: History, now: float, from_
 
 
 def decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool = False) -> list[Decision]:
+    """What to do now for the watched target, each decision enforced or shadow (`policy.enforce`)."""
+    return _enforce(settings, _decide(settings, history, now, budget_from_events))
+
+
+def _decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool) -> list[Decision]:
     if history.restart_in_progress:
         return []
     restart = _restart_rule(settings, history, now)
@@ -187,7 +213,7 @@ def other_workers(settings: PolicySettings, h: History, now: float, budget_from_
             decision = replace(decision, allowed=False,
                                blocked_by=budget_blocker(settings, h, now, budget_from_events))
         out.append(decision)
-    return out
+    return _enforce(settings, out)
 
 
 def hung_workers(settings: PolicySettings, h: History) -> list[Decision]:
@@ -315,7 +341,7 @@ def _admission_rule(settings: PolicySettings, h: History, now: float) -> list[De
     change = ladder.decide(settings.admission, h, now)
     if change is None:
         return []
-    reason = OOM if change.action == ladder.SHRINK else "recovered"
+    reason = OOM if change.action == ladder.SHRINK else RECOVERED
     return [Decision(change.action, reason, {**change.detail, "limit": change.limit},
                      instance_id=h.ladder.instance_id if h.ladder is not None else None)]
 

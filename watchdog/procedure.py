@@ -28,6 +28,10 @@ EVIDENCE = "evidence"  # what the process had in flight, recorded against the wo
 READ_BUDGET = "read_budget"  # the workload's restart Events read again (another pod may have restarted)
 BLOCKED = "blocked"  # the budget is spent: nothing is done (ends the procedure)
 REPORTED = "reported"  # strategy none, another worker: said, nothing done (ends)
+# Shadow (`policy.enforce`): said as it would have been done (a Normal Event), nothing done, no slot
+# taken and no budget spent (ends). The evidence and the card's keep-out come first, each as its own
+# enforcement says, so that the quarantine and the placement are decided as they would be.
+WOULD = "would"
 TAKE_SLOT = "take_slot"  # a slot of the workload's ledger for the rung
 HELD = "held"  # the ledger said not now: nothing done, asked again after the hold's interval (ends)
 KEEP_OUT = "keep_out"  # the card the evidence is about kept out of the pod's next placement
@@ -39,7 +43,7 @@ SWAP_SLOT = "swap_slot"  # the worker's slot given back: the pod's rung needs th
 # (then TAKE_SLOT again, for the pod's rung)
 RESTART = "restart"  # the restarter's rung: the watched target's, or a worker's fallback (ends)
 
-ENDS = frozenset({BLOCKED, REPORTED, HELD, EXIT_FAILED, EXITED, RESTART})
+ENDS = frozenset({BLOCKED, REPORTED, WOULD, HELD, EXIT_FAILED, EXITED, RESTART})
 
 # Failed exits of one worker process (its control API timed out or answered nothing usable; not
 # "gone already") before its restart falls back to the container's rung. Two: one exit that times
@@ -123,6 +127,10 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
             d = dataclasses.replace(d, allowed=False, blocked_by=policy.budget_blocker(s, h, f.now, p.from_events))
         if not d.allowed:
             return Step(BLOCKED, d)
+        if not d.enforced:
+            if f.keep_out and not p.did(KEEP_OUT) and slot_rung(d, f.strategy) == RUNG_POD:
+                return Step(KEEP_OUT, d)
+            return Step(WOULD, d)
         if p.worker and f.strategy == "none":
             return Step(REPORTED, d)
         return Step(TAKE_SLOT, d)

@@ -19,7 +19,7 @@ from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import KeepOut
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER, WOULD
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
 from gpu_watchdog.watchdog.samples import RESTART_FAILED, RESTART_HELD, RESTART_REPORTED, WorkerRestarted, WorkerUntold
@@ -65,7 +65,7 @@ class Restarts:
         ex = self.executor
         p = procedure.begin(self.settings.policy, self.history(), worker, decision, self.clock(),
                             self.read_budget is not None, asked_again)
-        if worker == 0:
+        if worker == 0 and decision.enforced:
             # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it
             # now, whether or not this restart goes ahead.
             self.spawn(ex.report_driver_word(decision))
@@ -114,6 +114,8 @@ class Restarts:
             log.warning("restart_not_performed", reason=d.reason, strategy="none", rung=RUNG_WORKER, worker=k,
                         detail=d.detail)
             self._ended(d, k, RESTART_REPORTED, "reported")
+        elif kind == procedure.WOULD:
+            await self._would(p, d)
         elif kind == procedure.TAKE_SLOT:
             return procedure.advance(p, step, held=await ex.take_slot(d))
         elif kind == procedure.HELD:
@@ -179,6 +181,19 @@ class Restarts:
                                      exit_recorded=outcome.recorded)
         return procedure.advance(p, step, exit=procedure.NOT_RECORDED if outcome.not_recorded else procedure.REFUSED,
                                  exit_detail=outcome.detail)
+
+    async def _would(self, p: Procedure, d: Decision) -> None:
+        """A shadow restart: said everywhere a restart is (the log, the decisions, a Normal Event that
+        points to the evidence), performed nowhere; reported once in its episode, as strategy none is."""
+        ex, k = self.executor, p.worker
+        recorded = await ex.would_restart(d)
+        log.warning("decision", action="restart", reason=d.reason, rung=d.rung, shadow=True, performed=False,
+                    event=recorded, detail=d.detail, **({"worker": k} if k else {}))
+        self.record_decision(d, WOULD, self.clock())
+        if k == 0:
+            self.fold(RestartEnded(self.clock(), d.reason, False, False, True, d.rung, d.instance_id))
+        else:
+            self._ended(d, k, RESTART_REPORTED, None)
 
     async def _restart(self, p: Procedure, d: Decision) -> None:
         """The restarter's rung, its slot taken: its Event written first, then the drain and the act."""

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpu_watchdog.watchdog import edges, idle_memory, ladder
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.ladder_state import FailedLimit, Ladder
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER, WOULD
 from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
@@ -197,6 +198,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.decisions.append(outcome)
         if outcome.outcome == BLOCKED_BY_BUDGET:
             h.blocked_reported = outcome.reason
+        elif outcome.outcome == WOULD:
+            key = would_key(ladder.enforce_action(outcome.action), outcome.reason)
+            h.would[key] = h.would.get(key, 0) + 1
     elif isinstance(outcome, RestartWaiting):
         h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):
@@ -238,6 +242,15 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, AdmissionAnswered) and h.ladder is not None:
         h.ladder = ladder_answered(h.ladder, outcome.change, outcome.at, outcome.ok, admission)
     return h
+
+
+def would_key(action: str, reason: str) -> str:
+    return f"{action}:{reason}"
+
+
+def would(h: History, now: float, action: str, reason: str, detail: dict[str, Any]) -> DecisionRecord:
+    """The record of a shadow decision the edge took (a quarantine, a taint): folded as any decision's."""
+    return DecisionRecord(round(now - h.started_at, 3), action, reason, WOULD, detail)
 
 
 # -- the admission ladder's record ---------------------------------------------------------------
