@@ -110,6 +110,10 @@ class EdgeFacts:
     pushed: tuple[str, ...] | None = None  # the fingerprints our server last got
     pushed_to: str | None = None  # the server process the list last reached
     worker_pushed_to: dict[int, str] = field(default_factory=dict)  # the same, for each other worker
+    # Requests our servers served that a shadow quarantine would have refused (policy.enforce): the
+    # total, and each worker's count as it last said it (a process that starts again counts from 0).
+    would_refuse: int = 0
+    would_refuse_said: dict[int, int] = field(default_factory=dict)
     # Cards kept out of placement: what was done lately, and the last edge error.
     placement_recent: tuple[dict[str, Any], ...] = ()
     placement_error: str | None = None
@@ -267,6 +271,14 @@ class QuarantinePushed:
 
 
 @dataclass(frozen=True)
+class WouldRefuseCounted:
+    """A server's count of requests it served that a shadow quarantine entry would have refused."""
+
+    worker: int
+    count: int
+
+
+@dataclass(frozen=True)
 class PlacementDone:
     record: dict[str, Any]  # at, action, card, node, evidence, target
     kept: int
@@ -290,7 +302,7 @@ EdgeOutcome = (NvmlOpened | CanaryDescribed | LoopLag | RecordsIgnored | Replica
                | SuspectWithdrawn | EscalationFailed | EscalationLooked | FleetSeen | OwnPodRead | Acting | SlotTaken
                | Held | HoldEnded | InPlaceServed | SlotGivenBack | SlotNotGivenBack | CameBack | BreakerSaid
                | EvidenceRead | EvidenceRefused | RecordsSeen | QuarantinePushed | PlacementDone | PlacementSaid
-               | PlacementFailed)
+               | PlacementFailed | WouldRefuseCounted)
 EDGE_OUTCOMES: tuple[type[Any], ...] = tuple(EdgeOutcome.__args__)
 
 
@@ -365,6 +377,11 @@ def fold(e: EdgeFacts, o: Any) -> EdgeFacts:
                 return e
             return replace(e, worker_pushed_to={**e.worker_pushed_to, o.worker: o.instance_id})
         return replace(e, pushed=o.fingerprints, pushed_to=e.pushed_to if o.instance_id is None else o.instance_id)
+    if isinstance(o, WouldRefuseCounted):
+        last = e.would_refuse_said.get(o.worker, 0)
+        grown = o.count - last if o.count >= last else o.count
+        return replace(e, would_refuse=e.would_refuse + grown, would_refuse_said={**e.would_refuse_said,
+                                                                                   o.worker: o.count})
     if isinstance(o, PlacementDone):
         return replace(e, placement_recent=(*e.placement_recent, o.record)[-o.kept:])
     if isinstance(o, PlacementSaid):

@@ -437,6 +437,10 @@ class Executor:
     async def _push(self, control: ControlClient, entries: list[dict[str, Any]], worker: int = 0) -> bool:
         try:
             listed = await control.quarantine()
+            said = listed.get("would_refuse")
+            if isinstance(said, int) and not isinstance(said, bool) and said != self.edge.would_refuse_said.get(
+                    worker, 0):
+                self.fold(edges.WouldRefuseCounted(worker, said))
             have = sorted((str(e.get("fingerprint")), e.get("enforce", True) is not False)
                           for e in listed.get("entries", []) if isinstance(e, dict))
             if have != sorted((e["fingerprint"], e.get("enforce", True)) for e in entries):

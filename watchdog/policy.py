@@ -181,7 +181,7 @@ def _decide(settings: PolicySettings, history: History, now: float, budget_from_
     if history.restart_in_progress:
         return []
     restart = _restart_rule(settings, history, now)
-    if restart is not None and _held_back(history, restart.reason, now):
+    if restart is not None and _held_back(history, restart.reason, now, _lasting(restart)):
         restart = None
     if restart is not None:
         restart = replace(restart, rung=rung_for(settings, history, restart, now))
@@ -307,21 +307,31 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
     return RUNG_POD if spent(RUNG_CONTAINER) else RUNG_CONTAINER
 
 
-def _held_back(h: History, reason: str, now: float) -> bool:
+# Evidence a served canary does not end: a card the kubelet or the driver calls sick, a lost GPU, an
+# Xid, the process's age, drift the flushes did not cure. Only a restart does.
+LASTING_EVIDENCE = ("device_health", "gpu_lost", "recovery_action", "xid")
+
+
+def _lasting(d: Decision) -> bool:
+    return d.detail.get("evidence") in LASTING_EVIDENCE or d.reason in (MAX_AGE, FRAGMENTATION_DRIFT)
+
+
+def _held_back(h: History, reason: str, now: float, lasting: bool = False) -> bool:
     """A restart of the target for `reason` that was decided and not carried out, in this same episode."""
-    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now)
+    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now, lasting)
 
 
 def _held_back_in(actions: Iterable[ActionRecord], served: list[float], epoch: float, reason: str,
-                  now: float) -> bool:
+                  now: float, lasting: bool = False) -> bool:
     """One process's restart for `reason` decided and not carried out, in this same episode
     (`served`: when it served a canary; `epoch`: its last restart).
 
-    Reported only (strategy `none`): said once, not again until it serves again. Held by the fleet:
-    asked again after the hold's own interval. Failed: tried again after a backoff that doubles with
-    each failure, not at every tick.
+    Reported only (strategy `none`, or shadow): said once, not again until it serves again, or, for
+    `lasting` evidence (a sick card, the process's age) that serving does not clear, until a restart.
+    Held by the fleet: asked again after the hold's own interval. Failed: tried again after a backoff
+    that doubles with each failure, not at every tick.
     """
-    episode_start = served[-1] if served else float("-inf")
+    episode_start = epoch if lasting else served[-1] if served else float("-inf")
     ours = [a for a in actions if a.reason == reason]
     if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
         return True

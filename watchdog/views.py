@@ -212,6 +212,8 @@ def shadow_status(settings: Settings, h: History) -> dict[str, Any]:
                      for a in names.ENFORCEABLE_ACTIONS},
         "would": [{"action": a, "reason": r, "count": n} for a, r, n in would_counts(h)],
         "recent": [d.to_json() for d in h.decisions if d.outcome == names.WOULD][-20:],
+        # Served by our servers, and refused had the quarantine been enforced.
+        "would_refuse": h.edge.would_refuse,
     }
 
 

@@ -181,3 +181,48 @@ def test_a_shadow_quarantine_is_served_and_said_by_the_server() -> None:
         screen.check("cd34")
     assert screen.describe()["would_refuse"] == 1 and screen.describe()["refused"] == 1
     assert screen.describe()["entries"][0]["enforce"] is False
+
+
+def test_a_sick_card_in_shadow_is_said_once_while_the_server_goes_on_serving() -> None:
+    """A card's fault that serving does not clear: one report until a restart, not one per canary."""
+    from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
+
+    trace = Trace(enforcing("shadow")).fold(ok(0.0))
+    sick = DeviceHealthSample(at=1.0, read=True, devices=(DeviceHealth("inference", "nvidia.com/gpu", "GPU-1",
+                                                                       "Unhealthy", "XID 79"),))
+    [d] = trace.fold(sick).tick(1.0)
+    assert d.reason == CONTEXT_LOSS and not d.enforced
+    trace.fold(DecisionRecord(1.0, RESTART, CONTEXT_LOSS, WOULD), RestartEnded(1.0, CONTEXT_LOSS, False, False, True))
+    for at in (2.0, 3.0, 4.0):
+        assert trace.fold(ok(at)).tick(at) == []
+    assert trace.history.would == {"restart:context_loss": 1}
+
+
+def test_the_summary_names_each_shadow_action_its_count_its_cost_and_what_held_others_back() -> None:
+    from gpu_watchdog.watchdog.edges import WouldRefuseCounted
+    from gpu_watchdog.watchdog.replay import Replay
+    from gpu_watchdog.watchdog.report import Report, render
+
+    lines = []
+    for pod in ("llm-a", "llm-b"):
+        trace = Trace(enforcing("shadow"), pod=pod)
+        hung(trace, 0.0).tick(31.0)
+        trace.fold(DecisionRecord(31.0, RESTART, HANG, WOULD), RestartEnded(31.0, HANG, False, False, True),
+                   DecisionRecord(40.0, "empty_cache", MEMORY_PRESSURE, WOULD),
+                   DecisionRecord(50.0, RESTART, CONTEXT_LOSS, "blocked_by_budget"),
+                   WouldRefuseCounted(0, 3), WouldRefuseCounted(0, 1))  # a new process counts from 0 again
+        trace.tick(51.0)
+        lines += trace.lines
+    replay = Replay(lambda recorded: from_mapping(dict(recorded)), report=Report())
+    for line in lines:
+        replay.feed(line)
+    report = replay.summary_report()
+    assert report["would"] == [{"action": "empty_cache", "reason": MEMORY_PRESSURE, "count": 2, "pods": 2},
+                               {"action": RESTART, "reason": HANG, "count": 2, "pods": 2}]
+    assert report["cost"]["restarts"] == 2 and report["cost"]["requests_refused"] == 8
+    assert report["held_back"] == [{"action": RESTART, "reason": CONTEXT_LOSS, "by": "blocked_by_budget", "count": 2}]
+    assert [(p["pod"], p["would"]) for p in report["pods"]] == [
+        ("llm-a", {"empty_cache:memory_pressure": 1, "restart:hang": 1}),
+        ("llm-b", {"empty_cache:memory_pressure": 1, "restart:hang": 1})]
+    page = render(report)
+    assert "restart      hang" in page and "2 restart(s), 8 request(s) refused" in page
