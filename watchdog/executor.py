@@ -530,6 +530,28 @@ class Executor:
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id, detail=detail, recorded=recorded), record
 
+    async def take_stacks(self, decision: Decision, worker: int, control: ControlClient | None) -> dict[str, Any]:
+        """Before a hang's restart: every thread's stack of the process (its control API writes them to
+        its termination log too), folded (the flight recording keeps them); a server without our control
+        API leaves its metrics page at the stall, recorded already. What the restart's Event says of them."""
+        now = self.clock()
+        if control is None:
+            st = edges.Stacks(worker, decision.instance_id, decision.reason, now, "metrics")
+        else:
+            try:
+                report = await control.stacks(decision.reason)
+                st = _stacks_of(report, worker, decision, now)
+            except ControlError as exc:
+                st = edges.Stacks(worker, decision.instance_id, decision.reason, now, "control", error=str(exc)[:300])
+        self.fold(edges.StacksTaken(st))
+        if st.error is not None:
+            log.warning("stacks_unreadable", reason=decision.reason, worker=worker, error=st.error,
+                        action="restarting without them")
+        else:
+            log.warning("stacks_taken", reason=decision.reason, worker=worker, source=st.source, stuck=st.stuck,
+                        threads=len(st.threads), termination_log=st.termination_log)
+        return edges.stacks_detail(st)
+
     async def would_restart(self, decision: Decision) -> str:
         """A shadow restart's Normal Event on our pod: `written`, `none` where the restarter writes no
         Events, else why not. Nothing else is done: no drain, no slot, no budget spent."""
@@ -957,6 +979,26 @@ class Executor:
             log.warning("escalation_failed", step=step, status=status, error=str(exc)[:300],
                         retry_in_s=edges.escalation_backoff(self.edge))
         self.fold(edges.EscalationFailed(self.clock(), key))
+
+
+# A hung process's stacks as the recording keeps them: enough to find the stuck call, and bounded.
+STACK_THREADS_KEPT, STACK_FRAMES_KEPT = 32, 24
+
+
+def _stacks_of(report: dict[str, Any], worker: int, decision: Decision, now: float) -> edges.Stacks:
+    """The control API's answer (`POST /control/stacks`) as the fold keeps it; garbage raises ControlError."""
+    try:
+        threads = tuple(
+            (str(t["name"]), tuple(f"{f['file']}:{f['line']} in {f['function']}"
+                                   for f in reversed(t["frames"][-STACK_FRAMES_KEPT:])))
+            for t in report["threads"][:STACK_THREADS_KEPT])
+        stuck = report.get("stuck")
+        where = None if not stuck else f"{stuck['file']}:{stuck['line']} in {stuck['function']} ({stuck['thread']})"
+        written = report.get("termination_log")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ControlError(f"stacks: not an answer of ours ({exc!r})", "bad_response") from None
+    return edges.Stacks(worker, decision.instance_id, decision.reason, now, "control", where,
+                        written if isinstance(written, str) else None, threads)
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,

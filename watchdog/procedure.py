@@ -14,16 +14,18 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from gpu_watchdog.watchdog import policy
+from gpu_watchdog.watchdog import edges, policy
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.names import HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.samples import Untold
 from gpu_watchdog.watchdog.settings import PolicySettings
 
 # The steps, in the order a restart meets them.
+STACKS = "stacks"  # a hang: where the process is stuck, every thread's stack, kept before anything changes
 EVIDENCE = "evidence"  # what the process had in flight, recorded against the workload's failures
 READ_BUDGET = "read_budget"  # the workload's restart Events read again (another pod may have restarted)
 BLOCKED = "blocked"  # the budget is spent: nothing is done (ends the procedure)
@@ -109,6 +111,9 @@ def begin(s: PolicySettings, h: History, worker: int, decision: Decision, now: f
     untold = untold_now(h, worker, decision.instance_id) if worker else None
     if untold is not None:
         decision = fallback(s, h, decision, untold, now)
+    taken = edges.stacks_taken(h.edge, worker, decision.reason, decision.instance_id)
+    if taken is not None:  # asked again (held): its Event still says where the stacks are
+        decision = dataclasses.replace(decision, detail={**decision.detail, **edges.stacks_detail(taken)})
     return Procedure(worker, decision, from_events, asked_again, untold=untold)
 
 
@@ -117,6 +122,9 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
     if p.over:
         return None
     d = p.decision
+    if d.reason == HANG and not p.did(STACKS) and edges.stacks_taken(h.edge, p.worker, d.reason, d.instance_id) \
+            is None:
+        return Step(STACKS, d)
     if not p.did(EVIDENCE) and d.reason in CURING_REASONS:
         return Step(EVIDENCE, d)
     if not p.did(READ_BUDGET) and p.from_events and d.allowed and _budget_stale(h, p, f.now):
@@ -158,11 +166,15 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
 
 
 def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, held: str | None = None,
-            exit: str | None = None, exit_detail: str = "", exit_recorded: bool = False) -> Procedure:
-    """`p` once `step` was performed: `inflight`, the fingerprints its evidence read (None: none);
+            exit: str | None = None, exit_detail: str = "", exit_recorded: bool = False,
+            stacks: dict[str, Any] | None = None) -> Procedure:
+    """`p` once `step` was performed: `stacks`, what the restart's Event says of the stacks taken;
+    `inflight`, the fingerprints its evidence read (None: none);
     `held`, why the ledger said not now (None: a slot was granted); `exit`, what the worker's exit
     answered (one of EXIT_ANSWERS) and why."""
     d = step.decision
+    if step.kind == STACKS and stacks is not None:
+        d = dataclasses.replace(d, detail={**d.detail, **stacks})
     if step.kind == EVIDENCE and inflight is not None:
         d = dataclasses.replace(d, detail={**d.detail, "inflight": list(inflight)})
     out = dataclasses.replace(p, decision=d, done=(*p.done, step.kind))

@@ -95,6 +95,10 @@ class Restarts:
     async def _perform(self, p: Procedure, step: Step) -> Procedure:
         ex, d, k, now = self.executor, step.decision, p.worker, self.clock()
         kind = step.kind
+        if kind == procedure.STACKS:
+            # Where it is stuck, read while it still is: the restart that follows takes that with it.
+            control = ex.control if k == 0 else self.worker_control(k)
+            return procedure.advance(p, step, stacks=await ex.take_stacks(d, k, control))
         if kind == procedure.EVIDENCE:
             # What was in flight, read first (a poisoned server leaves a few seconds after it is seen):
             # the query of death's evidence, recorded before anything restarts.

@@ -105,7 +105,7 @@ def test_a_shadow_restart_takes_no_slot_and_spends_no_budget_and_is_said_once_pe
     while (step := procedure.next_step(s.policy, trace.history, p, Facts(now=31.0, strategy="evict"))) is not None:
         kinds.append(step.kind)
         p = procedure.advance(p, step)
-    assert kinds == [EVIDENCE, procedure.WOULD]
+    assert kinds == [procedure.STACKS, EVIDENCE, procedure.WOULD]
     budget = policy.budget_remaining(s.policy, trace.history, 31.0)
     # What the edge folds for it (`restarting.Restarts._would`).
     trace.fold(DecisionRecord(31.0, RESTART, HANG, WOULD), RestartEnded(31.0, HANG, False, False, True, d.rung))
@@ -136,8 +136,9 @@ def test_a_shadow_pod_restart_keeps_the_card_out_in_shadow_first_and_another_wor
     [w] = trace.tick(31.0, core="workers")
     assert w.rung == RUNG_WORKER and not w.enforced
     p = procedure.begin(s.policy, trace.history, 1, w, 31.0, from_events=False)
-    step = procedure.next_step(s.policy, trace.history, procedure.advance(p, procedure.Step(EVIDENCE, w)),
-                               Facts(now=31.0, strategy="evict"))
+    for kind in (procedure.STACKS, EVIDENCE):
+        p = procedure.advance(p, procedure.Step(kind, w))
+    step = procedure.next_step(s.policy, trace.history, p, Facts(now=31.0, strategy="evict"))
     assert step is not None and step.kind == procedure.WOULD
 
 

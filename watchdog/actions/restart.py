@@ -104,10 +104,18 @@ WORKER_ACTION, WORKER_PREFIX = "RestartWorker", "WorkerRestart"
 
 
 def note_for(decision: Decision, action: str = "Evict") -> str:
-    figures = json.dumps(decision.detail, sort_keys=True, default=str)
     what = {"RestartContainer": "its inference container in place",
             WORKER_ACTION: f"worker {decision.detail.get('worker', 0)} of its server"}.get(action, "this pod")
-    return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
+    return f"gpu-watchdog restarts {what}: {decision.reason}; {_figures(decision)}"
+
+
+def _figures(decision: Decision) -> str:
+    """The decision's figures, where it was stuck and where its stacks are first (a note keeps 1 KiB)."""
+    d = decision.detail
+    stacks = f"stuck in {d['stuck']}; " if d.get("stuck") else ""
+    stacks += f"stacks: {d['stacks']}; " if d.get("stacks") else ""
+    rest = {k: v for k, v in d.items() if k not in ("stuck", "stacks")}
+    return stacks + json.dumps(rest, sort_keys=True, default=str)
 
 
 # A shadow restart's Event: Normal, and without the annotations the restart budget counts by.
@@ -116,9 +124,8 @@ WOULD_ANNOTATION = "gpu-watchdog.io/would-restart"
 
 
 def would_note(decision: Decision) -> str:
-    figures = json.dumps(decision.detail, sort_keys=True, default=str)
     return (f"gpu-watchdog would restart this pod ({decision.rung}): {decision.reason}; shadow, nothing was done"
-            f" (policy.enforce); {figures}")
+            f" (policy.enforce); {_figures(decision)}")
 
 
 class KubeRestarter:
