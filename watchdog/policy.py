@@ -181,7 +181,7 @@ def _decide(settings: PolicySettings, history: History, now: float, budget_from_
     if history.restart_in_progress:
         return []
     restart = _restart_rule(settings, history, now)
-    if restart is not None and _held_back(history, restart.reason, now, _lasting(restart)):
+    if restart is not None and _held_back(history, restart.reason, now, lasting(restart)):
         restart = None
     if restart is not None:
         restart = replace(restart, rung=rung_for(settings, history, restart, now))
@@ -312,28 +312,34 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
 LASTING_EVIDENCE = ("device_health", "gpu_lost", "recovery_action", "xid")
 
 
-def _lasting(d: Decision) -> bool:
-    return d.detail.get("evidence") in LASTING_EVIDENCE or d.reason in (MAX_AGE, FRAGMENTATION_DRIFT)
+def lasting(d: Decision) -> str | None:
+    """What a restart reported and not performed keeps as its evidence (`ActionRecord.why`) where that
+    evidence lasts through serving; None where a served canary ends its episode."""
+    evidence = d.detail.get("evidence")
+    if evidence in LASTING_EVIDENCE:
+        return str(evidence)
+    return d.reason if d.reason in (MAX_AGE, FRAGMENTATION_DRIFT) else None
 
 
-def _held_back(h: History, reason: str, now: float, lasting: bool = False) -> bool:
+def _held_back(h: History, reason: str, now: float, evidence: str | None = None) -> bool:
     """A restart of the target for `reason` that was decided and not carried out, in this same episode."""
-    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now, lasting)
+    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now, evidence)
 
 
 def _held_back_in(actions: Iterable[ActionRecord], served: list[float], epoch: float, reason: str,
-                  now: float, lasting: bool = False) -> bool:
+                  now: float, lasting: str | None = None) -> bool:
     """One process's restart for `reason` decided and not carried out, in this same episode
     (`served`: when it served a canary; `epoch`: its last restart).
 
-    Reported only (strategy `none`, or shadow): said once, not again until it serves again, or, for
-    `lasting` evidence (a sick card, the process's age) that serving does not clear, until a restart.
-    Held by the fleet: asked again after the hold's own interval. Failed: tried again after a backoff
-    that doubles with each failure, not at every tick.
+    Reported only (strategy `none`, or shadow): said once, not again until it serves again; a shadow
+    one for `lasting` evidence (a sick card, the process's age) that serving does not clear, not again
+    until a restart. Held by the fleet: asked again after the hold's own interval. Failed: tried again
+    after a backoff that doubles with each failure, not at every tick.
     """
-    episode_start = epoch if lasting else served[-1] if served else float("-inf")
+    episode_start = served[-1] if served else float("-inf")
     ours = [a for a in actions if a.reason == reason]
-    if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
+    if any(a.action == RESTART_REPORTED and (a.at > episode_start or (lasting is not None and a.why == lasting
+                                                                        and a.at >= epoch)) for a in ours):
         return True
     held = [a for a in ours if a.action == RESTART_HELD]
     if held and now - held[-1].at < FLEET_RETRY_S.get(held[-1].why, RESTART_RETRY_S):

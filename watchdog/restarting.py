@@ -192,10 +192,11 @@ class Restarts:
         ex, k = self.executor, p.worker
         recorded = await ex.would_restart(d)
         log.warning("decision", action="restart", reason=d.reason, rung=d.rung, shadow=True, performed=False,
-                    event=recorded, detail=d.detail, **({"worker": k} if k else {}))
+                    normal_event=recorded, detail=d.detail, **({"worker": k} if k else {}))
         self.record_decision(d, WOULD, self.clock())
         if k == 0:
-            self.fold(RestartEnded(self.clock(), d.reason, False, False, True, d.rung, d.instance_id))
+            self.fold(RestartEnded(self.clock(), d.reason, False, False, True, d.rung, d.instance_id,
+                                   lasting=policy.lasting(d)))
         else:
             self._ended(d, k, RESTART_REPORTED, None)
 

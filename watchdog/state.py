@@ -74,6 +74,7 @@ class RestartEnded:
     instance_id: str | None = None  # the process restarted, where known
     detail: str | None = None  # what the restarter said (None: nothing new, as for an exception)
     recorded: bool | None = None  # its Event written (True), refused (False), or not tried
+    lasting: str | None = None  # a shadow restart's evidence that serving does not clear (`policy.lasting`)
 
 
 @dataclass(frozen=True)
@@ -211,7 +212,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
             # Nothing was restarted: the process, its evidence and its service go on as they were,
             # and the restart budget is not spent.
             kind = RESTART_REPORTED if outcome.reported_only else RESTART_FAILED
-            h.actions.append(ActionRecord(outcome.at, kind, outcome.reason))
+            # A shadow restart keeps its lasting evidence (`policy.lasting`): said once until a restart.
+            why = outcome.lasting or "" if outcome.reported_only else ""
+            h.actions.append(ActionRecord(outcome.at, kind, outcome.reason, why=why))
             return h
         h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, outcome.rung))
         # Evidence older than this is about a process that is gone; the new one starts anew.

@@ -193,10 +193,15 @@ def test_a_sick_card_in_shadow_is_said_once_while_the_server_goes_on_serving() -
                                                                        "Unhealthy", "XID 79"),))
     [d] = trace.fold(sick).tick(1.0)
     assert d.reason == CONTEXT_LOSS and not d.enforced
-    trace.fold(DecisionRecord(1.0, RESTART, CONTEXT_LOSS, WOULD), RestartEnded(1.0, CONTEXT_LOSS, False, False, True))
+    trace.fold(DecisionRecord(1.0, RESTART, CONTEXT_LOSS, WOULD),
+               RestartEnded(1.0, CONTEXT_LOSS, False, False, True, lasting=policy.lasting(d)))
     for at in (2.0, 3.0, 4.0):
         assert trace.fold(ok(at)).tick(at) == []
     assert trace.history.would == {"restart:context_loss": 1}
+    # A lost context the canary sees in another episode is no longer the card's: said once more.
+    trace.fold(sick.__class__(at=5.0, read=True), fatal(5.0))
+    [again] = trace.tick(5.0)
+    assert again.reason == CONTEXT_LOSS and again.detail["evidence"] == "canary"
 
 
 def test_the_summary_names_each_shadow_action_its_count_its_cost_and_what_held_others_back() -> None:
