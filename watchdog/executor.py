@@ -406,7 +406,9 @@ class Executor:
             return
         now = self.wall_clock()
         entries = self._entries(now)
-        self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
+        # What is refused: a shadow entry is served (gpu_watchdog_shadow_actions_total counts it).
+        self.metrics.quarantined.labels(workload=self.workload or "").set(
+            len([e for e in entries if e.get("enforce", True)]))
         for k in self.worker_controls:
             # Beside this: a hung worker slow to answer delays neither the target's list nor its canary.
             task = asyncio.get_running_loop().create_task(self.push_quarantine_to(k, None, entries))
