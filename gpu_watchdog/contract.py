@@ -30,6 +30,8 @@ EXIT = "/control/exit"  # POST: the process exits (code 75) for its server to st
 # The query of death: the fingerprints in flight (and at the failure), and the quarantine list
 # (GET lists, POST adds one, PUT replaces all, DELETE lifts one).
 REQUESTS = "/control/requests"
+# POST: every thread's Python stack, into the termination log and the answer (before a hang's restart).
+STACKS = "/control/stacks"
 QUARANTINE = "/control/quarantine"
 CONTROL_OPENAPI = "/control/openapi.json"
 

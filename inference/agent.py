@@ -36,6 +36,7 @@ from prometheus_client import generate_latest
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 from gpu_watchdog.contract import CanaryProbe, CanaryResult
+from gpu_watchdog.inference import stacks
 from gpu_watchdog.inference.admission import AdmissionGate
 from gpu_watchdog.inference.faults import FaultInjector
 from gpu_watchdog.inference.guard import Admitted, Guard
@@ -263,6 +264,7 @@ class Agent:
         """Serve the control API on its own loop in a daemon thread; returns once it listens."""
         if self._thread is not None:
             return
+        stacks.register_signal()  # `kill -USR2`: every thread's stack to stderr, even with the GIL held in C
         s = self.settings
         self.token, self.token_file = ensure_token(s.token_file)
         ready: list[BaseException | None] = []

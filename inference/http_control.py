@@ -14,6 +14,7 @@ import structlog
 from aiohttp import web
 
 from gpu_watchdog import contract
+from gpu_watchdog.inference import stacks
 from gpu_watchdog.inference.faults import FaultError
 from gpu_watchdog.inference.guard import Guard
 from gpu_watchdog.inference.http_errors import Route
@@ -112,6 +113,7 @@ class ControlAPI:
         r.add_post(contract.FAULT, self.fault)
         r.add_post(contract.EXIT, self.exit)
         r.add_get(contract.REQUESTS, self.requests)
+        r.add_post(contract.STACKS, self.stacks)
         r.add_get(contract.QUARANTINE, self.quarantine)
         r.add_post(contract.QUARANTINE, self.quarantine_add)
         r.add_put(contract.QUARANTINE, self.quarantine_replace)
@@ -187,6 +189,25 @@ class ControlAPI:
         if not self.service.started:
             raise web.HTTPServiceUnavailable(text='{"error": {"message": "model still loading"}}',
                                              content_type="application/json")
+
+    async def stacks(self, request: web.Request) -> web.Response:
+        """Where the process is stuck, before the watchdog restarts it: every thread's stack, kept in
+        the termination log (the pod's status keeps it once the process is gone) and answered."""
+        try:
+            body = await _optional_body(request)
+            reason = body.get("reason", "watchdog")
+            if not isinstance(reason, str) or not reason.strip():
+                raise BadRequest(400, "reason", "reason must be a non-empty string")
+        except BadRequest as exc:
+            return _bad(exc)
+        report = stacks.collect()
+        written = stacks.write(report, reason)
+        stuck = report["stuck"]
+        log.warning("stacks", reason=reason[:200], stuck=None if stuck is None else stacks.describe(stuck),
+                    thread=None if stuck is None else stuck["thread"], threads=len(report["threads"]),
+                    termination_log=written, instance_id=self.service.guard.instance_id)
+        return web.json_response({**report, "termination_log": written,
+                                  "instance_id": self.service.guard.instance_id})
 
     async def exit(self, request: web.Request) -> web.Response:
         """The worker rung: a hung or poisoned worker of several leaves (code 75), and its server

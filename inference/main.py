@@ -9,6 +9,7 @@ import sys
 import structlog
 from aiohttp import web
 
+from gpu_watchdog.inference import stacks
 from gpu_watchdog.inference.http_control import ControlAPI
 from gpu_watchdog.inference.http_public import PublicAPI
 from gpu_watchdog.inference.poison import leave
@@ -20,6 +21,7 @@ log = structlog.get_logger(__name__)
 
 
 async def _serve(settings: ServeSettings) -> int:
+    stacks.register_signal()  # `kill -USR2`: every thread's stack to stderr, even with the GIL held in C
     token, token_path = ensure_token(settings.token_file)
     service = InferenceService(settings)
     # A client that leaves cancels its handler (aiohttp does not by default), which cancels its

@@ -316,7 +316,8 @@ def control_spec() -> dict[str, Any]:
     entry = {"type": "object", "required": ["fingerprint", "until"], "properties": {
         "fingerprint": {"type": "string", "pattern": "^[0-9a-f]{1,64}$"},
         "until": {"type": "number", "description": "seconds since the epoch"},
-        "failures": {"type": "integer", "minimum": 0}, "pods": {"type": "array", "items": {"type": "string"}}}}
+        "failures": {"type": "integer", "minimum": 0}, "pods": {"type": "array", "items": {"type": "string"}},
+        "enforce": {"type": "boolean", "description": "false: shadow, served and logged as would_quarantine"}}}
     return {
         "openapi": "3.0.3",
         "info": {"title": "gpu-watchdog control API (pod-local)", "version": __version__},
@@ -396,6 +397,15 @@ def control_spec() -> dict[str, Any]:
                                            "the process exits (code 75) once this answer has left: a worker of"
                                            " several, for its server to start again"),
                               "409": _json(ERROR, "another instance: the one named is gone"), **_errors(400, 401)}}},
+            "/control/stacks": {"post": {
+                "operationId": "stacks",
+                "requestBody": {"required": False, "content": {"application/json": {"schema": {
+                    "type": "object", "properties": {
+                        "reason": {"type": "string", "minLength": 1, "description": "said in the stacks' log line"
+                                                                                    " and the termination log"}}}}}},
+                "responses": {"200": _json(obj, "every thread's Python stack and where the process is stuck"
+                                                " (`stuck`), also written to the termination log"),
+                              **_errors(400, 401)}}},
             "/control/requests": {"get": {"operationId": "requests", "responses": {
                 "200": _json(obj, "fingerprints in flight, the newest admitted, those answered lately, and those "
                                   "in flight when the context was lost (`at_failure`) or when the loop stopped "

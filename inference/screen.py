@@ -214,10 +214,12 @@ class Entry:
     until: float  # wall clock
     failures: int = 0
     pods: tuple[str, ...] = ()
+    # False: shadow (the sidecar's policy.enforce): served, and logged as the refusal it would have been.
+    enforce: bool = True
 
     def describe(self) -> dict[str, Any]:
         return {"fingerprint": self.fingerprint, "until": self.until, "failures": self.failures,
-                "pods": list(self.pods)}
+                "pods": list(self.pods), **({} if self.enforce else {"enforce": False})}
 
 
 class QuarantineError(ValueError):
@@ -243,7 +245,10 @@ def parse_entry(data: Any, where: str = "") -> Entry:
     pods = data.get("pods", [])
     if not isinstance(pods, list) or not all(isinstance(p, str) for p in pods):
         raise QuarantineError(f"{where}pods", f"{where}pods: must be a list of pod names")
-    return Entry(fp, float(until), failures, tuple(pods[:16]))
+    enforce = data.get("enforce", True)
+    if not isinstance(enforce, bool):
+        raise QuarantineError(f"{where}enforce", f"{where}enforce: must be true or false")
+    return Entry(fp, float(until), failures, tuple(pods[:16]), enforce)
 
 
 class QuarantineList:
@@ -363,6 +368,7 @@ class Screen:
         self.book = RequestBook(instance_id)
         self.quarantine = QuarantineList()
         self.refused = 0
+        self.would_refuse = 0  # requests a shadow entry would have refused, served
         self.on_refused: Callable[[], None] | None = None  # the metrics' counter
         # The model's tokenizer where the server has one (the causal LM's engine sets it): a prompt
         # sent as token ids has the input fingerprint of the text it reads as.
@@ -430,6 +436,12 @@ class Screen:
             entry, by_input = self.quarantine.lookup(input_fp), True
         if entry is None:
             return
+        if not entry.enforce:
+            self.would_refuse += 1
+            log.warning("would_quarantine", fingerprint=fp, input_fingerprint=input_fp, by_input=by_input,
+                        until=entry.until, failures=entry.failures, pods=list(entry.pods),
+                        action="served: the quarantine is in shadow")
+            return
         self.refused += 1
         if self.on_refused is not None:
             self.on_refused()
@@ -460,4 +472,5 @@ class Screen:
             self.book.end(ticket, ok)
 
     def describe(self) -> dict[str, Any]:
-        return {"entries": self.quarantine.describe(), "refused": self.refused, "received": self.quarantine.received}
+        return {"entries": self.quarantine.describe(), "refused": self.refused, "would_refuse": self.would_refuse,
+                "received": self.quarantine.received}

@@ -72,6 +72,8 @@ def _config_type(tp: Any, meta: Mapping[str, Any]) -> str:
         return "list of strings"
     if kind == "json":
         return "any JSON value"
+    if kind == "enforce":
+        return "`all`, `shadow` or a list of actions and reasons"
     if origin is dict:
         return "mapping of strings"
     if meta.get("choices"):
@@ -86,6 +88,8 @@ def _config_default(value: Any, meta: Mapping[str, Any]) -> str:
         return f"`{_duration(float(value))}`"
     if meta.get("kind") == "size":
         return f"`{settings.size_text(value)}`"
+    if meta.get("kind") == "enforce":
+        return f"`{value[0]}`" if len(value) == 1 else f"`[{', '.join(value)}]`"
     if isinstance(value, bool):
         return f"`{str(value).lower()}`"
     if isinstance(value, str):

@@ -27,7 +27,7 @@ from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import CardPlacer
 from gpu_watchdog.watchdog.ladder import Change
 from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, WOULD
 from gpu_watchdog.watchdog.policy import Decision, max_age_jitter
 from gpu_watchdog.watchdog.recorder import FlightRecorder
 from gpu_watchdog.watchdog.running import BUDGET_READ_S, Running
@@ -37,6 +37,7 @@ from gpu_watchdog.watchdog.samples import DecisionRecord
 from gpu_watchdog.watchdog.sampling import TICK_S
 from gpu_watchdog.watchdog.settings import Settings, metrics_url
 from gpu_watchdog.watchdog.state import (
+    AdmissionAnswered,
     AdmissionRequested,
     CacheFlushRequested,
     Outcome,
@@ -216,18 +217,35 @@ class Watchdog:
                 return  # another worker's restart is under way: decided again once it has ended
             self.fold(RestartBegun(now))
             asked_again = self.history.edge.fleet.held is not None
-            if not asked_again:  # asked again while held: recorded once, as held
+            if not asked_again and decision.enforced:  # asked again while held: recorded once, as held
                 self.record_decision(decision, "started", now)
             self.spawn(self.running.restarts.run(0, decision, asked_again))
         elif decision.action == "empty_cache":
+            # Paced as a flush performed would be (its cooldown, the drift's attempts), so that a shadow
+            # flush is said once where a real one would have been made once.
             self.fold(CacheFlushRequested(now, decision.reason))
+            if not decision.enforced:
+                self._would(decision, now)
+                return
             self.record_decision(decision, "started", now)
             self.spawn(self.executor.empty_cache(decision))
         elif decision.action in (ladder.SHRINK, ladder.GROW):
             change = Change(decision.action, int(decision.detail["limit"]), decision.detail)
+            if not decision.enforced:
+                # Taken as answered: the server's own limit, unchanged at its next sample, starts the ladder
+                # anew from it, and only new OOMs say the change again.
+                self.fold(AdmissionAnswered(now, change, True))
+                self._would(decision, now)
+                return
             self.fold(AdmissionRequested(change))
             self.record_decision(decision, "started", now)
             self.spawn(self._set_admission(decision, change))
+
+    def _would(self, decision: Decision, now: float) -> None:
+        """A shadow decision other than a restart (`watchdog.restarting` says those): recorded and said."""
+        self.record_decision(decision, WOULD, now)
+        log.warning("decision", action=decision.action, reason=decision.reason, shadow=True, performed=False,
+                    detail=decision.detail)
 
     async def _set_admission(self, decision: Decision, change: Change) -> None:
         answered = await self.executor.set_admission(change)

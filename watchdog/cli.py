@@ -23,6 +23,10 @@ def add_commands(sub: Any) -> None:
                         help="decide with this config instead of the one recorded")
     replay.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                         help="decide with this setting changed (repeatable): --set policy.hang.consecutive_timeouts=5")
+    replay.add_argument("--summary", nargs="?", const="text", default=None, choices=("text", "json"),
+                        help="instead of each decision, what was decided per reason and per pod over the recordings"
+                             " (one file per pod: every pod's at once), what the shadow actions would have cost and"
+                             " what held the others back; `--summary json` for one JSON object")
     replay.set_defaults(run_command=_cmd_replay)
 
     fleet = sub.add_parser("fleet", help="the workload's restart ledger: who is restarting, the breaker")
@@ -64,7 +68,7 @@ def _cmd_run(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
 def _cmd_replay(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from gpu_watchdog.watchdog.replay_cli import replay_main
 
-    return replay_main(args.files, args.config, args.sets)
+    return replay_main(args.files, args.config, args.sets, summary=args.summary)
 
 
 def _cmd_fleet(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:

@@ -24,7 +24,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.watchdog import settings
+from gpu_watchdog.watchdog import names, settings
 
 CHART_SCHEMA = Path(__file__).resolve().parent.parent / "helm" / "gpu-watchdog" / "values.schema.json"
 REGENERATE = "`python -m gpu_watchdog.watchdog.config_schema` (or `make chart-schema`)"
@@ -73,6 +73,10 @@ def _scalar(tp: Any, meta: Mapping[str, Any], path: str, excluded: Mapping[str, 
         return {"anyOf": [{"type": "integer", "minimum": 1},
                           {"type": "string", "pattern": r"^\s*\d+(\.\d+)?\s*%?\s*$"}],
                 "description": "a count of replicas (2) or a share of them (25%)"}
+    if kind == "enforce":
+        word = {"type": "string", "enum": list(names.ENFORCEABLE)}
+        return {"anyOf": [word, {"type": "array", "items": word}],
+                "description": "all, shadow, or a list of the actions and reasons enforced"}
     if tp is bool:
         return {"type": "boolean"}
     if tp is int:

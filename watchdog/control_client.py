@@ -89,6 +89,10 @@ class ControlClient:
             body["instance_id"] = instance_id
         return await self._call("POST", contract.EXIT, body, timeout)
 
+    async def stacks(self, reason: str, timeout: float = 5.0) -> dict[str, Any]:
+        """Every thread's stack and where the process is stuck, also written to its termination log."""
+        return await self._call("POST", contract.STACKS, {"reason": reason}, timeout)
+
     async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
         """The fingerprints in flight, and those in flight when the context was lost (`at_failure`)."""
         return await self._call("GET", contract.REQUESTS, None, timeout)

@@ -110,6 +110,12 @@ class EdgeFacts:
     pushed: tuple[str, ...] | None = None  # the fingerprints our server last got
     pushed_to: str | None = None  # the server process the list last reached
     worker_pushed_to: dict[int, str] = field(default_factory=dict)  # the same, for each other worker
+    # Requests our servers served that a shadow quarantine would have refused (policy.enforce): the
+    # total, and each worker's count as it last said it (a process that starts again counts from 0).
+    would_refuse: int = 0
+    would_refuse_said: dict[int, int] = field(default_factory=dict)
+    # The stacks last taken before a hang's restart, by worker (0: the watched target).
+    stacks: dict[int, Stacks] = field(default_factory=dict)
     # Cards kept out of placement: what was done lately, and the last edge error.
     placement_recent: tuple[dict[str, Any], ...] = ()
     placement_error: str | None = None
@@ -269,6 +275,36 @@ class QuarantinePushed:
 
 
 @dataclass(frozen=True)
+class Stacks:
+    """Where a hung process stood before its restart: every thread's stack from its control API (kept in
+    its termination log too), or, for a server without one, its metrics page at the stall (`source`
+    metrics: the readings recorded beside this)."""
+
+    worker: int
+    instance_id: str | None
+    reason: str
+    at: float
+    source: str  # control | metrics
+    stuck: str | None = None  # "file:line in function (thread)"
+    termination_log: str | None = None
+    threads: tuple[tuple[str, tuple[str, ...]], ...] = ()  # (name, frames, innermost first)
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class StacksTaken:
+    stacks: Stacks
+
+
+@dataclass(frozen=True)
+class WouldRefuseCounted:
+    """A server's count of requests it served that a shadow quarantine entry would have refused."""
+
+    worker: int
+    count: int
+
+
+@dataclass(frozen=True)
 class PlacementDone:
     record: dict[str, Any]  # at, action, card, node, evidence, target
     kept: int
@@ -299,7 +335,7 @@ EdgeOutcome = (NvmlOpened | CanaryDescribed | LoopLag | RecordsIgnored | Replica
                | SuspectWithdrawn | EscalationFailed | EscalationLooked | FleetSeen | OwnPodRead | Acting | SlotTaken
                | Held | HoldEnded | InPlaceServed | SlotGivenBack | SlotNotGivenBack | CameBack | BreakerSaid
                | EvidenceRead | EvidenceRefused | RecordsSeen | QuarantinePushed | PlacementDone | PlacementSaid
-               | PlacementFailed | CorrectnessSeen)
+               | PlacementFailed | CorrectnessSeen | WouldRefuseCounted | StacksTaken)
 EDGE_OUTCOMES: tuple[type[Any], ...] = tuple(EdgeOutcome.__args__)
 
 
@@ -374,6 +410,13 @@ def fold(e: EdgeFacts, o: Any) -> EdgeFacts:
                 return e
             return replace(e, worker_pushed_to={**e.worker_pushed_to, o.worker: o.instance_id})
         return replace(e, pushed=o.fingerprints, pushed_to=e.pushed_to if o.instance_id is None else o.instance_id)
+    if isinstance(o, StacksTaken):
+        return replace(e, stacks={**e.stacks, o.stacks.worker: o.stacks})
+    if isinstance(o, WouldRefuseCounted):
+        last = e.would_refuse_said.get(o.worker, 0)
+        grown = o.count - last if o.count >= last else o.count
+        return replace(e, would_refuse=e.would_refuse + grown, would_refuse_said={**e.would_refuse_said,
+                                                                                   o.worker: o.count})
     if isinstance(o, PlacementDone):
         return replace(e, placement_recent=(*e.placement_recent, o.record)[-o.kept:])
     if isinstance(o, PlacementSaid):
@@ -473,3 +516,21 @@ def quarantine_status(e: EdgeFacts, enabled: bool, lease: bool, wall_now: float)
 def placement_status(e: EdgeFacts, s: PlacementSettings) -> dict[str, Any]:
     return {"strategy": s.strategy, "effect": s.effect, "max_nodes": s.max_nodes, "max_percent": s.max_percent,
             "recent": list(e.placement_recent), "error": e.placement_error}
+
+
+def stacks_taken(e: EdgeFacts, worker: int, reason: str, instance_id: str | None) -> Stacks | None:
+    """The stacks of this process taken for this restart already (a restart asked again, held)."""
+    st = e.stacks.get(worker)
+    return st if st is not None and (st.reason, st.instance_id) == (reason, instance_id) else None
+
+
+def stacks_detail(st: Stacks) -> dict[str, Any]:
+    """What a restart's Event and log line say of the stacks: where it was stuck, and where they are."""
+    if st.source == "metrics":
+        return {"stacks": "none (not our control API): the server's metrics page at the stall is in the flight"
+                          " recording"}
+    if st.error is not None:
+        return {"stacks": f"not read: {st.error[:120]}"}
+    where = "the flight recording" + (" and the inference container's termination log" if st.termination_log
+                                      else "")
+    return {"stuck": st.stuck, "stacks": where}

@@ -17,12 +17,24 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import contract, logs
-from gpu_watchdog.watchdog import correctness, edges, escalation, fleet, ladder, placement, procedure, quarantine
+from gpu_watchdog.watchdog import (
+    correctness,
+    edges,
+    escalation,
+    fleet,
+    ladder,
+    placement,
+    policy,
+    procedure,
+    quarantine,
+    state,
+)
 from gpu_watchdog.watchdog.actions.node import NodeReporter
 from gpu_watchdog.watchdog.actions.restart import (
     NOT_RECORDED,
     WORKER_ACTION,
     WORKER_PREFIX,
+    WOULD_ACTION,
     DrainHandle,
     Restarter,
     RestartOutcome,
@@ -38,6 +50,7 @@ from gpu_watchdog.watchdog.names import (
     CONTEXT_LOSS,
     FLEET_BREAKER_OPEN,
     FLEET_LEDGER_UNKNOWN,
+    QUARANTINE,
     RUNG_CONTAINER,
     RUNG_POD,
     RUNG_WORKER,
@@ -297,7 +310,15 @@ class Executor:
         log.warning("failure_recorded", reason=decision.reason, process=failure.process,
                     inflight=list(failure.inflight), newest=failure.newest,
                     workload_failures=len(records.failures))
+        shadow = not policy.enforced(self.settings.policy, QUARANTINE, decision.reason)
         for q in new:
+            if shadow:
+                log.warning("would_quarantine", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
+                            failures=len(q.failures), workload=self.workload, shadow=True,
+                            action="served as before: every replica logs would_quarantine for it until then")
+                self.fold(state.would(self.history(), self.clock(), QUARANTINE, decision.reason,
+                                      {"fingerprint": q.fingerprint, "pods": list(q.pods)}))
+                continue
             log.error("request_quarantined", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
                       failures=len(q.failures), workload=self.workload,
                       action="refused (422) by every replica until then; find the client by its fingerprint"
@@ -398,8 +419,10 @@ class Executor:
         if self.control is None or not self.settings.policy.quarantine.enabled:
             return
         now = self.wall_clock()
-        entries = quarantine.server_entries(self.edge.records, now)
-        self.metrics.quarantined.labels(workload=self.workload or "").set(len(entries))
+        entries = self._entries(now)
+        # What is refused: a shadow entry is served (gpu_watchdog_shadow_actions_total counts it).
+        self.metrics.quarantined.labels(workload=self.workload or "").set(
+            len([e for e in entries if e.get("enforce", True)]))
         for k in self.worker_controls:
             # Beside this: a hung worker slow to answer delays neither the target's list nor its canary.
             task = asyncio.get_running_loop().create_task(self.push_quarantine_to(k, None, entries))
@@ -417,17 +440,29 @@ class Executor:
         if control is None or not self.settings.policy.quarantine.enabled:
             return
         if entries is None:
-            entries = quarantine.server_entries(self.edge.records, self.wall_clock())
+            entries = self._entries(self.wall_clock())
         if await self._push(control, entries, worker) and instance_id is not None:
             self.fold(edges.QuarantinePushed(worker, instance_id, tuple(e["fingerprint"] for e in entries)))
+
+    def _entries(self, wall_now: float) -> list[dict[str, Any]]:
+        """The active quarantine as our servers take it: refused, or in shadow served and logged."""
+        # Whatever the failures' reasons: the quarantine answers to its own name in policy.enforce.
+        refuse = policy.enforced(self.settings.policy, QUARANTINE, "")
+        return quarantine.server_entries(self.edge.records, wall_now, refuse)
 
     async def _push(self, control: ControlClient, entries: list[dict[str, Any]], worker: int = 0) -> bool:
         try:
             listed = await control.quarantine()
-            have = sorted(str(e.get("fingerprint")) for e in listed.get("entries", []) if isinstance(e, dict))
+            said = listed.get("would_refuse")
+            if isinstance(said, int) and not isinstance(said, bool) and said != self.edge.would_refuse_said.get(
+                    worker, 0):
+                self.fold(edges.WouldRefuseCounted(worker, said))
+            have = sorted((str(e.get("fingerprint")), e.get("enforce", True) is not False)
+                          for e in listed.get("entries", []) if isinstance(e, dict))
             # A process started while the fleet's quarantine is in force serves only once it has a
             # list (`serve --quarantine-wait`): an empty one is sent to it all the same.
-            if have != sorted(e["fingerprint"] for e in entries) or listed.get("received") is False:
+            if have != sorted((e["fingerprint"], e.get("enforce", True)) for e in entries) \
+                    or listed.get("received") is False:
                 await control.set_quarantine(entries)
                 log.info("quarantine_pushed", fingerprints=[e["fingerprint"] for e in entries],
                          **({"worker": worker} if worker else {}))
@@ -513,6 +548,42 @@ class Executor:
             await drain.lift("restart_failed")
         return RestartEnded(self.clock(), decision.reason, done, keep_unready, reported_only, rung,
                             decision.instance_id, detail=detail, recorded=recorded), record
+
+    async def take_stacks(self, decision: Decision, worker: int, control: ControlClient | None) -> dict[str, Any]:
+        """Before a hang's restart: every thread's stack of the process (its control API writes them to
+        its termination log too), folded (the flight recording keeps them); a server without our control
+        API leaves its metrics page at the stall, recorded already. What the restart's Event says of them."""
+        now = self.clock()
+        if control is None:
+            st = edges.Stacks(worker, decision.instance_id, decision.reason, now, "metrics")
+        else:
+            try:
+                report = await control.stacks(decision.reason)
+                st = _stacks_of(report, worker, decision, now)
+            except ControlError as exc:
+                st = edges.Stacks(worker, decision.instance_id, decision.reason, now, "control", error=str(exc)[:300])
+        self.fold(edges.StacksTaken(st))
+        if st.error is not None:
+            log.warning("stacks_unreadable", reason=decision.reason, worker=worker, error=st.error,
+                        action="restarting without them")
+        else:
+            log.warning("stacks_taken", reason=decision.reason, worker=worker, source=st.source, stuck=st.stuck,
+                        threads=len(st.threads), termination_log=st.termination_log)
+        return edges.stacks_detail(st)
+
+    async def would_restart(self, decision: Decision) -> str:
+        """A shadow restart's Normal Event on our pod: `written`, `none` where the restarter writes no
+        Events, else why not. Nothing else is done: no drain, no slot, no budget spent."""
+        if self.restarter.strategy in ("none", "local"):
+            return "none"
+        try:
+            error = await self.restarter.record_event(decision, WOULD_ACTION, shadow=True)
+        except Exception as exc:  # a refusal of the API's own rules: the log line and /status still say it
+            error = repr(exc)[:300]
+        if error is not None:
+            log.warning("would_restart_event_failed", reason=decision.reason, error=error)
+            return f"failed: {error}"
+        return "written"
 
     async def _mark(self, at: float | None) -> None:
         """Our pod's eviction (or deletion) is asked now, at `at`: the ledger hears it first, so that
@@ -937,6 +1008,26 @@ class Executor:
             log.warning("escalation_failed", step=step, status=status, error=str(exc)[:300],
                         retry_in_s=edges.escalation_backoff(self.edge))
         self.fold(edges.EscalationFailed(self.clock(), key))
+
+
+# A hung process's stacks as the recording keeps them: enough to find the stuck call, and bounded.
+STACK_THREADS_KEPT, STACK_FRAMES_KEPT = 32, 24
+
+
+def _stacks_of(report: dict[str, Any], worker: int, decision: Decision, now: float) -> edges.Stacks:
+    """The control API's answer (`POST /control/stacks`) as the fold keeps it; garbage raises ControlError."""
+    try:
+        threads = tuple(
+            (str(t["name"]), tuple(f"{f['file']}:{f['line']} in {f['function']}"
+                                   for f in reversed(t["frames"][-STACK_FRAMES_KEPT:])))
+            for t in report["threads"][:STACK_THREADS_KEPT])
+        stuck = report.get("stuck")
+        where = None if not stuck else f"{stuck['file']}:{stuck['line']} in {stuck['function']} ({stuck['thread']})"
+        written = report.get("termination_log")
+    except (KeyError, TypeError, AttributeError) as exc:
+        raise ControlError(f"stacks: not an answer of ours ({exc!r})", "bad_response") from None
+    return edges.Stacks(worker, decision.instance_id, decision.reason, now, "control", where,
+                        written if isinstance(written, str) else None, threads)
 
 
 def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, rung: str,

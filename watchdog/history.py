@@ -71,6 +71,9 @@ class History:
     # Each other worker's process its control API failed to tell to exit, and how many times running:
     # counted anew once it serves again, or once a restart made it a new process.
     untold: dict[int, Untold] = field(default_factory=dict)
+    # Decisions reported and not performed (shadow, `policy.enforce`), counted by `action:reason` since the
+    # sidecar started: the would-have record `/status` and gpu_watchdog_shadow_actions_total show.
+    would: dict[str, int] = field(default_factory=dict)
     # The reason of the restart last reported blocked by the budget: reported once until one starts.
     blocked_reported: str | None = None
     restart_in_progress: bool = False

@@ -8,14 +8,16 @@ a card that cannot be named) is said and counted, and the restart goes on as it 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable, Iterable
 from typing import Any, Protocol, TypeVar
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog import edges, placement
+from gpu_watchdog.watchdog import edges, placement, policy, state
 from gpu_watchdog.watchdog.escalation import Suspect
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.names import PLACEMENT
 from gpu_watchdog.watchdog.placement import Card, Records, Remediation, Taint, Verdict
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.settings import Settings
@@ -56,12 +58,13 @@ class CardPlacer(Protocol):
 class KeepOut:
     def __init__(self, *, settings: Settings, placer: CardPlacer, ledger: PlacementLedger, metrics: WatchdogMetrics,
                  wall_clock: Callable[[], float], workload: str, history: Callable[[], History],
-                 fold: Callable[[Any], None]) -> None:
+                 fold: Callable[[Any], None], clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.placer = placer
         self.ledger = ledger
         self.metrics = metrics
         self.wall_clock = wall_clock
+        self.clock = clock  # the loop's: a shadow taint's record is dated as every decision is
         self.pod = settings.kubernetes.pod_name
         self.node = settings.kubernetes.node_name
         self.namespace = settings.kubernetes.namespace
@@ -147,8 +150,12 @@ class KeepOut:
         if why is None:
             await self._remember(remedied)
             return None
-        wanted = placement.plan(s, card, self.pod, why, now)
-        if wanted is None or s.strategy == "none":
+        shadow = not policy.enforced(self.settings.policy, PLACEMENT, decision.reason)
+        wanted = placement.plan(s, card, self.pod, why, now, shadow)
+        if wanted is not None and shadow:
+            self.fold(state.would(self.history(), self.clock(), PLACEMENT, decision.reason, {
+                "card": card.id, "node": card.node, "kind": wanted.kind, "target": wanted.target, "evidence": why}))
+        if wanted is None or s.strategy == "none" or (shadow and wanted.kind == placement.NODE):
             await self._remember(remedied)
             action = "not_possible" if wanted is None else "would_taint"
             self._did(action, card, why, wanted)
@@ -204,13 +211,18 @@ class KeepOut:
             placed = "present"
         if placement.escalated(s, taint) is not None:
             self._escalate = taint
-        self.metrics.placement_actions.labels(action="tainted").inc()
-        self._did("tainted", card, why, taint)
-        log.warning("placement_tainted", card=card.id, node=card.node, kind=taint.kind, target=taint.target,
+        # A shadow rule (effect None) keeps nothing out: the API counts the pods it would evict.
+        did = "would_taint" if taint.effect == placement.SHADOW_EFFECT else "tainted"
+        self.metrics.placement_actions.labels(action=did).inc()
+        self._did(did, card, why, taint)
+        log.warning("placement_" + did, card=card.id, node=card.node, kind=taint.kind, target=taint.target,
                     effect=taint.effect, evidence=why, until=taint.until, repeat=taint.repeat, placed=placed,
                     tainted=verdict.tainted, cap=verdict.cap,
-                    action=f"the replacement is placed elsewhere; lifted after {s.ttl:g}s or by"
-                           f" `gpu-watchdog placement clear {taint.target}`")
+                    action=("shadow: the rule keeps nothing out; its status counts the pods it would evict"
+                            if did == "would_taint" else "the replacement is placed elsewhere")
+                    + f"; lifted after {s.ttl:g}s or by `gpu-watchdog placement clear {taint.target}`")
+        if did == "would_taint":
+            return did
         if taint.repeat:
             log.error("placement_repeat", card=card.id, target=taint.target,
                       action="tainted again within policy.placement.memory of its last lift: the card needs attention")

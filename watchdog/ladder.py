@@ -29,9 +29,17 @@ from typing import Any
 
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.ladder_state import Ladder
+from gpu_watchdog.watchdog.names import ADMISSION
 from gpu_watchdog.watchdog.settings import AdmissionSettings
 
 SHRINK, GROW = "shrink_admission", "grow_admission"
+
+
+def enforce_action(action: str) -> str:
+    """The enforceable action (`names.ENFORCEABLE_ACTIONS`) a decision's action is: both admission
+    changes are `admission`."""
+    return ADMISSION if action in (SHRINK, GROW) else action
+
 
 # The bundled server's canary joins the batch in a reserved row, outside the admission limit
 # (inference/admission.py): on the card, `limit` sequences are `limit + CANARY_ROWS` rows.

@@ -48,6 +48,8 @@ class Snapshot:
     workload: str | None = None
     # `target.workers` > 1: every worker as last read (0: the watched one), and its latest canary.
     workers: tuple[WorkerRow, ...] = ()
+    # Shadow decisions (policy.enforce) by (action, reason), counted since the sidecar started.
+    would: tuple[tuple[str, str, int], ...] = ()
 
 
 class SnapshotCollector(Collector):
@@ -121,6 +123,11 @@ class SnapshotCollector(Collector):
         fam.add_metric([], float(s.budget_remaining))
         yield fam
         yield from _fleet_families(s.fleet, s.workload or "")
+        cfam = CounterMetricFamily(P + "shadow_actions", "Actions decided and not performed (policy.enforce: shadow),"
+                                   " by action and reason", labels=["action", "reason"])
+        for action, reason, n in s.would:
+            cfam.add_metric([action, reason], float(n))
+        yield cfam
         fam = GaugeMetricFamily(P + "state", "Current watchdog states (1 = active)", labels=["state"])
         for state in STATES:
             fam.add_metric([state], 1.0 if state in s.states else 0.0)

@@ -76,3 +76,18 @@ PLACEMENT_ACTIONS = ("tainted", "would_taint", "capped", "lifted", "failed", "no
 # The DRA drivers whose devices are GPUs (NVIDIA's DRA driver): a pod's other DRA devices (a NIC) are
 # never taken for its GPU.
 GPU_DRIVERS = ("gpu.nvidia.com",)
+
+# What the sidecar may do in earnest (`policy.enforce`): an action names every rule that takes it, a
+# reason (RESTART_REASONS, EMPTY_CACHE_REASONS, RECOVERED) the restarts, flushes and admission changes
+# it decides; the quarantine and placement are enforced by their action's name alone. The rest is
+# shadow: decided, recorded and reported as it would be, and not performed.
+RESTART, EMPTY_CACHE, ADMISSION, QUARANTINE, PLACEMENT = "restart", "empty_cache", "admission", "quarantine", \
+    "placement"
+ENFORCEABLE_ACTIONS = (RESTART, EMPTY_CACHE, ADMISSION, QUARANTINE, PLACEMENT)
+RECOVERED = "recovered"  # why the admission limit grows back
+ENFORCE_ALL, ENFORCE_SHADOW = "all", "shadow"
+ENFORCEABLE = (ENFORCE_ALL, ENFORCE_SHADOW, *ENFORCEABLE_ACTIONS,
+               *dict.fromkeys((*RESTART_REASONS, *EMPTY_CACHE_REASONS, RECOVERED)))
+# A decision's outcome when it is shadow: reported as it would have been carried out, nothing done.
+WOULD = "would"
+

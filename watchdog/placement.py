@@ -61,7 +61,10 @@ LIFTS_KEPT = 64
 # Lifts this recent are checked to be gone from the cluster at each reconcile: a sidecar that read the
 # records before a lift may have put the taint back, and nothing else would take it away.
 LIFT_SWEEP_S = 600.0
-EFFECT_RANK = {"PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
+# `None`: a device taint that keeps nothing out and evicts nothing; the API reports how many pods it
+# would evict (KEP-5055), the shadow of a placement (`policy.enforce`).
+SHADOW_EFFECT = "None"
+EFFECT_RANK = {SHADOW_EFFECT: -1, "PreferNoSchedule": 0, "NoSchedule": 1, "NoExecute": 2}
 FUTURE_S = 60.0  # a record dated this far ahead (another node's clock) is still believed
 # Restarts meant to cure the card's state; a card restarted for its age or memory is not sick.
 CURING = (CONTEXT_LOSS, HANG, CORRUPT)
@@ -236,15 +239,19 @@ def device_effect(settings: PlacementSettings) -> str:
     return settings.effect if settings.effect in DEVICE_EFFECTS else "NoSchedule"
 
 
-def plan(settings: PlacementSettings, card: Card, pod: str, evidence: str, now: float) -> Taint | None:
+def plan(settings: PlacementSettings, card: Card, pod: str, evidence: str, now: float,
+         shadow: bool = False) -> Taint | None:
     """The taint that keeps `card` out: its device's where DRA names it, its node's where the strategy
-    allows a node (`node`); None where neither may be tainted (a device-plugin GPU under `device`)."""
+    allows a node (`node`); None where neither may be tainted (a device-plugin GPU under `device`).
+    `shadow`: a device's taint of effect None (the API counts what it would evict); a node has no such
+    effect, and its taint is only reported."""
     until, evidence = now + settings.ttl, evidence[:EVIDENCE_KEPT]
     if card.dra:
         # NoExecute evicts whatever uses the device, our pod included, bypassing its Event and its
         # disruption budget: it keeps placements away first (NoSchedule), and becomes NoExecute once
         # our own restart was accepted (`escalated`).
-        return Taint(DEVICE, device_rule_name(card), card.id, card.node, pod, now, until, evidence, "NoSchedule")
+        return Taint(DEVICE, device_rule_name(card), card.id, card.node, pod, now, until, evidence,
+                     SHADOW_EFFECT if shadow else "NoSchedule")
     if settings.strategy in ("node", "none") and card.node:
         return Taint(NODE, card.node, card.id, card.node, pod, now, until, evidence, settings.effect)
     return None
@@ -254,7 +261,7 @@ def escalated(settings: PlacementSettings, taint: Taint) -> Taint | None:
     """The taint as it stands once our pod's restart was accepted: a device's NoExecute where asked
     (None: nothing to change)."""
     effect = device_effect(settings)
-    if taint.kind != DEVICE or effect == taint.effect:
+    if taint.kind != DEVICE or effect == taint.effect or taint.effect == SHADOW_EFFECT:
         return None
     return replace(taint, effect=effect)
 

@@ -22,6 +22,7 @@ from gpu_watchdog.watchdog.names import (
     CONTEXT_LOSS,
     CORRUPT,
     DRAINING,
+    ENFORCE_ALL,
     FLEET_BREAKER_OPEN,
     FLEET_LEDGER_UNKNOWN,
     FLEET_UNAVAILABLE_LIMIT,
@@ -31,7 +32,10 @@ from gpu_watchdog.watchdog.names import (
     MAX_AGE,
     MEMORY_PRESSURE,
     OOM,
+    PLACEMENT,
     PROGRESS_UNKNOWN,
+    QUARANTINE,
+    RECOVERED,
     RUNG_CONTAINER,
     RUNG_POD,
     RUNG_WORKER,
@@ -91,6 +95,23 @@ class Decision:
     # The cheapest cure that may still work (restart.strategy container honours it; the others
     # always restart the pod, or the process they own).
     rung: str = RUNG_CONTAINER
+    # Performed (`policy.enforce` names its action or reason), or shadow: reported, nothing done.
+    enforced: bool = True
+
+
+def enforced(settings: PolicySettings, action: str, reason: str) -> bool:
+    """Whether `policy.enforce` has `action` (a decision's, or quarantine, placement) performed for
+    `reason`. The quarantine and placement answer to their own names only: a reason enforced restarts
+    for it, and keeps the card and the requests it blames in shadow until they are named too."""
+    e = settings.enforce
+    action = ladder.enforce_action(action)
+    if ENFORCE_ALL in e or action in e:
+        return True
+    return action not in (QUARANTINE, PLACEMENT) and reason in e
+
+
+def _enforce(settings: PolicySettings, decisions: list[Decision]) -> list[Decision]:
+    return [d if enforced(settings, d.action, d.reason) else replace(d, enforced=False) for d in decisions]
 
 
 def workload_allowance(settings: PolicySettings, replicas: int | None) -> int:
@@ -153,10 +174,15 @@ def budget_blocker(settings: PolicySettings, history: History, now: float, from_
 
 
 def decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool = False) -> list[Decision]:
+    """What to do now for the watched target, each decision enforced or shadow (`policy.enforce`)."""
+    return _enforce(settings, _decide(settings, history, now, budget_from_events))
+
+
+def _decide(settings: PolicySettings, history: History, now: float, budget_from_events: bool) -> list[Decision]:
     if history.restart_in_progress:
         return []
     restart = _restart_rule(settings, history, now)
-    if restart is not None and _held_back(history, restart.reason, now):
+    if restart is not None and _held_back(history, restart.reason, now, lasting(restart)):
         restart = None
     if restart is not None:
         restart = replace(restart, rung=rung_for(settings, history, restart, now))
@@ -188,7 +214,7 @@ def other_workers(settings: PolicySettings, h: History, now: float, budget_from_
             decision = replace(decision, allowed=False,
                                blocked_by=budget_blocker(settings, h, now, budget_from_events))
         out.append(decision)
-    return out
+    return _enforce(settings, out)
 
 
 def hung_workers(settings: PolicySettings, h: History) -> list[Decision]:
@@ -284,23 +310,39 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
     return RUNG_POD if spent(RUNG_CONTAINER) else RUNG_CONTAINER
 
 
-def _held_back(h: History, reason: str, now: float) -> bool:
+# Evidence a served canary does not end: a card the kubelet or the driver calls sick, a lost GPU, an
+# Xid, the process's age, drift the flushes did not cure. Only a restart does.
+LASTING_EVIDENCE = ("device_health", "gpu_lost", "recovery_action", "xid")
+
+
+def lasting(d: Decision) -> str | None:
+    """What a restart reported and not performed keeps as its evidence (`ActionRecord.why`) where that
+    evidence lasts through serving; None where a served canary ends its episode."""
+    evidence = d.detail.get("evidence")
+    if evidence in LASTING_EVIDENCE:
+        return str(evidence)
+    return d.reason if d.reason in (MAX_AGE, FRAGMENTATION_DRIFT) else None
+
+
+def _held_back(h: History, reason: str, now: float, evidence: str | None = None) -> bool:
     """A restart of the target for `reason` that was decided and not carried out, in this same episode."""
-    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now)
+    return _held_back_in(h.actions, [c.at for c in h.canaries if c.served], h.epoch, reason, now, evidence)
 
 
 def _held_back_in(actions: Iterable[ActionRecord], served: list[float], epoch: float, reason: str,
-                  now: float) -> bool:
+                  now: float, lasting: str | None = None) -> bool:
     """One process's restart for `reason` decided and not carried out, in this same episode
     (`served`: when it served a canary; `epoch`: its last restart).
 
-    Reported only (strategy `none`): said once, not again until it serves again. Held by the fleet:
-    asked again after the hold's own interval. Failed: tried again after a backoff that doubles with
-    each failure, not at every tick.
+    Reported only (strategy `none`, or shadow): said once, not again until it serves again; a shadow
+    one for `lasting` evidence (a sick card, the process's age) that serving does not clear, not again
+    until a restart. Held by the fleet: asked again after the hold's own interval. Failed: tried again
+    after a backoff that doubles with each failure, not at every tick.
     """
     episode_start = served[-1] if served else float("-inf")
     ours = [a for a in actions if a.reason == reason]
-    if any(a.action == RESTART_REPORTED and a.at > episode_start for a in ours):
+    if any(a.action == RESTART_REPORTED and (a.at > episode_start or (lasting is not None and a.why == lasting
+                                                                        and a.at >= epoch)) for a in ours):
         return True
     held = [a for a in ours if a.action == RESTART_HELD]
     if held and now - held[-1].at < FLEET_RETRY_S.get(held[-1].why, RESTART_RETRY_S):
@@ -318,7 +360,7 @@ def _admission_rule(settings: PolicySettings, h: History, now: float) -> list[De
     change = ladder.decide(settings.admission, h, now)
     if change is None:
         return []
-    reason = OOM if change.action == ladder.SHRINK else "recovered"
+    reason = OOM if change.action == ladder.SHRINK else RECOVERED
     return [Decision(change.action, reason, {**change.detail, "limit": change.limit},
                      instance_id=h.ladder.instance_id if h.ladder is not None else None)]
 

@@ -14,20 +14,26 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Any
 
-from gpu_watchdog.watchdog import policy
+from gpu_watchdog.watchdog import edges, policy
 from gpu_watchdog.watchdog.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.names import HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.samples import Untold
 from gpu_watchdog.watchdog.settings import PolicySettings
 
 # The steps, in the order a restart meets them.
+STACKS = "stacks"  # a hang: where the process is stuck, every thread's stack, kept before anything changes
 EVIDENCE = "evidence"  # what the process had in flight, recorded against the workload's failures
 READ_BUDGET = "read_budget"  # the workload's restart Events read again (another pod may have restarted)
 BLOCKED = "blocked"  # the budget is spent: nothing is done (ends the procedure)
 REPORTED = "reported"  # strategy none, another worker: said, nothing done (ends)
+# Shadow (`policy.enforce`): said as it would have been done (a Normal Event), nothing done, no slot
+# taken and no budget spent (ends). The evidence and the card's keep-out come first, each as its own
+# enforcement says, so that the quarantine and the placement are decided as they would be.
+WOULD = "would"
 TAKE_SLOT = "take_slot"  # a slot of the workload's ledger for the rung
 HELD = "held"  # the ledger said not now: nothing done, asked again after the hold's interval (ends)
 KEEP_OUT = "keep_out"  # the card the evidence is about kept out of the pod's next placement
@@ -39,7 +45,7 @@ SWAP_SLOT = "swap_slot"  # the worker's slot given back: the pod's rung needs th
 # (then TAKE_SLOT again, for the pod's rung)
 RESTART = "restart"  # the restarter's rung: the watched target's, or a worker's fallback (ends)
 
-ENDS = frozenset({BLOCKED, REPORTED, HELD, EXIT_FAILED, EXITED, RESTART})
+ENDS = frozenset({BLOCKED, REPORTED, WOULD, HELD, EXIT_FAILED, EXITED, RESTART})
 
 # Failed exits of one worker process (its control API timed out or answered nothing usable; not
 # "gone already") before its restart falls back to the container's rung. Two: one exit that times
@@ -105,6 +111,9 @@ def begin(s: PolicySettings, h: History, worker: int, decision: Decision, now: f
     untold = untold_now(h, worker, decision.instance_id) if worker else None
     if untold is not None:
         decision = fallback(s, h, decision, untold, now)
+    taken = edges.stacks_taken(h.edge, worker, decision.reason, decision.instance_id)
+    if taken is not None:  # asked again (held): its Event still says where the stacks are
+        decision = dataclasses.replace(decision, detail={**decision.detail, **edges.stacks_detail(taken)})
     return Procedure(worker, decision, from_events, asked_again, untold=untold)
 
 
@@ -113,6 +122,9 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
     if p.over:
         return None
     d = p.decision
+    if d.reason == HANG and not p.did(STACKS) and edges.stacks_taken(h.edge, p.worker, d.reason, d.instance_id) \
+            is None:
+        return Step(STACKS, d)
     if not p.did(EVIDENCE) and d.reason in CURING_REASONS:
         return Step(EVIDENCE, d)
     if not p.did(READ_BUDGET) and p.from_events and d.allowed and _budget_stale(h, p, f.now):
@@ -123,6 +135,10 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
             d = dataclasses.replace(d, allowed=False, blocked_by=policy.budget_blocker(s, h, f.now, p.from_events))
         if not d.allowed:
             return Step(BLOCKED, d)
+        if not d.enforced:
+            if f.keep_out and not p.did(KEEP_OUT) and slot_rung(d, f.strategy) == RUNG_POD:
+                return Step(KEEP_OUT, d)
+            return Step(WOULD, d)
         if p.worker and f.strategy == "none":
             return Step(REPORTED, d)
         return Step(TAKE_SLOT, d)
@@ -150,11 +166,15 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
 
 
 def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, held: str | None = None,
-            exit: str | None = None, exit_detail: str = "", exit_recorded: bool = False) -> Procedure:
-    """`p` once `step` was performed: `inflight`, the fingerprints its evidence read (None: none);
+            exit: str | None = None, exit_detail: str = "", exit_recorded: bool = False,
+            stacks: dict[str, Any] | None = None) -> Procedure:
+    """`p` once `step` was performed: `stacks`, what the restart's Event says of the stacks taken;
+    `inflight`, the fingerprints its evidence read (None: none);
     `held`, why the ledger said not now (None: a slot was granted); `exit`, what the worker's exit
     answered (one of EXIT_ANSWERS) and why."""
     d = step.decision
+    if step.kind == STACKS and stacks is not None:
+        d = dataclasses.replace(d, detail={**d.detail, **stacks})
     if step.kind == EVIDENCE and inflight is not None:
         d = dataclasses.replace(d, detail={**d.detail, "inflight": list(inflight)})
     out = dataclasses.replace(p, decision=d, done=(*p.done, step.kind))

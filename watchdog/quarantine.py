@@ -490,7 +490,9 @@ def answered_in(report: Any) -> set[str]:
     return set(_strs(report, "completed"))
 
 
-def server_entries(records: Records, now: float) -> list[dict[str, Any]]:
-    """The active quarantine as the server's control API takes it."""
-    return [{"fingerprint": q.fingerprint, "until": q.until, "failures": len(q.failures), "pods": q.pods}
+def server_entries(records: Records, now: float, refuse: bool = True) -> list[dict[str, Any]]:
+    """The active quarantine as the server's control API takes it; `refuse` false: in shadow, each
+    entry served and logged (`would_quarantine`) rather than refused."""
+    shadow: dict[str, Any] = {} if refuse else {"enforce": False}
+    return [{"fingerprint": q.fingerprint, "until": q.until, "failures": len(q.failures), "pods": q.pods, **shadow}
             for q in active(records, now)]

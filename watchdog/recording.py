@@ -154,6 +154,8 @@ def decision_json(d: Decision) -> dict[str, Any]:
             out["blocked_by"] = d.blocked_by
     elif "limit" in d.detail:
         out["limit"] = d.detail["limit"]
+    if not d.enforced:
+        out["shadow"] = True
     return out
 
 

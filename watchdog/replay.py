@@ -22,6 +22,7 @@ from gpu_watchdog.watchdog import policy, recording, state
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import FLEET_HOLDS
 from gpu_watchdog.watchdog.recording import RecordingError
+from gpu_watchdog.watchdog.report import Report
 from gpu_watchdog.watchdog.samples import DecisionRecord, WorkerRestarted
 from gpu_watchdog.watchdog.settings import Settings
 
@@ -44,6 +45,8 @@ class Replay:
     recorded: int = 0
     differing: int = 0
     diffs: list[dict[str, Any]] = field(default_factory=list)
+    # `--summary`: what was decided, per reason and per pod, over every recording fed (None: not asked).
+    report: Report | None = None
     _printed: dict[tuple[str, str, str, Any], dict[str, Any]] = field(default_factory=dict)
     _last_tick: dict[str, set[tuple[str, str, Any]]] = field(default_factory=dict)
 
@@ -62,6 +65,13 @@ class Replay:
             return self._tick(line)
         raise RecordingError(f"unknown line kind {kind!r}")
 
+    def summary_report(self) -> dict[str, Any]:
+        """The `--summary` report over everything fed (`watchdog.report`)."""
+        assert self.report is not None
+        if self.history is not None:
+            self.report.seen(self.history)
+        return self.report.as_json()
+
     def summary(self) -> dict[str, Any]:
         return {"kind": "summary", "ticks": self.ticks, "decisions": self.decided, "recorded_decisions": self.recorded,
                 "identical": self.differing == 0, "differing_ticks": self.differing, "differences": self.diffs}
@@ -79,8 +89,12 @@ class Replay:
         mono, wall = line.get("mono"), line.get("wall")
         if not isinstance(mono, int | float) or not isinstance(wall, int | float):
             raise RecordingError("start: mono and wall: expected numbers")
+        if self.report is not None and self.history is not None:
+            self.report.seen(self.history)  # the recording before this one, as it ended
         self.settings = self.settings_for(settings)
         self.history = recording.decode_history(line.get("history"))
+        if self.report is not None:
+            self.report.start(self.history, self.settings.policy.enforce)
         self.budget_from_events = bool(line.get("budget_from_events"))
         self.mono, self.wall = float(mono), float(wall)
         self._printed.clear()
@@ -92,6 +106,8 @@ class Replay:
         outcome = recording.decode_input(line.get("type"), line.get("v"))
         state.reduce(self.history, outcome, self.settings.policy.admission)
         out: list[dict[str, Any]] = []
+        if isinstance(outcome, DecisionRecord) and self.report is not None:
+            self.report.outcome(outcome.action, outcome.reason, outcome.outcome)
         if isinstance(outcome, DecisionRecord):
             # The sidecar's own word on what became of a decision: started, held, blocked, done, ...
             out.append({"kind": "outcome", "at": self._date(self.history.started_at + outcome.at),
@@ -120,6 +136,8 @@ class Replay:
         replayed = [recording.decision_json(d) for d in decisions]
         self.ticks += 1
         self.recorded += len(recorded)
+        if self.report is not None:
+            self.report.at(self.wall + (float(now) - self.mono))
         t = round(float(now) - self.history.started_at, 3)
         if replayed != recorded:
             self.differing += 1
@@ -149,8 +167,13 @@ class Replay:
         return out
 
     def _date(self, mono: float) -> str:
-        at = datetime.datetime.fromtimestamp(self.wall + (mono - self.mono), tz=datetime.UTC)
-        return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
+        return iso(self.wall + (mono - self.mono))
+
+
+def iso(wall: float) -> str:
+    """A wall-clock time as the replay writes it: UTC, to the millisecond."""
+    at = datetime.datetime.fromtimestamp(wall, tz=datetime.UTC)
+    return at.strftime("%Y-%m-%dT%H:%M:%S.") + f"{at.microsecond // 1000:03d}Z"
 
 
 def _held(record: DecisionRecord) -> dict[str, Any]:

@@ -18,7 +18,8 @@ import yaml
 
 from gpu_watchdog.watchdog import config
 from gpu_watchdog.watchdog.recording import RecordingError
-from gpu_watchdog.watchdog.replay import Replay
+from gpu_watchdog.watchdog.replay import Replay, iso
+from gpu_watchdog.watchdog.report import Report, render
 from gpu_watchdog.watchdog.settings import Settings
 
 
@@ -50,9 +51,11 @@ def with_changes(base: Mapping[str, Any], changes: Sequence[tuple[list[str], Any
 
 
 def replay_main(files: Sequence[str], config_file: str | None, sets: Sequence[str], out: TextIO = sys.stdout,
-                err: TextIO = sys.stderr) -> int:
+                err: TextIO = sys.stderr, summary: str | None = None) -> int:
+    """`summary`: instead of the decisions, the report over the recordings (`watchdog.report`), as text or
+    as one JSON object (`json`)."""
     try:
-        return _replay(files, config_file, sets, out, err)
+        return _replay(files, config_file, sets, out, err, summary)
     except BrokenPipeError:
         # The reader stopped reading (`| head`): what it took was printed, and that is all it wanted.
         with contextlib.suppress(OSError):
@@ -60,7 +63,8 @@ def replay_main(files: Sequence[str], config_file: str | None, sets: Sequence[st
         return 0
 
 
-def _replay(files: Sequence[str], config_file: str | None, sets: Sequence[str], out: TextIO, err: TextIO) -> int:
+def _replay(files: Sequence[str], config_file: str | None, sets: Sequence[str], out: TextIO, err: TextIO,
+            summary: str | None) -> int:
     try:
         changes = [parse_assignment(s) for s in sets]
         chosen = config.read_yaml(config_file) if config_file is not None else None
@@ -75,7 +79,7 @@ def _replay(files: Sequence[str], config_file: str | None, sets: Sequence[str], 
     def settings_for(recorded: Mapping[str, Any]) -> Settings:
         return config.build(with_changes(chosen if chosen is not None else recorded, changes))
 
-    replay = Replay(settings_for)
+    replay = Replay(settings_for, report=Report() if summary is not None else None)
     for path in files:
         try:
             fh = open(path, encoding="utf-8")
@@ -92,23 +96,32 @@ def _replay(files: Sequence[str], config_file: str | None, sets: Sequence[str], 
                 except json.JSONDecodeError as exc:
                     cut = "" if text.endswith("\n") else " (the line is cut short: the recording ends mid-write)"
                     print(f"{path}:{number}: not a JSON line: {exc.msg} at column {exc.colno}{cut}", file=err)
-                    return _end(replay, out, err, what_if, 1)
+                    return _end(replay, out, err, what_if, 1, summary)
                 except RecordingError as exc:
                     print(f"{path}:{number}: {exc}", file=err)
-                    return _end(replay, out, err, what_if, 1)
+                    return _end(replay, out, err, what_if, 1, summary)
                 except config.ConfigError as exc:
                     for e in exc.errors:
                         print(f"gpu-watchdog replay: {e}", file=err)
                     return 2
+                if summary is not None:
+                    continue
                 for item in printed:
                     print(json.dumps(item, separators=(", ", ": ")), file=out)
     if replay.history is None:
         print(f"gpu-watchdog replay: {', '.join(files)}: no start line: not a flight recording", file=err)
         return 1
-    return _end(replay, out, err, what_if, 0)
+    return _end(replay, out, err, what_if, 0, summary)
 
 
-def _end(replay: Replay, out: TextIO, err: TextIO, what_if: bool, code: int) -> int:
+def _end(replay: Replay, out: TextIO, err: TextIO, what_if: bool, code: int, report_as: str | None = None) -> int:
+    if report_as is not None:
+        report = replay.summary_report()
+        if report_as == "json":
+            print(json.dumps(report, indent=2), file=out)
+        else:
+            print(render(report, iso), file=out, end="")
+        return code
     summary = replay.summary()
     print(json.dumps(summary, separators=(", ", ": ")), file=out)
     if what_if:

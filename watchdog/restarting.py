@@ -19,7 +19,7 @@ from gpu_watchdog.watchdog.executor import Executor
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.keep_out import KeepOut
 from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_WORKER, WOULD
 from gpu_watchdog.watchdog.policy import Decision
 from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
 from gpu_watchdog.watchdog.samples import RESTART_FAILED, RESTART_HELD, RESTART_REPORTED, WorkerRestarted, WorkerUntold
@@ -65,7 +65,7 @@ class Restarts:
         ex = self.executor
         p = procedure.begin(self.settings.policy, self.history(), worker, decision, self.clock(),
                             self.read_budget is not None, asked_again)
-        if worker == 0:
+        if worker == 0 and decision.enforced:
             # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it
             # now, whether or not this restart goes ahead.
             self.spawn(ex.report_driver_word(decision))
@@ -95,6 +95,10 @@ class Restarts:
     async def _perform(self, p: Procedure, step: Step) -> Procedure:
         ex, d, k, now = self.executor, step.decision, p.worker, self.clock()
         kind = step.kind
+        if kind == procedure.STACKS:
+            # Where it is stuck, read while it still is: the restart that follows takes that with it.
+            control = ex.control if k == 0 else self.worker_control(k)
+            return procedure.advance(p, step, stacks=await ex.take_stacks(d, k, control))
         if kind == procedure.EVIDENCE:
             # What was in flight, read first (a poisoned server leaves a few seconds after it is seen):
             # the query of death's evidence, recorded before anything restarts.
@@ -114,6 +118,8 @@ class Restarts:
             log.warning("restart_not_performed", reason=d.reason, strategy="none", rung=RUNG_WORKER, worker=k,
                         detail=d.detail)
             self._ended(d, k, RESTART_REPORTED, "reported")
+        elif kind == procedure.WOULD:
+            await self._would(p, d)
         elif kind == procedure.TAKE_SLOT:
             return procedure.advance(p, step, held=await ex.take_slot(d))
         elif kind == procedure.HELD:
@@ -179,6 +185,20 @@ class Restarts:
                                      exit_recorded=outcome.recorded)
         return procedure.advance(p, step, exit=procedure.NOT_RECORDED if outcome.not_recorded else procedure.REFUSED,
                                  exit_detail=outcome.detail)
+
+    async def _would(self, p: Procedure, d: Decision) -> None:
+        """A shadow restart: said everywhere a restart is (the log, the decisions, a Normal Event that
+        points to the evidence), performed nowhere; reported once in its episode, as strategy none is."""
+        ex, k = self.executor, p.worker
+        recorded = await ex.would_restart(d)
+        log.warning("decision", action="restart", reason=d.reason, rung=d.rung, shadow=True, performed=False,
+                    normal_event=recorded, detail=d.detail, **({"worker": k} if k else {}))
+        self.record_decision(d, WOULD, self.clock())
+        if k == 0:
+            self.fold(RestartEnded(self.clock(), d.reason, False, False, True, d.rung, d.instance_id,
+                                   lasting=policy.lasting(d)))
+        else:
+            self._ended(d, k, RESTART_REPORTED, None)
 
     async def _restart(self, p: Procedure, d: Decision) -> None:
         """The restarter's rung, its slot taken: its Event written first, then the drain and the act."""

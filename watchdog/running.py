@@ -76,7 +76,7 @@ async def build(wd: Watchdog, serve_http: bool) -> Running:
         server_metrics_url=wd.server_metrics_url)
     samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(sampling.on_xid, ev))
     keep_out = KeepOut(settings=s, placer=wd.placer, ledger=wd.ledger, metrics=wd.metrics, wall_clock=wd.wall_clock,
-                       workload=wd.workload or "", history=history, fold=wd.fold) \
+                       workload=wd.workload or "", history=history, fold=wd.fold, clock=wd.clock) \
         if wd.placer is not None and wd.ledger is not None and s.policy.placement.strategy != "off" else None
     restarts = Restarts(
         settings=s, executor=executor, metrics=wd.metrics, fold=wd.fold, record_decision=wd.record_decision,

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from gpu_watchdog.units import parse_duration, parse_ratio, parse_share, parse_size
+from gpu_watchdog.watchdog.names import ENFORCE_ALL, ENFORCE_SHADOW, ENFORCEABLE
 
 STRATEGIES = ("evict", "delete", "container", "local", "none")
 # Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness
@@ -301,8 +302,29 @@ class PlacementSettings:
         "A card remediated on this many different days is suspect at its first fault of another day.", min=1))
 
 
+def parse_enforce(value: Any) -> tuple[str, ...]:
+    """`policy.enforce`: `all`, `shadow`, or a list of actions and reasons (`[hang, empty_cache]`); an
+    empty list is `shadow`."""
+    items = [value] if isinstance(value, str) else value
+    if not isinstance(items, list | tuple) or not all(isinstance(v, str) for v in items):
+        raise ValueError(f"expected all, shadow or a list of actions and reasons, got {value!r}")
+    unknown = [v for v in items if v not in ENFORCEABLE]
+    if unknown:
+        raise ValueError(f"unknown {', '.join(map(repr, unknown))} (expected all, shadow, or any of"
+                         f" {', '.join(ENFORCEABLE[2:])})")
+    if (ENFORCE_ALL in items or ENFORCE_SHADOW in items) and len(items) > 1:
+        raise ValueError("all and shadow stand alone, not in a list with others")
+    return tuple(dict.fromkeys(items)) if items else (ENFORCE_SHADOW,)
+
+
 @dataclass(frozen=True)
 class PolicySettings:
+    # First, for it governs every rule below: what runs dark is decided and reported, never performed.
+    enforce: tuple[str, ...] = field(default=(ENFORCE_ALL,), metadata=_about(
+        "What the sidecar performs: all; shadow (decides, records and reports everything, performs nothing: a"
+        " Normal Event says what would restart); or a list of actions (restart, empty_cache, admission,"
+        " quarantine, placement) and reasons (hang, context_loss, ...) enforced, the rest in shadow.",
+        parse=parse_enforce, kind="enforce"))
     memory_pressure: MemoryPressureSettings = MemoryPressureSettings()
     fragmentation: FragmentationSettings = FragmentationSettings()
     hang: HangSettings = HangSettings()

@@ -8,11 +8,12 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, replace
+from typing import Any
 
 from gpu_watchdog.watchdog import edges, idle_memory, ladder
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.ladder_state import FailedLimit, Ladder
-from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER, WOULD
 from gpu_watchdog.watchdog.samples import (
     RESTART_FAILED,
     RESTART_HELD,
@@ -74,6 +75,7 @@ class RestartEnded:
     instance_id: str | None = None  # the process restarted, where known
     detail: str | None = None  # what the restarter said (None: nothing new, as for an exception)
     recorded: bool | None = None  # its Event written (True), refused (False), or not tried
+    lasting: str | None = None  # a shadow restart's evidence that serving does not clear (`policy.lasting`)
 
 
 @dataclass(frozen=True)
@@ -200,6 +202,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.decisions.append(outcome)
         if outcome.outcome == BLOCKED_BY_BUDGET:
             h.blocked_reported = outcome.reason
+        elif outcome.outcome == WOULD:
+            key = would_key(ladder.enforce_action(outcome.action), outcome.reason)
+            h.would[key] = h.would.get(key, 0) + 1
     elif isinstance(outcome, RestartWaiting):
         h.restart_waiting = outcome.waiting and h.restart_in_progress
     elif isinstance(outcome, RestartEnded):
@@ -210,7 +215,9 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
             # Nothing was restarted: the process, its evidence and its service go on as they were,
             # and the restart budget is not spent.
             kind = RESTART_REPORTED if outcome.reported_only else RESTART_FAILED
-            h.actions.append(ActionRecord(outcome.at, kind, outcome.reason))
+            # A shadow restart keeps its lasting evidence (`policy.lasting`): said once until a restart.
+            why = outcome.lasting or "" if outcome.reported_only else ""
+            h.actions.append(ActionRecord(outcome.at, kind, outcome.reason, why=why))
             return h
         h.actions.append(ActionRecord(outcome.at, "restart", outcome.reason, outcome.rung))
         # Evidence older than this is about a process that is gone; the new one starts anew.
@@ -241,6 +248,15 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
     elif isinstance(outcome, AdmissionAnswered) and h.ladder is not None:
         h.ladder = ladder_answered(h.ladder, outcome.change, outcome.at, outcome.ok, admission)
     return h
+
+
+def would_key(action: str, reason: str) -> str:
+    return f"{action}:{reason}"
+
+
+def would(h: History, now: float, action: str, reason: str, detail: dict[str, Any]) -> DecisionRecord:
+    """The record of a shadow decision the edge took (a quarantine, a taint): folded as any decision's."""
+    return DecisionRecord(round(now - h.started_at, 3), action, reason, WOULD, detail)
 
 
 # -- the admission ladder's record ---------------------------------------------------------------

@@ -86,6 +86,7 @@ def snapshot(settings: Settings, h: History, now: float) -> Snapshot:
         fleet=fleet_of(h),
         workload=h.workload,
         workers=_workers_snapshot(settings, h),
+        would=tuple(would_counts(h)),
     )
 
 
@@ -160,6 +161,7 @@ def status(settings: Settings, h: History, now: float, wall_now: float) -> dict[
         "gpu_suspect": [{"uuid": sp.uuid, "restarts": len(sp.restarts), "reasons": sp.reasons, "xids": sp.xids,
                          "driver_says": sp.driver_says, "node_action": sp.node_action,
                          "answers": sp.answers} for sp in e.suspects],
+        "shadow": shadow_status(settings, h),
         "last_decisions": [d.to_json() for d in list(h.decisions)[-20:]],
         "restarts": [dataclasses.asdict(a) for a in h.actions if a.action == "restart"][-20:],
     }
@@ -216,3 +218,33 @@ def fleet_status(f: FleetView) -> dict[str, Any]:
                                            "opened_by": b.opened_by, "last_held_at": b.held_at},
         names.FLEET_UNAVAILABLE_LIMIT: f.held == names.FLEET_UNAVAILABLE_LIMIT,
     }
+
+
+def shadow_status(settings: Settings, h: History) -> dict[str, Any]:
+    """What is enforced, and what was decided and not performed (`policy.enforce`): the counts since
+    the sidecar started, and the latest of those decisions."""
+    enforce = settings.policy.enforce
+    return {
+        "enforce": list(enforce),
+        "enforced": {a: policy.enforced(settings.policy, a, "") or any(r in enforce for r in _reasons(a))
+                     for a in names.ENFORCEABLE_ACTIONS},
+        "would": [{"action": a, "reason": r, "count": n} for a, r, n in would_counts(h)],
+        "recent": [d.to_json() for d in h.decisions if d.outcome == names.WOULD][-20:],
+        # Served by our servers, and refused had the quarantine been enforced.
+        "would_refuse": h.edge.would_refuse,
+    }
+
+
+def _reasons(action: str) -> tuple[str, ...]:
+    """The reasons that enforce `action` for some of its decisions (quarantine and placement: none)."""
+    return {names.RESTART: names.RESTART_REASONS, names.EMPTY_CACHE: names.EMPTY_CACHE_REASONS,
+            names.ADMISSION: (names.OOM, names.RECOVERED)}.get(action, ())
+
+
+def would_counts(h: History) -> list[tuple[str, str, int]]:
+    """(action, reason, count) of every shadow decision since the sidecar started."""
+    out = []
+    for key, n in sorted(h.would.items()):
+        action, _, reason = key.partition(":")
+        out.append((action, reason, n))
+    return out

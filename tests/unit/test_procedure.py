@@ -1,5 +1,6 @@
 """The restart procedure on traces: which step comes next, for the watched target and for another
-worker, from what the steps before answered and what the history (built by folding) says."""
+worker, from what the steps before answered and what the history (built by folding) says. A hang's
+restart takes the process's stacks first (`STACKS`)."""
 
 from __future__ import annotations
 
@@ -31,6 +32,7 @@ from gpu_watchdog.watchdog.procedure import (
     READ_BUDGET,
     REPORTED,
     RESTART,
+    STACKS,
     SWAP_SLOT,
     TAKE_SLOT,
     Facts,
@@ -90,7 +92,7 @@ def test_the_target_s_pod_restart_records_its_evidence_reads_the_budget_takes_a_
     p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=True)
     kinds, p, steps = walk(trace, p, Facts(now=40.0, strategy="evict", keep_out=True),
                            {EVIDENCE: lambda t, s: {"inflight": ("fp-a", "fp-b")}, READ_BUDGET: read_budget(40.0)})
-    assert kinds == [EVIDENCE, READ_BUDGET, TAKE_SLOT, KEEP_OUT, RESTART]
+    assert kinds == [STACKS, EVIDENCE, READ_BUDGET, TAKE_SLOT, KEEP_OUT, RESTART]
     # What was in flight goes with the restart (its Event names it).
     assert steps[-1].decision.detail["inflight"] == ["fp-a", "fp-b"]
     # In place, the card is not the evidence's: nothing kept out.
@@ -98,14 +100,14 @@ def test_the_target_s_pod_restart_records_its_evidence_reads_the_budget_takes_a_
     p = procedure.begin(S.policy, trace.history, 0, target(rung=RUNG_CONTAINER), 40.0, from_events=True)
     kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="container", keep_out=True),
                        {READ_BUDGET: read_budget(40.0)})
-    assert kinds == [EVIDENCE, READ_BUDGET, TAKE_SLOT, RESTART]
+    assert kinds == [STACKS, EVIDENCE, READ_BUDGET, TAKE_SLOT, RESTART]
 
 
 def test_evidence_is_recorded_even_where_the_budget_then_blocks_the_restart() -> None:
     trace = Trace(S, budget_from_events=True)
     p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=True)
     kinds, p, steps = walk(trace, p, Facts(now=40.0, strategy="evict"), {READ_BUDGET: read_budget(40.0, None)})
-    assert kinds == [EVIDENCE, READ_BUDGET, BLOCKED]
+    assert kinds == [STACKS, EVIDENCE, READ_BUDGET, BLOCKED]
     assert steps[-1].decision.blocked_by == "restart_budget_unknown" and not steps[-1].decision.allowed
 
 
@@ -114,10 +116,10 @@ def test_a_held_restart_does_nothing_more_and_one_asked_again_reads_the_budget_o
     facts = Facts(now=35.0, strategy="evict", keep_out=True)
     p = procedure.begin(S.policy, trace.history, 0, target(), 35.0, from_events=True, asked_again=True)
     kinds, p, _ = walk(trace, p, facts, {TAKE_SLOT: lambda t, s: {"held": FLEET_UNAVAILABLE_LIMIT}})
-    assert kinds == [EVIDENCE, TAKE_SLOT, HELD] and p.held == FLEET_UNAVAILABLE_LIMIT
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, HELD] and p.held == FLEET_UNAVAILABLE_LIMIT
     p = procedure.begin(S.policy, trace.history, 0, target(), 45.0, from_events=True, asked_again=True)
     kinds, _, _ = walk(trace, p, Facts(now=45.0, strategy="evict"), {READ_BUDGET: read_budget(45.0)})
-    assert kinds[:3] == [EVIDENCE, READ_BUDGET, TAKE_SLOT]
+    assert kinds[:4] == [STACKS, EVIDENCE, READ_BUDGET, TAKE_SLOT]
 
 
 def test_a_reason_no_request_causes_records_no_evidence() -> None:
@@ -131,15 +133,15 @@ def test_another_worker_is_told_to_exit_after_its_evidence_and_slot() -> None:
     trace = Trace(S, worker_count=2)
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="container"))
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXITED]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, EXITED]
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="none"))
-    assert kinds == [EVIDENCE, REPORTED]  # reported only: neither slot nor exit
+    assert kinds == [STACKS, EVIDENCE, REPORTED]  # reported only: neither slot nor exit
     for refused in (procedure.REFUSED, procedure.NOT_RECORDED):
         p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
         kinds, p, _ = walk(trace, p, Facts(now=40.0, strategy="container"),
                            {EXIT: lambda t, s, r=refused: {"exit": r, "exit_detail": "no"}})
-        assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED] and p.exit == refused
+        assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED] and p.exit == refused
 
 
 def test_a_worker_that_cannot_be_told_twice_running_falls_back_to_the_container() -> None:
@@ -147,12 +149,12 @@ def test_a_worker_that_cannot_be_told_twice_running_falls_back_to_the_container(
     facts = Facts(now=40.0, strategy="container", slot_held=True)
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     kinds, _, _ = walk(trace, p, facts, {EXIT: untold(40.0)})
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED]  # once: tried again after its backoff
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, EXIT_FAILED]  # once: tried again after its backoff
     assert trace.history.untold[1].tries == 1
     p = procedure.begin(S.policy, trace.history, 1, worker(), 80.0, from_events=False)
     kinds, p, steps = walk(trace, p, facts, {EXIT: untold(80.0)})
     assert trace.history.untold[1].tries == EXIT_TRIES
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, RESTART]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, RESTART]
     act = steps[-1].decision
     assert (act.rung, act.drain, act.detail["exit_tries"], act.detail["exit_error"]) == (
         RUNG_CONTAINER, True, EXIT_TRIES, "timed out")
@@ -163,7 +165,7 @@ def test_a_worker_s_fallback_to_the_pod_swaps_its_slot_for_the_pod_s_and_keeps_t
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True, keep_out=True),
                            {EXIT: untold(40.0)})
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, KEEP_OUT, RESTART]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, KEEP_OUT, RESTART]
     # The second slot is the pod's: under evict, the container's rung replaces the pod.
     assert steps[5].decision.rung == RUNG_CONTAINER and procedure.slot_rung(steps[5].decision, "evict") == RUNG_POD
     # The pod's slot refused: held, nothing restarted.
@@ -178,7 +180,7 @@ def test_a_worker_s_fallback_to_the_pod_swaps_its_slot_for_the_pod_s_and_keeps_t
 
     kinds, _, _ = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True),
                        {**answers, TAKE_SLOT: second_refused})
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, HELD]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, HELD]
     # Another worker's in-place restart holds the slot: it is not given back from under it.
     trace = Trace(S, worker_count=2).fold(WorkerUntold(30.0, 1, "w1", "timed out"))
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
@@ -192,7 +194,7 @@ def test_a_process_told_in_vain_before_is_not_told_again_and_one_that_served_sin
     p = procedure.begin(S.policy, trace.history, 1, worker(), 100.0, from_events=False)
     assert p.untold is not None and p.decision.rung == RUNG_CONTAINER
     kinds, _, steps = walk(trace, p, Facts(now=100.0, strategy="container", slot_held=True))
-    assert kinds == [EVIDENCE, TAKE_SLOT, FALL_BACK, RESTART]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, FALL_BACK, RESTART]
     assert steps[1].decision.rung == RUNG_CONTAINER  # its slot is the container's
     # Another process of that worker (or the same one, once it served) is told anew.
     p = procedure.begin(S.policy, trace.history, 1, worker(instance="w2"), 100.0, from_events=False)
@@ -201,14 +203,15 @@ def test_a_process_told_in_vain_before_is_not_told_again_and_one_that_served_sin
     p = procedure.begin(S.policy, trace.history, 1, worker(), 100.0, from_events=False)
     assert p.untold is None and 1 not in trace.history.untold
     kinds, _, _ = walk(trace, p, Facts(now=100.0, strategy="container"))
-    assert kinds == [EVIDENCE, TAKE_SLOT, EXIT, EXITED]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, EXITED]
 
 
 def test_a_worker_s_spent_budget_blocks_after_its_evidence() -> None:
     trace = Trace(S, worker_count=2, budget_from_events=True)
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=True)
     kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="container"), {READ_BUDGET: read_budget(40.0, None)})
-    assert kinds == [EVIDENCE, READ_BUDGET, BLOCKED] and steps[-1].decision.blocked_by == "restart_budget_unknown"
+    assert kinds == [STACKS, EVIDENCE, READ_BUDGET, BLOCKED]
+    assert steps[-1].decision.blocked_by == "restart_budget_unknown"
 
 
 def test_an_exit_answer_the_procedure_does_not_know_is_refused() -> None:
@@ -216,3 +219,19 @@ def test_an_exit_answer_the_procedure_does_not_know_is_refused() -> None:
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     with pytest.raises(ValueError, match="exit answers one of"):
         procedure.advance(p, Step(EXIT, p.decision), exit="maybe")
+
+
+def test_a_hang_s_stacks_are_taken_once_for_its_process_and_its_event_says_where_they_are() -> None:
+    from gpu_watchdog.watchdog import edges
+
+    trace = Trace(S)
+    p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=False)
+    said = {"stuck": "engine.py:10 in step (model)", "stacks": "the flight recording"}
+    kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="evict"), {STACKS: lambda t, s: {"stacks": said}})
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, RESTART] and steps[-1].decision.detail["stuck"] == said["stuck"]
+    # Taken (the edge folds them): a restart asked again (held) neither takes them again nor loses them.
+    trace.fold(edges.StacksTaken(edges.Stacks(0, "p1", HANG, 40.0, "control", said["stuck"], None,
+                                              (("model", ("engine.py:10 in step",)),))))
+    p = procedure.begin(S.policy, trace.history, 0, target(), 45.0, from_events=False, asked_again=True)
+    kinds, _, steps = walk(trace, p, Facts(now=45.0, strategy="evict"))
+    assert kinds == [EVIDENCE, TAKE_SLOT, RESTART] and steps[-1].decision.detail["stuck"] == said["stuck"]

@@ -73,7 +73,8 @@ class Restarter(Protocol):
         """The target served a canary (not drained): what this restarter published for the target's
         recovery to make obsolete (the container rung's verdict) is spent. Most publish nothing."""
 
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "", shadow: bool = False
+                           ) -> str | None:
         """The restart's Event, for a rung this restarter does not carry out itself (a worker's):
         None once written, or where this restarter writes none; else why not."""
 
@@ -103,10 +104,28 @@ WORKER_ACTION, WORKER_PREFIX = "RestartWorker", "WorkerRestart"
 
 
 def note_for(decision: Decision, action: str = "Evict") -> str:
-    figures = json.dumps(decision.detail, sort_keys=True, default=str)
     what = {"RestartContainer": "its inference container in place",
             WORKER_ACTION: f"worker {decision.detail.get('worker', 0)} of its server"}.get(action, "this pod")
-    return f"gpu-watchdog restarts {what}: {decision.reason}; {figures}"
+    return f"gpu-watchdog restarts {what}: {decision.reason}; {_figures(decision)}"
+
+
+def _figures(decision: Decision) -> str:
+    """The decision's figures, where it was stuck and where its stacks are first (a note keeps 1 KiB)."""
+    d = decision.detail
+    stacks = f"stuck in {d['stuck']}; " if d.get("stuck") else ""
+    stacks += f"stacks: {d['stacks']}; " if d.get("stacks") else ""
+    rest = {k: v for k, v in d.items() if k not in ("stuck", "stacks")}
+    return stacks + json.dumps(rest, sort_keys=True, default=str)
+
+
+# A shadow restart's Event: Normal, and without the annotations the restart budget counts by.
+WOULD_REASON, WOULD_ACTION = "WouldRestart", "Report"
+WOULD_ANNOTATION = "gpu-watchdog.io/would-restart"
+
+
+def would_note(decision: Decision) -> str:
+    return (f"gpu-watchdog would restart this pod ({decision.rung}): {decision.reason}; shadow, nothing was done"
+            f" (policy.enforce); {_figures(decision)}")
 
 
 class KubeRestarter:
@@ -123,14 +142,21 @@ class KubeRestarter:
         self.strategy = settings.strategy
         self.sleep = sleep
 
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        """Write the restart Event: None once written, else why not (after three tries)."""
+    async def record_event(self, decision: Decision, action: str, prefix: str = "", shadow: bool = False
+                           ) -> str | None:
+        """Write the restart Event: None once written, else why not (after three tries). `shadow`: the
+        Normal Event of a restart decided and not performed (`policy.enforce`), which no budget counts."""
         error = "no attempt"
+        if shadow:
+            reason, note, kind = WOULD_REASON, would_note(decision), "Normal"
+            annotations = {WOULD_ANNOTATION: decision.reason}
+        else:
+            reason, note, kind = prefix + event_reason(decision.reason), note_for(decision, action), "Warning"
+            annotations = annotations_for(decision, self.workload, self.node)
         for attempt in range(3):
             try:
-                await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace,
-                                        prefix + event_reason(decision.reason), note_for(decision, action),
-                                        action, annotations=annotations_for(decision, self.workload, self.node))
+                await asyncio.to_thread(self.pod.record_event, self.pod.pod_name, self.pod.namespace, reason, note,
+                                        action, event_type=kind, annotations=annotations)
                 return None
             except RefusedError:
                 raise
@@ -227,7 +253,8 @@ class LocalRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
 
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "", shadow: bool = False
+                           ) -> str | None:
         return None  # no cluster to write an Event to
 
 
@@ -272,8 +299,9 @@ class ContainerRestarter:
         return RestartOutcome(True, "verdict written: the kubelet restarts the inference container",
                               rung=RUNG_CONTAINER, recorded=self.pod is not None)
 
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        return None if self.pod is None else await self.pod.record_event(decision, action, prefix)
+    async def record_event(self, decision: Decision, action: str, prefix: str = "", shadow: bool = False
+                           ) -> str | None:
+        return None if self.pod is None else await self.pod.record_event(decision, action, prefix, shadow)
 
     async def target_served(self, at_wall: float) -> None:
         """The target serves again (a new container, or the old one recovered): the verdict is spent.
@@ -315,7 +343,8 @@ class ReportOnlyRestarter:
     async def target_served(self, at_wall: float) -> None:
         return None  # nothing published that a recovery makes obsolete
 
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
+    async def record_event(self, decision: Decision, action: str, prefix: str = "", shadow: bool = False
+                           ) -> str | None:
         return None  # no cluster to write an Event to
 
 
