@@ -20,6 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
+
 from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS
 from tests.fleet.harness import Fleet, FleetPod
@@ -281,8 +283,15 @@ async def test_a_killer_that_varies_its_settings_is_refused_by_its_input_and_the
         await fleet.wait_until(crash_once_more, 90, "a third failure, on a replica serving again", interval=0.5)
 
         async def refused_everywhere() -> bool:
+            """Both replicas refuse it and neither sidecar still has a restart to carry out (the
+            replica of the third failure may be replaced even after its process came back in place)."""
             pods = fleet.pods()
-            return len(pods) == 2 and all([await listed(fleet, p) == [killer_input] for p in pods])
+            if len(pods) != 2 or not all([await listed(fleet, p) == [killer_input] for p in pods]):
+                return False
+            try:
+                return not any([(await fleet.status(p))["restart_in_progress"] for p in pods])
+            except aiohttp.ClientError:
+                return False
 
         await fleet.wait_until(refused_everywhere, 90, "the killer's input quarantined at both pods", interval=0.2)
         for pod in fleet.pods():

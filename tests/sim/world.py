@@ -42,7 +42,7 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog import fleet, policy, procedure, quarantine, state
+from gpu_watchdog.watchdog import edges, fleet, policy, procedure, quarantine, state
 from gpu_watchdog.watchdog.app import BUDGET_READ_S
 from gpu_watchdog.watchdog.history import History
 from gpu_watchdog.watchdog.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
@@ -575,7 +575,11 @@ class World:
         step = procedure.next_step(self.policy, car.history, car.proc, Facts(self.now, "evict", slot_held=car.slot))
         assert step is not None
         server = pod.server
-        if step.kind == procedure.EVIDENCE:
+        if step.kind == procedure.STACKS:  # a hung process's stacks, as `Executor.take_stacks` folds them
+            st = edges.Stacks(0, server.process, HANG, self.now, "control", stuck="engine.py:1 in forward (MainThread)")
+            state.reduce(car.history, edges.StacksTaken(st))
+            car.proc = procedure.advance(car.proc, step, stacks=edges.stacks_detail(st))
+        elif step.kind == procedure.EVIDENCE:
             server.screen.book.stalled()
             failure = quarantine.failure_from(server.screen.book.report(), pod.name, HANG, self.now)
             self._begin_record(car, failure)  # written beside the restart: committed at its next step
