@@ -74,9 +74,16 @@ async def test_a_cards_fault_taints_its_device_before_the_eviction_and_the_repla
         def lifted() -> list[dict[str, Any]]:
             return [e for p in fleet.all_pods.values() for e in p.log() if e.get("event") == "placement_lifted"]
 
-        await fleet.wait_until(lambda: not rules(kmock) and lifted(), 40, "the expired DeviceTaintRule lifted")
-        assert [(e["outcome"], e["why"], e["target"]) for e in lifted()] == [
-            ("lifted", "expired", rule["metadata"]["name"])]
+        def lifted_by_one() -> bool:
+            return not rules(kmock) and any(e["outcome"] == "lifted" for e in lifted())
+
+        await fleet.wait_until(lifted_by_one, 40, "the expired DeviceTaintRule lifted")
+        # Lifted once, at its expiry; another sidecar's orphan sweep that met it in the moment between
+        # its record's removal and its deletion found it gone already, and says so.
+        outcomes = [(e["outcome"], e["why"], e["target"]) for e in lifted()]
+        assert [o for o in outcomes if o[0] == "lifted"] == [("lifted", "expired", rule["metadata"]["name"])]
+        assert all(o == ("absent", "expired and not in the records", rule["metadata"]["name"])
+                   for o in outcomes if o[0] != "lifted"), outcomes
 
 
 async def test_every_card_failing_at_once_taints_no_more_than_the_bound(kmock: Cluster, tmp_path: Path) -> None:
