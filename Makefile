@@ -117,9 +117,9 @@ images-ci:
 chart-files: chart-schema
 	cp dashboards/alerts.yaml dashboards/gpu-watchdog.json helm/gpu-watchdog/files/
 
-# The chart's schema of watchdog.config, generated from the settings in watchdog/settings.py.
+# The chart's schema of watchdog.config, generated from the settings in watchdog/core/settings.py.
 chart-schema: install
-	$(PY) -m gpu_watchdog.watchdog.config_schema
+	$(PY) -m gpu_watchdog.watchdog.core.config_schema
 
 # What docs/ generates from the definitions it describes: the configuration and values references
 # (and the chart README's table), and the pictures. tests/docs fails when a committed copy differs.

@@ -9,7 +9,7 @@ joining and leaving. Side by side in one run: phases with the probes off and on,
 `--seconds` long. In an "on" phase probes run back to back (the worst case: the default asks one
 every 10 canary intervals): the control canary's probe on its reserved slot, and probes through the
 completions route with `logprobs` as the sidecar asks any OpenAI-compatible server. Every answer is
-compared (`watchdog.correctness.compare`, the default margin and tolerance) with the answer the same
+compared (`watchdog.core.correctness.compare`, the default margin and tolerance) with the answer the same
 probe got on the idle server; a deviation would be a false `corrupt`.
 
 With `--vllm-bench` the load is vLLM's own benchmark client (`vllm bench serve`, random dataset,
@@ -34,8 +34,8 @@ from typing import Any
 import aiohttp
 
 from gpu_watchdog.benchmarks._procs import ROOT, serve
-from gpu_watchdog.watchdog import correctness
-from gpu_watchdog.watchdog.settings import CorrectnessSettings
+from gpu_watchdog.watchdog.core import correctness
+from gpu_watchdog.watchdog.core.settings import CorrectnessSettings
 
 SETTINGS = CorrectnessSettings(enabled=True)
 

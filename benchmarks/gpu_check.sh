@@ -73,7 +73,7 @@ DEVICE=$([ "$CUDA" = 1 ] && echo cuda || echo cpu)
 step "1. NVML through the watchdog's sampler"
 "$PY" - "$OUT/nvml.json" <<'PYEOF'
 import asyncio, dataclasses, json, sys, time
-from gpu_watchdog.watchdog.samplers.nvml import NvmlSampler, PynvmlBackend
+from gpu_watchdog.watchdog.edge.samplers.nvml import NvmlSampler, PynvmlBackend
 s = NvmlSampler(PynvmlBackend(), time.monotonic)
 s.open()
 # None: the one GPU NVML sees (with several visible and none named, the sampler reads none).
@@ -84,7 +84,7 @@ print(json.dumps(samples[-1], indent=2))
 ok = samples[-1]["available"] and samples[-1]["memory_total_bytes"] > 0
 print("NVML sampler:", "OK" if ok else "UNAVAILABLE")
 # The driver's word (NVML field 230) as the sampler read it, and NVML's own answer for the field.
-from gpu_watchdog.watchdog.xid_catalog import recovery_action
+from gpu_watchdog.watchdog.core.xid_catalog import recovery_action
 ra = samples[-1]["recovery_action"]
 print("GPU recovery action:", "none read (NVML unavailable, or a driver without the field)" if ra is None else
       f"{ra} {recovery_action(ra).name if ra else 'NONE'}")

@@ -9,7 +9,7 @@ from typing import Any
 
 from gpu_watchdog import __version__
 from gpu_watchdog.units import positive_int
-from gpu_watchdog.watchdog import cli as sidecar_cli
+from gpu_watchdog.watchdog.cli import commands as sidecar_cli
 
 try:
     from gpu_watchdog.inference import cli as inference_cli
@@ -83,7 +83,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _cmd_up(args: argparse.Namespace, parser: argparse.ArgumentParser) -> int:
     from gpu_watchdog.inference.settings import SettingsError, from_args, to_argv
-    from gpu_watchdog.watchdog.up import up_main
+    from gpu_watchdog.watchdog.cli.up import up_main
 
     try:
         child = [sys.executable, "-m", "gpu_watchdog", "serve", *to_argv(from_args(args))]

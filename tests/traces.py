@@ -13,10 +13,10 @@ import dataclasses
 from collections.abc import Iterable
 from typing import Any
 
-from gpu_watchdog.watchdog import policy, recording, state
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.settings import Settings
+from gpu_watchdog.watchdog.core import policy, recording, state
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.settings import Settings
 
 
 class Trace:

@@ -5,8 +5,8 @@
 
 Standard library only, and deterministic: the same bytes on every run, so a test can compare the
 committed files with `render()`. Every fact drawn here is the code's (gpu_watchdog/contract.py,
-watchdog/settings.py, watchdog/policy.py, watchdog/app.py, watchdog/executor.py,
-watchdog/actions/restart.py): change the code, change the picture.
+watchdog/core/settings.py, watchdog/core/policy.py, watchdog/runtime/app.py, watchdog/edge/executor.py,
+watchdog/edge/effects/restart.py): change the code, change the picture.
 """
 
 from __future__ import annotations

@@ -19,8 +19,8 @@ import pytest
 import yaml
 
 from gpu_watchdog.units import parse_duration
-from gpu_watchdog.watchdog import config_schema
-from gpu_watchdog.watchdog.config import ConfigError, from_mapping
+from gpu_watchdog.watchdog.core import config_schema
+from gpu_watchdog.watchdog.edge.config import ConfigError, from_mapping
 from tests.chart import pod_security
 from tests.chart.test_chart import (
     ALL_ON,
@@ -277,7 +277,7 @@ def test_the_charts_config_schema_is_the_one_generated_from_the_settings() -> No
     doc = json.loads((CHART / "values.schema.json").read_text())
     held, definitions = config_schema.embedded(doc)
     assert (held, definitions) == (config_schema.chart_schema(), config_schema.DEFINITIONS), (
-        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/settings.py"
+        "helm/gpu-watchdog/values.schema.json's watchdog.config schema is stale against watchdog/core/settings.py"
         f" ({', '.join(config_schema.stale_keys(doc)) or 'definitions'}): run {config_schema.REGENERATE}"
         " and commit helm/gpu-watchdog/values.schema.json")
 
@@ -289,7 +289,7 @@ def test_the_check_command_says_stale_and_how_to_regenerate(tmp_path: Path,
     path = tmp_path / "values.schema.json"
     path.write_text(json.dumps(stale))
     assert config_schema.main(["--check", "--chart-schema", str(path)]) == 1
-    assert "python -m gpu_watchdog.watchdog.config_schema" in capsys.readouterr().err
+    assert "python -m gpu_watchdog.watchdog.core.config_schema" in capsys.readouterr().err
     assert config_schema.main(["--chart-schema", str(path)]) == 0
     assert config_schema.main(["--check", "--chart-schema", str(path)]) == 0
 

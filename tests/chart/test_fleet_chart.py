@@ -10,9 +10,9 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpu_watchdog.watchdog.actions.fleet import lease_name
-from gpu_watchdog.watchdog.actions.kube import workload_from_pod
-from gpu_watchdog.watchdog.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
+from gpu_watchdog.watchdog.edge.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
+from gpu_watchdog.watchdog.edge.effects.fleet import lease_name
+from gpu_watchdog.watchdog.edge.kube.kube import workload_from_pod
 from tests.chart.test_chart import (
     ALL_ON,
     CHART,

@@ -25,7 +25,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.edge.config import from_mapping
 from tests.chart.test_chart import ALLOWED, CHART, K8S_VERSION, by_kind, grants, render, with_images
 from tests.chart.test_fleet_chart import comment_above
 from tests.chart.test_native_sidecar import render_failure, schema_version
@@ -151,11 +151,11 @@ def test_every_placement_verb_is_one_the_code_calls() -> None:
     import inspect
     import pkgutil
 
-    from gpu_watchdog.watchdog import actions
+    from gpu_watchdog.watchdog.edge import effects as actions
 
-    source = "".join(inspect.getsource(importlib.import_module(f"gpu_watchdog.watchdog.actions.{m.name}"))
+    source = "".join(inspect.getsource(importlib.import_module(f"gpu_watchdog.watchdog.edge.effects.{m.name}"))
                      for m in pkgutil.iter_modules(actions.__path__))
-    # Each grant, and the REST call of the sidecar's edge (`watchdog/actions/`) that needs it.
+    # Each grant, and the REST call of the sidecar's edge (`watchdog/edge/effects/`) that needs it.
     calls = {(*RULES, "get"): r"api\.get\(self\._rules\(version, taint\.target\)",
              (*RULES, "list"): r"api\.get\(self\._rules\(version\), query=\{\"labelSelector\"",
              (*RULES, "create"): r"api\.post\(self\._rules\(version\)",

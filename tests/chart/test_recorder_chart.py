@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 import yaml
 
-from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.edge.config import from_mapping
 from tests.chart import pod_security
 from tests.chart.test_chart import (
     CHART,

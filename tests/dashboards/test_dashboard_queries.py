@@ -13,9 +13,10 @@ import yaml
 from prometheus_client import generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from gpu_watchdog.watchdog import names
-from gpu_watchdog.watchdog.fleet import Breaker, FleetView
-from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
+from gpu_watchdog.watchdog.core import names
+from gpu_watchdog.watchdog.core.fleet import Breaker, FleetView
+from gpu_watchdog.watchdog.core.views import Snapshot
+from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 from tests.helpers import ROOT
 from tests.tooling import require
 
@@ -140,7 +141,7 @@ def test_the_worker_panels_and_alert_ask_for_what_serve_s_workers_expose() -> No
     w = Worker(WorkerPlan(1, "1", 8002, "/tmp/w1.sock"))
     metrics.update(w)
     metrics.exited(w, "context_lost")
-    from gpu_watchdog.watchdog.samples import CanarySample, TorchSample
+    from gpu_watchdog.watchdog.core.samples import CanarySample, TorchSample
 
     row = (1, TorchSample(at=1, reachable=True, uuid="GPU-b"), CanarySample(at=1, ok=True, latency_s=0.1,
                                                                             error_class=None))

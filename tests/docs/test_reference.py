@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 import yaml
 
-from gpu_watchdog.watchdog import config
+from gpu_watchdog.watchdog.edge import config
 from tests.docs.pages import ROOT
 
 

@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import requests
 
-from gpu_watchdog.watchdog.names import RESTART_REASONS
+from gpu_watchdog.watchdog.core.names import RESTART_REASONS
 from tests.helpers import Proc, free_port, json_lines, metric, spawn, wait_http
 
 CONFIG = """

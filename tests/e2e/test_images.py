@@ -119,7 +119,7 @@ def test_the_sidecar_image_has_no_torch_and_neither_has_pip() -> None:
     try:
         # Only the sidecar, under our own import root: no inference half, no load generator, and no
         # top-level `watchdog` or `inference` to collide with other distributions.
-        probe = ("import importlib.util as u, os; import gpu_watchdog.watchdog.app;"
+        probe = ("import importlib.util as u, os; import gpu_watchdog.watchdog.runtime.app;"
                  " print(*(u.find_spec(m) is None for m in ('torch', 'pip', 'watchdog', 'inference', 'benchmarks')),"
                  " u.find_spec('gpu_watchdog.inference') is None, u.find_spec('gpu_watchdog.benchmarks') is None,"
                  " os.getuid())")

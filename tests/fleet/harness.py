@@ -39,7 +39,7 @@ from typing import Any
 import aiohttp
 import yaml
 
-from gpu_watchdog.watchdog.replay_cli import replay_main
+from gpu_watchdog.watchdog.cli.replay import replay_main
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster, PodRemoval, Write
 from tests.fleet.scheduler import GPU_RESOURCE, Placement, Scheduler

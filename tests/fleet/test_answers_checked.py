@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import correctness, placement
-from gpu_watchdog.watchdog.names import CORRUPT
+from gpu_watchdog.watchdog.core import correctness, placement
+from gpu_watchdog.watchdog.core.names import CORRUPT
 from tests.fleet.cluster import Cluster
 from tests.fleet.harness import Fleet, deep_merge
 from tests.fleet.scheduler import Scheduler

@@ -14,10 +14,10 @@ from typing import Any
 
 from kubernetes import client
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.actions.fleet import LeaseLedger, LedgerUnavailable
-from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT
+from gpu_watchdog.watchdog.core import fleet
+from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION
+from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, LedgerUnavailable
 from tests.fleet import cluster as k8s
 from tests.fleet.harness import Fleet, FleetPod
 from tests.fleet.test_cluster import api_of

@@ -16,15 +16,15 @@ from typing import Any
 from aiohttp import web
 from kubernetes import client
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
-from gpu_watchdog.watchdog.actions.kube import PodActions
-from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import KubeRestarter
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.fleet import LEDGER_ANNOTATION
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.core import fleet
+from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION
+from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.fleet import cluster as k8s
 from tests.integration.test_kubernetes import serve_events
 from tests.integration.test_restart_metrics import NoNvml

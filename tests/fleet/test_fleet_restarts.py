@@ -16,11 +16,11 @@ from typing import Any
 
 from kubernetes import client
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
-from gpu_watchdog.watchdog.config import FleetSettings
-from gpu_watchdog.watchdog.fleet import GRANTED, UNAVAILABLE_LIMIT
-from gpu_watchdog.watchdog.names import FLEET_BREAKER_OPEN, FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_POD
+from gpu_watchdog.watchdog.core import fleet
+from gpu_watchdog.watchdog.core.fleet import GRANTED, UNAVAILABLE_LIMIT
+from gpu_watchdog.watchdog.core.names import FLEET_BREAKER_OPEN, FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_POD
+from gpu_watchdog.watchdog.edge.config import FleetSettings
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
 from tests.fleet.harness import Fleet
 from tests.integration.test_kubernetes import events as all_events
 

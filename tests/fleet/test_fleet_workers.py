@@ -18,13 +18,13 @@ from typing import Any
 import structlog
 from kubernetes import client
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
-from gpu_watchdog.watchdog.actions.kube import PodActions
-from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, WORKER_ACTION, ContainerRestarter, KubeRestarter
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.core import fleet
+from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import NOT_RECORDED, WORKER_ACTION, ContainerRestarter, KubeRestarter
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.fleet.test_fleet_holds import LEASE, NS, after_creation, cluster_of, stored_ledger, until
 from tests.integration.test_kubernetes import events
 from tests.integration.test_restart_metrics import NoNvml

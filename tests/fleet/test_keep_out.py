@@ -12,15 +12,15 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpu_watchdog.watchdog import placement
-from gpu_watchdog.watchdog.actions.fleet import LeaseLedger
-from gpu_watchdog.watchdog.actions.placement import Placer
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.escalation import RestartRecord, Suspect
-from gpu_watchdog.watchdog.keep_out import KeepOut
-from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core import placement
+from gpu_watchdog.watchdog.core.escalation import RestartRecord, Suspect
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, HANG
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
+from gpu_watchdog.watchdog.edge.effects.placement import Placer
+from gpu_watchdog.watchdog.edge.keep_out import KeepOut
+from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster
 from tests.traces import Trace

@@ -15,7 +15,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from gpu_watchdog.watchdog import placement
+from gpu_watchdog.watchdog.core import placement
 from tests.fleet.cluster import Cluster, Write
 from tests.fleet.harness import Fleet, FleetPod
 from tests.fleet.scheduler import Scheduler

@@ -23,7 +23,7 @@ from typing import Any
 import aiohttp
 
 from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
 from tests.fleet.harness import Fleet, FleetPod
 from tests.helpers import ROOT, json_lines
 from tests.integration.test_kubernetes import events as all_events

@@ -17,7 +17,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from gpu_watchdog.watchdog.replay_cli import replay_main
+from gpu_watchdog.watchdog.cli.replay import replay_main
 from tests.fleet.cluster import Cluster
 from tests.fleet.harness import Fleet, FleetPod
 from tests.fleet.scheduler import Scheduler

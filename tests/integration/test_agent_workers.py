@@ -21,9 +21,9 @@ from gpu_watchdog.benchmarks._procs import free_ports
 from gpu_watchdog.contract import MEMORY
 from gpu_watchdog.inference.agent import Agent, AgentSettings
 from gpu_watchdog.token import ensure_token
-from gpu_watchdog.watchdog.actions.restart import ContainerRestarter, ReportOnlyRestarter
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter, ReportOnlyRestarter
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.helpers import ROOT, spawn_python, wait_for, wait_http
 from tests.integration.test_restart_metrics import NoNvml
 

@@ -12,8 +12,8 @@ import pytest
 import requests
 import yaml
 
-from gpu_watchdog.watchdog import correctness
-from gpu_watchdog.watchdog.settings import CorrectnessSettings
+from gpu_watchdog.watchdog.core import correctness
+from gpu_watchdog.watchdog.core.settings import CorrectnessSettings
 from tests.helpers import Server, free_port, json_lines, metric, spawn, start_server, wait_for, wait_http
 
 SETTINGS = CorrectnessSettings(enabled=True)

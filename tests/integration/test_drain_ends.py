@@ -18,8 +18,8 @@ import pytest
 import requests
 
 from gpu_watchdog import contract
-from gpu_watchdog.watchdog.control_client import ControlClient
-from gpu_watchdog.watchdog.samplers.canary import CanarySampler
+from gpu_watchdog.watchdog.edge.control_client import ControlClient
+from gpu_watchdog.watchdog.edge.samplers.canary import CanarySampler
 from tests.helpers import ROOT, Server, json_lines, start_app, start_server, wait_for
 
 DEADLINE = 1.5

@@ -11,11 +11,11 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import DrainHandle, RestartOutcome
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.integration.test_escalation import NODE, OURS, objects
 from tests.integration.test_kubernetes import NS, POD
 from tests.integration.test_restart_metrics import NoNvml

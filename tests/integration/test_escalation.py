@@ -8,13 +8,13 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpu_watchdog.watchdog import edges
-from gpu_watchdog.watchdog.actions.kube import PodActions
-from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import annotations_for, event_reason, note_for
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core import edges
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import annotations_for, event_reason, note_for
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.integration.test_kubernetes import NS, POD
 from tests.integration.test_restart_metrics import NoNvml, Restarter
 

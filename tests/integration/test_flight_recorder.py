@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import recorder as recorder_module
-from gpu_watchdog.watchdog.recorder import FlightRecorder
+from gpu_watchdog.watchdog.edge import recorder as recorder_module
+from gpu_watchdog.watchdog.edge.recorder import FlightRecorder
 
 
 def header(n: list[int]) -> dict[str, Any]:

@@ -18,13 +18,13 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from gpu_watchdog.watchdog import policy
-from gpu_watchdog.watchdog.actions.restart import DrainHandle, RestartOutcome
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samplers.canary import EMBEDDINGS, OpenAICanary
-from gpu_watchdog.watchdog.samplers.http_canary import HttpCanary
+from gpu_watchdog.watchdog.core import policy
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.edge.samplers.canary import EMBEDDINGS, OpenAICanary
+from gpu_watchdog.watchdog.edge.samplers.http_canary import HttpCanary
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 
 
 class RecordingRestarter:
@@ -244,8 +244,8 @@ async def test_the_targets_key_reaches_the_http_canary_the_sidecar_builds(servic
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """`target.api_key_file` (where the chart mounts an external server's key) is sent by the canary the
     sidecar itself assembles for `target.http`, not only by one built by hand."""
-    from gpu_watchdog.watchdog.samplers.assembly import build_samplers
-    from gpu_watchdog.watchdog.samplers.nvml import PynvmlBackend
+    from gpu_watchdog.watchdog.edge.samplers.assembly import build_samplers
+    from gpu_watchdog.watchdog.edge.samplers.nvml import PynvmlBackend
 
     url, state = service
     monkeypatch.setenv("POD_NAME", "p")

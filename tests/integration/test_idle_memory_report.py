@@ -15,7 +15,7 @@ from aiohttp import web
 from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
-from gpu_watchdog.watchdog.app import Watchdog
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.integration.test_watchdog_robustness import RecordingRestarter, serve_everything, settings
 
 GiB = 1 << 30

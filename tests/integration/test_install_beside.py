@@ -37,7 +37,7 @@ with tempfile.TemporaryDirectory() as d:
 
 # Ours: both halves import, and the sidecar's command checks a config.
 OURS = """
-import gpu_watchdog, gpu_watchdog.watchdog.policy, gpu_watchdog.inference.fingerprint, gpu_watchdog.contract
+import gpu_watchdog, gpu_watchdog.watchdog.core.policy, gpu_watchdog.inference.fingerprint, gpu_watchdog.contract
 print(gpu_watchdog.__version__, gpu_watchdog.__file__)
 """
 
@@ -76,7 +76,7 @@ def test_the_wheel_installs_one_import_root_of_its_own(wheel: Path) -> None:
     top_level = next(n for n in names if n.endswith("top_level.txt"))
     assert zipfile.ZipFile(wheel).read(top_level).decode().split() == ["gpu_watchdog"]
     # Every half and the load generator are inside, under their folder names.
-    for module in ("gpu_watchdog/watchdog/app.py", "gpu_watchdog/inference/agent.py",
+    for module in ("gpu_watchdog/watchdog/runtime/app.py", "gpu_watchdog/inference/agent.py",
                    "gpu_watchdog/benchmarks/loadgen.py", "gpu_watchdog/contract.py"):
         assert module in names, module
 

@@ -7,10 +7,10 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from gpu_watchdog.watchdog.actions.kube import PodActions, RefusedError
-from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, KubeRestarter
-from gpu_watchdog.watchdog.config import RestartSettings
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import RestartSettings
+from gpu_watchdog.watchdog.edge.effects.restart import NOT_RECORDED, KubeRestarter
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions, RefusedError
 
 NS, POD = "serving", "model-0"
 

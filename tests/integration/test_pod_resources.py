@@ -17,9 +17,9 @@ import grpc
 import pytest
 from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.samplers.pod_resources import PodResourcesError, list_pod_gpus
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.samplers.pod_resources import PodResourcesError, list_pod_gpus
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.unit.test_nvml_sampler import A, B, FakeNvml
 
 C, D = "GPU-33333333-cccc", "GPU-44444444-dddd"
@@ -137,7 +137,7 @@ def watchdog_settings(socket: str | None) -> Any:
 
 
 async def test_the_watchdog_samples_only_the_gpus_the_kubelet_gave_the_pod(kubelet: tuple[str, list[str]]) -> None:
-    from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter
+    from gpu_watchdog.watchdog.edge.effects.restart import ReportOnlyRestarter
 
     socket, _ = kubelet
     wd = Watchdog(watchdog_settings(socket), ReportOnlyRestarter(), nvml_backend=FourGpuNode())
@@ -153,7 +153,7 @@ async def test_the_watchdog_samples_only_the_gpus_the_kubelet_gave_the_pod(kubel
 
 
 async def test_without_the_kubelet_a_multi_gpu_node_is_reported_not_guessed(tmp_path: Path) -> None:
-    from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter
+    from gpu_watchdog.watchdog.edge.effects.restart import ReportOnlyRestarter
 
     wd = Watchdog(watchdog_settings(str(tmp_path / "absent.sock")), ReportOnlyRestarter(),
                   nvml_backend=FourGpuNode())
@@ -172,8 +172,8 @@ async def test_without_the_kubelet_a_multi_gpu_node_is_reported_not_guessed(tmp_
 
 async def test_a_kubelet_that_answers_later_is_asked_again_with_backoff(monkeypatch: pytest.MonkeyPatch) -> None:
     """The socket may not be there yet, or refuse at first: asked again, ever less often, until it answers."""
-    from gpu_watchdog.watchdog import edges
-    from gpu_watchdog.watchdog.actions.restart import ReportOnlyRestarter
+    from gpu_watchdog.watchdog.core import edges
+    from gpu_watchdog.watchdog.edge.effects.restart import ReportOnlyRestarter
 
     monkeypatch.setattr(edges, "POD_GPUS_RETRY_S", 0.05)
     calls: list[int] = []

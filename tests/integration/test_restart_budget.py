@@ -19,14 +19,14 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
-from gpu_watchdog.watchdog.actions.kube import CONTROLLER, PodActions, workload_from_pod
-from gpu_watchdog.watchdog.actions.node import NodeReporter
-from gpu_watchdog.watchdog.actions.restart import KubeRestarter, annotations_for, event_reason, note_for
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping, workload_of
-from gpu_watchdog.watchdog.names import BUDGET_EXHAUSTED, HANG
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.wiring import resolve_workload
+from gpu_watchdog.watchdog.core.names import BUDGET_EXHAUSTED, HANG
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping, workload_of
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter, annotations_for, event_reason, note_for
+from gpu_watchdog.watchdog.edge.kube.kube import CONTROLLER, PodActions, workload_from_pod
+from gpu_watchdog.watchdog.runtime.app import Watchdog
+from gpu_watchdog.watchdog.runtime.wiring import resolve_workload
 from tests.e2e.test_run_evicts import kubeconfig
 from tests.integration.test_kubernetes import NS, events, pod
 from tests.integration.test_restart_metrics import NoNvml
@@ -241,7 +241,7 @@ async def test_a_pod_shares_its_deployments_budget_through_its_owner(kmock: Any,
     finally:
         await wd.stop()
     # And where the pod cannot be read, the name is the fallback.
-    monkeypatch.setattr("gpu_watchdog.watchdog.wiring.WORKLOAD_TRIES", 1)
+    monkeypatch.setattr("gpu_watchdog.watchdog.runtime.wiring.WORKLOAD_TRIES", 1)
     del kmock.objects["v1/pods", NS, pod_name]
     assert await asyncio.to_thread(resolve_workload, settings) == pod_name
 

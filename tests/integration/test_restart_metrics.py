@@ -6,12 +6,12 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog.actions.restart import DrainHandle, RestartOutcome
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.names import RESTART_REASONS
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samplers.nvml import NvmlUnavailable
+from gpu_watchdog.watchdog.core.names import RESTART_REASONS
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.edge.samplers.nvml import NvmlUnavailable
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 
 
 class NoNvml:

@@ -20,10 +20,10 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_watchdog.benchmarks._procs import free_port, free_ports
 from gpu_watchdog.contract import MEMORY
-from gpu_watchdog.watchdog.actions.restart import ContainerRestarter
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import Settings, from_mapping
-from gpu_watchdog.watchdog.names import RUNG_WORKER
+from gpu_watchdog.watchdog.core.names import RUNG_WORKER
+from gpu_watchdog.watchdog.edge.config import Settings, from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.fleet.harness import deep_merge
 from tests.helpers import Proc, json_lines, spawn, wait_for, wait_http
 from tests.integration.test_agent_workers import async_wait

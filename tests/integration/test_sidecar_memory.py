@@ -2,7 +2,7 @@
 in local mode (no Kubernetes API, strategy none) and with a Kubernetes API configured and in use
 (evict, the fleet's Lease, the quarantine); it imports what a mode needs when it needs it (protobuf only
 where the config asks for the kubelet) and never the official Kubernetes client, whose typed models
-alone would take more than the budget (watchdog/actions/kube_api.py)."""
+alone would take more than the budget (watchdog/edge/kube/kube_api.py)."""
 
 from __future__ import annotations
 

@@ -13,12 +13,12 @@ import pytest
 from aiohttp import web
 from kubernetes import client
 
-from gpu_watchdog.watchdog.actions.kube import PodActions
-from gpu_watchdog.watchdog.actions.restart import DrainHandle, KubeRestarter, RestartOutcome
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import RestartSettings, from_mapping
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.samplers.nvml import GpuReading
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.config import RestartSettings, from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, KubeRestarter, RestartOutcome
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions
+from gpu_watchdog.watchdog.edge.samplers.nvml import GpuReading
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.integration.test_kubernetes import RecordingDrain
 
 GARBAGE: list[tuple[int, str, str]] = [

@@ -17,15 +17,15 @@ import requests
 import structlog
 
 from gpu_watchdog.benchmarks._procs import free_port, free_ports
-from gpu_watchdog.watchdog import policy
-from gpu_watchdog.watchdog.actions.restart import ContainerRestarter
-from gpu_watchdog.watchdog.app import Watchdog
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_WORKER
-from gpu_watchdog.watchdog.procedure import EXIT_TRIES
-from gpu_watchdog.watchdog.samples import RESTART_FAILED, WorkerCanaries, WorkerRestarted
-from gpu_watchdog.watchdog.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.core import policy
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_WORKER
+from gpu_watchdog.watchdog.core.samples import RESTART_FAILED, WorkerCanaries, WorkerRestarted
+from gpu_watchdog.watchdog.core.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.core.timing import EXIT_TRIES
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from tests.helpers import ROOT, spawn_python, wait_for, wait_http
 from tests.integration.test_agent_workers import async_wait, memory
 from tests.integration.test_restart_metrics import NoNvml

@@ -3,9 +3,9 @@ broke. Checked after every step of every run (`test_invariants.py`) and of the b
 
 from __future__ import annotations
 
-from gpu_watchdog.watchdog import fleet, quarantine
-from gpu_watchdog.watchdog.app import BUDGET_READ_S
-from gpu_watchdog.watchdog.names import FLEET_HOLDS
+from gpu_watchdog.watchdog.core import fleet, quarantine
+from gpu_watchdog.watchdog.core.names import FLEET_HOLDS
+from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S
 from tests.sim.world import STEP_S, SYNC_S, Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.

@@ -7,7 +7,7 @@ import dataclasses
 
 import pytest
 
-from gpu_watchdog.watchdog.settings import HangSettings
+from gpu_watchdog.watchdog.core.settings import HangSettings
 from tests.sim.world import CANARY_S, Knobs, World
 
 

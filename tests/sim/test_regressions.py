@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT
+from gpu_watchdog.watchdog.core import timing
+from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim.machine import machine
 from tests.sim.world import DETECT_S, Knobs
 
@@ -123,7 +123,7 @@ def test_i1_a_pod_made_while_a_restart_waits_does_not_give_back_its_slot() -> No
     w._remove(other, "deleted by an operator", by_us=False)
     stand_in = next(p for p in w.alive() if p.created_at == w.now and p is not first)
     stand_in.ready_at = w.now + 1
-    for _ in range(int(fleet.SLOT_WAIT_S) + 1):
+    for _ in range(int(timing.SLOT_WAIT_S) + 1):
         w.tick()
         for name in [n for n in w.sidecars if n != first.name]:
             w.sidecar_step(name)

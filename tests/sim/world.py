@@ -1,9 +1,9 @@
 """A deterministic simulation of one workload: its Deployment and ReplicaSet controller, its pods
 with their servers, its Lease with `resourceVersion` compare-and-swap, Events, a request mix and a
 simulated clock; each pod's sidecar restarts through the real restart procedure
-(`watchdog.procedure`: its evidence, the budget read from the Events, a slot, the act) and decides
-with the real fleet, quarantine and budget rules (`watchdog.fleet`, `watchdog.quarantine`,
-`watchdog.policy`): the same functions the sidecar folds its Lease and its history through.
+(`watchdog.core.procedure`: its evidence, the budget read from the Events, a slot, the act) and decides
+with the real fleet, quarantine and budget rules (`watchdog.core.fleet`, `watchdog.core.quarantine`,
+`watchdog.core.policy`): the same functions the sidecar folds its Lease and its history through.
 
 The world is advanced by its scheduler (Hypothesis's stateful testing picks the steps and shrinks a
 failing run to the shortest one). A sidecar's read and its write of the Lease are two steps, so other
@@ -42,13 +42,13 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog import edges, fleet, policy, procedure, quarantine, state
-from gpu_watchdog.watchdog.app import BUDGET_READ_S
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
-from gpu_watchdog.watchdog.procedure import Facts, Procedure, Step
-from gpu_watchdog.watchdog.samples import CanarySample, PastRestart
-from gpu_watchdog.watchdog.settings import FleetSettings, PolicySettings, QuarantineSettings
+from gpu_watchdog.watchdog.core import edges, fleet, policy, procedure, quarantine, state, timing
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
+from gpu_watchdog.watchdog.core.procedure import Facts, Procedure, Step
+from gpu_watchdog.watchdog.core.samples import CanarySample, PastRestart
+from gpu_watchdog.watchdog.core.settings import FleetSettings, PolicySettings, QuarantineSettings
+from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S
 
 STEP_S = 1.0  # the clock advances this much per tick
 CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it times out after this long
@@ -601,7 +601,7 @@ class World:
                 car.held_since = self.now
             car.held, car.proc = car.proc.held, None
         elif step.kind == procedure.RESTART:
-            if self.now - car.slot_at >= fleet.SLOT_WAIT_S:  # as `Executor.restart` waits
+            if self.now - car.slot_at >= timing.SLOT_WAIT_S:  # as `Executor.restart` waits
                 self._evict(car, pod)
         else:
             raise AssertionError(f"a step the pod's restart never takes: {step.kind}")

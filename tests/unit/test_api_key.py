@@ -7,7 +7,7 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from gpu_watchdog.watchdog.samplers.canary import OpenAICanary, read_api_key
+from gpu_watchdog.watchdog.edge.samplers.canary import OpenAICanary, read_api_key
 
 
 async def test_the_control_token_is_never_sent_as_a_servers_api_key(tmp_path: Path,

@@ -8,7 +8,7 @@ import pytest
 import yaml
 
 from gpu_watchdog.units import parse_duration, parse_size
-from gpu_watchdog.watchdog.config import ConfigError, Settings, from_mapping, load
+from gpu_watchdog.watchdog.edge.config import ConfigError, Settings, from_mapping, load
 
 DESIGN_EXAMPLE = """
 target:
@@ -56,7 +56,7 @@ restart: {strategy: none}
 
 
 def test_peer_example_and_the_metrics_url_it_implies() -> None:
-    from gpu_watchdog.watchdog.config import metrics_url
+    from gpu_watchdog.watchdog.edge.config import metrics_url
 
     s = from_mapping(yaml.safe_load(PEER_EXAMPLE))
     assert (s.sampling.server_interval, s.policy.stall.window) == (2.0, 90.0)

@@ -11,7 +11,7 @@ import yaml
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gpu_watchdog.watchdog.config import ConfigError, Settings, from_mapping
+from gpu_watchdog.watchdog.edge.config import ConfigError, Settings, from_mapping
 
 KNOWN: dict[str, Any] = {
     "target": ["control_url", "token_file", "openai_url", "openai_model", "api_key_file", "metrics_url"],

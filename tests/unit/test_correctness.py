@@ -8,13 +8,13 @@ import dataclasses
 
 import pytest
 
-from gpu_watchdog.watchdog import correctness, escalation, placement
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.correctness import Answer, Step, Submission
-from gpu_watchdog.watchdog.names import CORRUPT, RUNG_CONTAINER, RUNG_POD
-from gpu_watchdog.watchdog.samples import CanarySample, ProbeSample
-from gpu_watchdog.watchdog.settings import CorrectnessSettings, EscalationSettings
-from gpu_watchdog.watchdog.state import RestartBegun, RestartEnded
+from gpu_watchdog.watchdog.core import correctness, escalation, placement
+from gpu_watchdog.watchdog.core.correctness import Answer, Step, Submission
+from gpu_watchdog.watchdog.core.names import CORRUPT, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.core.samples import CanarySample, ProbeSample
+from gpu_watchdog.watchdog.core.settings import CorrectnessSettings, EscalationSettings
+from gpu_watchdog.watchdog.core.state import RestartBegun, RestartEnded
+from gpu_watchdog.watchdog.edge.config import from_mapping
 from tests.traces import Trace
 
 C = CorrectnessSettings(enabled=True)
@@ -218,7 +218,7 @@ def test_restarts_for_corruption_that_did_not_cure_make_the_card_suspect() -> No
 
 
 def test_settings_never_allow_acting_on_one_deviation_or_one_card() -> None:
-    from gpu_watchdog.watchdog.config import ConfigError
+    from gpu_watchdog.watchdog.edge.config import ConfigError
 
     with pytest.raises(ConfigError) as err:
         from_mapping({"restart": {"strategy": "none"}, "policy": {"correctness": {"consecutive": 1, "quorum": 1}}})

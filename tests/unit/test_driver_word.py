@@ -8,11 +8,10 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import policy, xid_catalog
-from gpu_watchdog.watchdog.config import PolicySettings, Settings
-from gpu_watchdog.watchdog.escalation import driver_says
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import (
+from gpu_watchdog.watchdog.core import policy, xid_catalog
+from gpu_watchdog.watchdog.core.escalation import driver_says
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.names import (
     CONTEXT_LOSS,
     FLEET_UNAVAILABLE_LIMIT,
     HANG,
@@ -20,9 +19,8 @@ from gpu_watchdog.watchdog.names import (
     RUNG_POD,
     RUNG_WORKER,
 )
-from gpu_watchdog.watchdog.policy import FLEET_RETRY_S, RESTART_RETRY_S, Decision, decide
-from gpu_watchdog.watchdog.samplers.device_health import device_health
-from gpu_watchdog.watchdog.samples import (
+from gpu_watchdog.watchdog.core.policy import Decision, decide
+from gpu_watchdog.watchdog.core.samples import (
     RESTART_FAILED,
     RESTART_HELD,
     RESTART_REPORTED,
@@ -37,7 +35,10 @@ from gpu_watchdog.watchdog.samples import (
     WorkersSample,
     XidEvent,
 )
-from gpu_watchdog.watchdog.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.core.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.core.timing import FLEET_RETRY_S, RESTART_RETRY_S
+from gpu_watchdog.watchdog.edge.config import PolicySettings, Settings
+from gpu_watchdog.watchdog.edge.samplers.device_health import device_health
 
 UUID, OTHER = "GPU-aaaa", "GPU-bbbb"
 

@@ -3,8 +3,8 @@ and the rules over them, driven by traces (every input through `state.reduce`, a
 
 from __future__ import annotations
 
-from gpu_watchdog.watchdog import edges, quarantine, recording
-from gpu_watchdog.watchdog.edges import (
+from gpu_watchdog.watchdog.core import edges, quarantine, recording
+from gpu_watchdog.watchdog.core.edges import (
     Acting,
     BreakerSaid,
     EscalationFailed,
@@ -21,11 +21,11 @@ from gpu_watchdog.watchdog.edges import (
     SlotNotGivenBack,
     SlotTaken,
 )
-from gpu_watchdog.watchdog.fleet import FleetView
-from gpu_watchdog.watchdog.names import FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
-from gpu_watchdog.watchdog.samples import WorkerRestarted
-from gpu_watchdog.watchdog.settings import Settings
-from gpu_watchdog.watchdog.state import PodGpus, RestartEnded, WorkloadRestarts
+from gpu_watchdog.watchdog.core.fleet import FleetView
+from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT, HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
+from gpu_watchdog.watchdog.core.samples import WorkerRestarted
+from gpu_watchdog.watchdog.core.settings import Settings
+from gpu_watchdog.watchdog.core.state import PodGpus, RestartEnded, WorkloadRestarts
 from tests.traces import Trace
 
 LEASE = FleetView(lease="gpu-watchdog-demo")

@@ -3,9 +3,9 @@ than the defaults (a rule that hard-coded 2 restarts in 24 h passes the integrat
 
 from __future__ import annotations
 
-from gpu_watchdog.watchdog.config import EscalationSettings
-from gpu_watchdog.watchdog.escalation import RestartRecord, suspects
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG, MAX_AGE
+from gpu_watchdog.watchdog.core.escalation import RestartRecord, suspects
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, HANG, MAX_AGE
+from gpu_watchdog.watchdog.edge.config import EscalationSettings
 
 GPU, OTHER = "GPU-1111", "GPU-2222"
 

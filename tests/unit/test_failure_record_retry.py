@@ -5,12 +5,12 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_watchdog.watchdog import executor as executor_module
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.executor import Executor
-from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge import executor as executor_module
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.executor import Executor
+from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 from tests.traces import Trace
 
 

@@ -7,13 +7,13 @@ import json
 
 import pytest
 
-from gpu_watchdog.watchdog import fleet
-from gpu_watchdog.watchdog.config import FleetSettings, PolicySettings, RestartBudgetSettings
-from gpu_watchdog.watchdog.fleet import BREAKER_OPEN, GRANTED, UNAVAILABLE_LIMIT, Ledger, LedgerError
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
-from gpu_watchdog.watchdog.policy import budget_blocker, budget_remaining, workload_allowance
-from gpu_watchdog.watchdog.samples import ActionRecord, PastRestart
+from gpu_watchdog.watchdog.core import fleet
+from gpu_watchdog.watchdog.core.fleet import BREAKER_OPEN, GRANTED, UNAVAILABLE_LIMIT, Ledger, LedgerError
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.names import HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
+from gpu_watchdog.watchdog.core.policy import budget_blocker, budget_remaining, workload_allowance
+from gpu_watchdog.watchdog.core.samples import ActionRecord, PastRestart
+from gpu_watchdog.watchdog.edge.config import FleetSettings, PolicySettings, RestartBudgetSettings
 
 S = FleetSettings()
 

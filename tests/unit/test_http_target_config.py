@@ -6,10 +6,10 @@ from pathlib import Path
 
 import pytest
 
-from gpu_watchdog.watchdog.config import ConfigError, from_mapping, metrics_url
-from gpu_watchdog.watchdog.samplers.http_canary import lookup
-from gpu_watchdog.watchdog.samplers.server_metrics import progress_of
-from gpu_watchdog.watchdog.selector import Selector, parse
+from gpu_watchdog.watchdog.core.selector import Selector, parse
+from gpu_watchdog.watchdog.edge.config import ConfigError, from_mapping, metrics_url
+from gpu_watchdog.watchdog.edge.samplers.http_canary import lookup
+from gpu_watchdog.watchdog.edge.samplers.server_metrics import progress_of
 
 
 def errors(target: dict[str, object]) -> list[str]:
@@ -77,14 +77,14 @@ def test_key_paths_walk_objects_and_lists() -> None:
     assert lookup(data, "outputs.0.data.0") == 1.0
     assert lookup(data, "n") == 0
     assert lookup([[0.1]], "0.0") == 0.1
-    from gpu_watchdog.watchdog.samplers.http_canary import _MISSING
+    from gpu_watchdog.watchdog.edge.samplers.http_canary import _MISSING
 
     assert lookup(data, "outputs.1") is _MISSING and lookup(data, "outputs.x") is _MISSING
 
 
 @pytest.mark.parametrize("name", ["triton", "torchserve", "litserve", "tei", "fastapi_agent"])
 def test_the_shipped_example_configs_load(name: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from gpu_watchdog.watchdog.config import load
+    from gpu_watchdog.watchdog.edge.config import load
     from tests.helpers import ROOT
 
     monkeypatch.setenv("POD_NAME", "demo-0")

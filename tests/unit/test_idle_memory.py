@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from functools import reduce
 
-from gpu_watchdog.watchdog.idle_memory import WARN_RATIO, IdleMemory, observe
-from gpu_watchdog.watchdog.samples import TorchSample
+from gpu_watchdog.watchdog.core.idle_memory import WARN_RATIO, IdleMemory, observe
+from gpu_watchdog.watchdog.core.samples import TorchSample
 
 GiB = 1 << 30
 TOTAL = 80 * GiB

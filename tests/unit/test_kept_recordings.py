@@ -9,7 +9,8 @@ import itertools
 import json
 from typing import Any
 
-from gpu_watchdog.watchdog.names import (
+from gpu_watchdog.watchdog.cli.replay import replay_main
+from gpu_watchdog.watchdog.core.names import (
     CONTEXT_LOSS,
     FLEET_UNAVAILABLE_LIMIT,
     HANG,
@@ -17,8 +18,7 @@ from gpu_watchdog.watchdog.names import (
     RUNG_WORKER,
     STARTUP_TIMEOUT,
 )
-from gpu_watchdog.watchdog.policy import FLEET_RETRY_S
-from gpu_watchdog.watchdog.replay_cli import replay_main
+from gpu_watchdog.watchdog.core.timing import FLEET_RETRY_S
 from tests.unit.test_replay import FIXTURES, decisions
 
 # The query of death's fingerprint (the test's marked request), as the sidecar recorded it in flight.

@@ -1,4 +1,4 @@
-"""The sidecar's own Kubernetes API client (watchdog/actions/kube_api.py): its configuration from a
+"""The sidecar's own Kubernetes API client (watchdog/edge/kube/kube_api.py): its configuration from a
 kubeconfig or the pod's service account, and its calls against a plain HTTP(S) server on loopback."""
 
 from __future__ import annotations
@@ -19,9 +19,9 @@ from typing import Any
 import pytest
 import yaml
 
-from gpu_watchdog.watchdog.actions import kube_api
-from gpu_watchdog.watchdog.actions.kube import load_api_client
-from gpu_watchdog.watchdog.actions.kube_api import ApiError, KubeApi, KubeConfigError
+from gpu_watchdog.watchdog.edge.kube import kube_api
+from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
+from gpu_watchdog.watchdog.edge.kube.kube_api import ApiError, KubeApi, KubeConfigError
 
 
 def kubeconfig(path: Path, user: dict[str, Any], cluster: dict[str, Any] | None = None) -> Path:

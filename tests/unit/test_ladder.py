@@ -13,13 +13,13 @@ from dataclasses import replace
 
 import pytest
 
-from gpu_watchdog.watchdog import ladder
-from gpu_watchdog.watchdog.config import AdmissionSettings, Settings
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.ladder_state import FailedLimit, Ladder
-from gpu_watchdog.watchdog.policy import decide
-from gpu_watchdog.watchdog.samples import ActionRecord, TorchSample
-from gpu_watchdog.watchdog.state import AdmissionAnswered, AdmissionRequested, CacheFlushRequested, reduce
+from gpu_watchdog.watchdog.core import ladder
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.ladder_state import FailedLimit, Ladder
+from gpu_watchdog.watchdog.core.policy import decide
+from gpu_watchdog.watchdog.core.samples import ActionRecord, TorchSample
+from gpu_watchdog.watchdog.core.state import AdmissionAnswered, AdmissionRequested, CacheFlushRequested, reduce
+from gpu_watchdog.watchdog.edge.config import AdmissionSettings, Settings
 
 S = AdmissionSettings(window=45.0, recover_after=200.0, max_wait=1600.0)
 

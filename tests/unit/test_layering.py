@@ -9,8 +9,8 @@ SNIPPET = """
 import sys
 sys.modules["torch"] = None          # any import of torch now fails
 sys.modules["transformers"] = None
-import gpu_watchdog.watchdog.app, gpu_watchdog.watchdog.up, gpu_watchdog.watchdog.policy
-import gpu_watchdog.watchdog.samplers.nvml, gpu_watchdog.watchdog.actions.restart
+import gpu_watchdog.watchdog.runtime.app, gpu_watchdog.watchdog.cli.up, gpu_watchdog.watchdog.core.policy
+import gpu_watchdog.watchdog.edge.samplers.nvml, gpu_watchdog.watchdog.edge.effects.restart
 from gpu_watchdog.cli import main
 sys.exit(main(["check-config", sys.argv[1]]))
 """

@@ -10,7 +10,7 @@ import pytest
 
 from gpu_watchdog.contract import MemoryReport, record_schema
 from gpu_watchdog.inference.agent import Agent, AgentSettings
-from gpu_watchdog.watchdog.samplers.allocator import parse_memory
+from gpu_watchdog.watchdog.edge.samplers.allocator import parse_memory
 
 
 def check_against_the_record(report: dict[str, Any]) -> MemoryReport:

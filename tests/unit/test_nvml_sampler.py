@@ -7,8 +7,8 @@ import time
 import types
 from typing import Any
 
-from gpu_watchdog.watchdog.samplers.nvml import GpuLost, GpuReading, NvmlSampler, NvmlUnavailable, PynvmlBackend
-from gpu_watchdog.watchdog.samples import XidEvent
+from gpu_watchdog.watchdog.core.samples import XidEvent
+from gpu_watchdog.watchdog.edge.samplers.nvml import GpuLost, GpuReading, NvmlSampler, NvmlUnavailable, PynvmlBackend
 
 A = "GPU-11111111-aaaa"
 B = "GPU-22222222-bbbb"

@@ -13,8 +13,9 @@ from tests.helpers import ROOT
 
 def test_the_import_root_resolves_to_this_checkout(tmp_path: Path) -> None:
     # From a neutral folder, as the console script runs: whatever the environment holds wins there.
-    code = ("import gpu_watchdog.watchdog.cli, gpu_watchdog.inference.cli, gpu_watchdog.benchmarks.loadgen as b;"
-            " print(gpu_watchdog.watchdog.cli.__file__); print(gpu_watchdog.inference.cli.__file__); print(b.__file__)")
+    code = ("import gpu_watchdog.watchdog.cli.commands, gpu_watchdog.inference.cli, gpu_watchdog.benchmarks.loadgen"
+            " as b;"
+            " print(gpu_watchdog.watchdog.__file__); print(gpu_watchdog.inference.cli.__file__); print(b.__file__)")
     out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, check=True)
     files = [Path(line) for line in out.stdout.split()]
     assert [f.parent.parent for f in files] == [ROOT / "gpu_watchdog"] * 3, files

@@ -1,4 +1,4 @@
-"""Keeping a sick card out of the next placement, on traces through the pure rules (`watchdog.placement`):
+"""Keeping a sick card out of the next placement, on traces through the pure rules (`watchdog.core.placement`):
 what is evidence about the card, the repeat offender over days, the bound, expiry, and taints of others."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ import re
 
 import pytest
 
-from gpu_watchdog.watchdog import placement
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
-from gpu_watchdog.watchdog.placement import Card, Records, RecordsError, Remediation, Taint
-from gpu_watchdog.watchdog.settings import PlacementSettings
+from gpu_watchdog.watchdog.core import placement
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, HANG
+from gpu_watchdog.watchdog.core.placement import Card, Records, RecordsError, Remediation, Taint
+from gpu_watchdog.watchdog.core.settings import PlacementSettings
 
 DAY = placement.DAY_S
 T0 = 1_780_000_000.0 - (1_780_000_000.0 % DAY) + 3600  # 01:00 UTC of some day

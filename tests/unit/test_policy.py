@@ -6,9 +6,8 @@ from dataclasses import replace
 
 import pytest
 
-from gpu_watchdog.watchdog.config import HangSettings, PolicySettings, Settings
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.names import (
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.names import (
     HANG,
     PROGRESS_UNKNOWN,
     RESTART_REASONS,
@@ -17,7 +16,7 @@ from gpu_watchdog.watchdog.names import (
     STARTUP_TIMEOUT,
     UNSERVABLE,
 )
-from gpu_watchdog.watchdog.policy import (
+from gpu_watchdog.watchdog.core.policy import (
     Decision,
     budget_remaining,
     canary_delay,
@@ -29,8 +28,16 @@ from gpu_watchdog.watchdog.policy import (
     serviceable,
     target_state,
 )
-from gpu_watchdog.watchdog.samples import ActionRecord, CanarySample, GpuSample, ServerSample, TorchSample, XidEvent
-from gpu_watchdog.watchdog.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
+from gpu_watchdog.watchdog.core.samples import (
+    ActionRecord,
+    CanarySample,
+    GpuSample,
+    ServerSample,
+    TorchSample,
+    XidEvent,
+)
+from gpu_watchdog.watchdog.core.state import RestartBegun, RestartEnded, RestartWaiting, WorkloadRestarts, reduce
+from gpu_watchdog.watchdog.edge.config import HangSettings, PolicySettings, Settings
 
 GiB = 2**30
 UUID = "GPU-aaaa"
@@ -672,7 +679,7 @@ def test_every_restart_reason_is_a_known_name() -> None:
 
 
 def test_one_answer_to_whether_an_xid_is_ours() -> None:
-    from gpu_watchdog.watchdog.policy import gpus_unknown, xid_is_ours
+    from gpu_watchdog.watchdog.core.policy import gpus_unknown, xid_is_ours
 
     unknown = history(gpus_visible=4)
     assert gpus_unknown(unknown) and xid_is_ours(unknown, OTHER) is None and xid_is_ours(unknown, None) is None
@@ -688,7 +695,7 @@ def test_one_answer_to_whether_an_xid_is_ours() -> None:
 
 @pytest.mark.parametrize("window", [20.0, 90.0])
 def test_the_stall_window_is_the_setting(window: float) -> None:
-    from gpu_watchdog.watchdog.config import StallSettings
+    from gpu_watchdog.watchdog.edge.config import StallSettings
 
     s = settings(stall=StallSettings(window=window))
     h = history()
@@ -703,7 +710,7 @@ def test_the_stall_window_is_the_setting(window: float) -> None:
 
 @pytest.mark.parametrize("n", [2, 5])
 def test_the_hang_threshold_is_the_setting(n: int) -> None:
-    from gpu_watchdog.watchdog.config import HangSettings
+    from gpu_watchdog.watchdog.edge.config import HangSettings
 
     s = settings(hang=HangSettings(consecutive_timeouts=n))
     h = history()
@@ -716,7 +723,7 @@ def test_the_hang_threshold_is_the_setting(n: int) -> None:
 
 
 def test_memory_pressure_ratio_and_cooldown_are_the_settings() -> None:
-    from gpu_watchdog.watchdog.config import MemoryPressureSettings
+    from gpu_watchdog.watchdog.edge.config import MemoryPressureSettings
 
     s = settings(memory_pressure=MemoryPressureSettings(reserved_ratio=0.5, cooldown=10.0))
     h = history()
@@ -731,7 +738,7 @@ def test_memory_pressure_ratio_and_cooldown_are_the_settings() -> None:
 
 
 def test_fragmentation_ratio_and_attempts_are_the_settings() -> None:
-    from gpu_watchdog.watchdog.config import FragmentationSettings
+    from gpu_watchdog.watchdog.edge.config import FragmentationSettings
 
     h = history()
     h.torch.append(torch(1, reserved=10 * GiB, allocated=6 * GiB))  # 40 % fragmented
@@ -753,7 +760,7 @@ def test_fragmentation_ratio_and_attempts_are_the_settings() -> None:
 
 
 def test_fragmentation_attempts_count_within_the_window_setting() -> None:
-    from gpu_watchdog.watchdog.config import FragmentationSettings
+    from gpu_watchdog.watchdog.edge.config import FragmentationSettings
 
     def restarted(s: PolicySettings) -> bool:
         h = history()
@@ -782,7 +789,7 @@ def test_the_startup_timeout_is_the_setting() -> None:
 
 
 def test_the_unservable_window_is_the_setting() -> None:
-    from gpu_watchdog.watchdog.config import UnservableSettings
+    from gpu_watchdog.watchdog.edge.config import UnservableSettings
 
     s = settings(unservable=UnservableSettings(window=120.0))
     h = history()
@@ -797,7 +804,7 @@ def test_the_unservable_window_is_the_setting() -> None:
 
 
 def test_the_restart_budget_is_the_setting() -> None:
-    from gpu_watchdog.watchdog.config import RestartBudgetSettings
+    from gpu_watchdog.watchdog.edge.config import RestartBudgetSettings
 
     s = settings(restart_budget=RestartBudgetSettings(max_restarts=1, window=600.0))
     h = history()

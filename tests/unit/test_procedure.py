@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import procedure
-from gpu_watchdog.watchdog.names import (
+from gpu_watchdog.watchdog.core import procedure
+from gpu_watchdog.watchdog.core.names import (
     FLEET_UNAVAILABLE_LIMIT,
     FRAGMENTATION_DRIFT,
     HANG,
@@ -18,8 +18,8 @@ from gpu_watchdog.watchdog.names import (
     RUNG_POD,
     RUNG_WORKER,
 )
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.procedure import (
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.procedure import (
     BLOCKED,
     EVIDENCE,
     EXIT,
@@ -39,9 +39,9 @@ from gpu_watchdog.watchdog.procedure import (
     Procedure,
     Step,
 )
-from gpu_watchdog.watchdog.samples import CanarySample, WorkerCanaries, WorkerUntold
-from gpu_watchdog.watchdog.settings import Settings
-from gpu_watchdog.watchdog.state import WorkloadRestarts
+from gpu_watchdog.watchdog.core.samples import CanarySample, WorkerCanaries, WorkerUntold
+from gpu_watchdog.watchdog.core.settings import Settings
+from gpu_watchdog.watchdog.core.state import WorkloadRestarts
 from tests.traces import Trace
 
 S = Settings()
@@ -222,7 +222,7 @@ def test_an_exit_answer_the_procedure_does_not_know_is_refused() -> None:
 
 
 def test_a_hang_s_stacks_are_taken_once_for_its_process_and_its_event_says_where_they_are() -> None:
-    from gpu_watchdog.watchdog import edges
+    from gpu_watchdog.watchdog.core import edges
 
     trace = Trace(S)
     p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=False)

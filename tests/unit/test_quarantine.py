@@ -7,8 +7,7 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog.config import QuarantineSettings
-from gpu_watchdog.watchdog.quarantine import (
+from gpu_watchdog.watchdog.core.quarantine import (
     ANNOTATION_BUDGET,
     FAILURES_KEPT,
     INFLIGHT_KEPT,
@@ -33,6 +32,7 @@ from gpu_watchdog.watchdog.quarantine import (
     server_entries,
     suspects,
 )
+from gpu_watchdog.watchdog.edge.config import QuarantineSettings
 
 S = QuarantineSettings()
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from gpu_watchdog.watchdog import recording
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.history import History
-from gpu_watchdog.watchdog.recording import RecordingError
-from gpu_watchdog.watchdog.samples import CanarySample, TorchSample, WorkerRestarted
-from gpu_watchdog.watchdog.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.core import recording
+from gpu_watchdog.watchdog.core.history import History
+from gpu_watchdog.watchdog.core.recording import RecordingError
+from gpu_watchdog.watchdog.core.samples import CanarySample, TorchSample, WorkerRestarted
+from gpu_watchdog.watchdog.core.state import RestartEnded, reduce
+from gpu_watchdog.watchdog.edge.config import from_mapping
 
 
 def example(tp: Any, n: int = 0) -> Any:

@@ -8,11 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
-from gpu_watchdog.watchdog.names import HANG
-from gpu_watchdog.watchdog.replay_cli import replay_main
-from gpu_watchdog.watchdog.samples import CanarySample, ServerSample
-from gpu_watchdog.watchdog.settings import RestartBudgetSettings, Settings
-from gpu_watchdog.watchdog.state import RestartBegun, RestartEnded
+from gpu_watchdog.watchdog.cli.replay import replay_main
+from gpu_watchdog.watchdog.core.names import HANG
+from gpu_watchdog.watchdog.core.samples import CanarySample, ServerSample
+from gpu_watchdog.watchdog.core.settings import RestartBudgetSettings, Settings
+from gpu_watchdog.watchdog.core.state import RestartBegun, RestartEnded
 from tests.traces import Trace, with_policy
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "recordings"

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_watchdog.watchdog.actions.kube_api import ApiError
-from gpu_watchdog.watchdog.actions.restart import KubeRestarter
-from gpu_watchdog.watchdog.names import HANG
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.settings import RestartSettings
+from gpu_watchdog.watchdog.core.names import HANG
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.settings import RestartSettings
+from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter
+from gpu_watchdog.watchdog.edge.kube.kube_api import ApiError
 
 
 class Pod:

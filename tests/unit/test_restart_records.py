@@ -5,13 +5,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from gpu_watchdog.watchdog.actions.restart import NOT_RECORDED, DrainHandle, RestartOutcome
-from gpu_watchdog.watchdog.config import from_mapping
-from gpu_watchdog.watchdog.edges import NOT_RECORDED_HOLD_S
-from gpu_watchdog.watchdog.executor import Executor
-from gpu_watchdog.watchdog.metrics import WatchdogMetrics
-from gpu_watchdog.watchdog.names import HANG
-from gpu_watchdog.watchdog.policy import Decision
+from gpu_watchdog.watchdog.core.names import HANG
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.timing import NOT_RECORDED_HOLD_S
+from gpu_watchdog.watchdog.edge.config import from_mapping
+from gpu_watchdog.watchdog.edge.effects.restart import NOT_RECORDED, DrainHandle, RestartOutcome
+from gpu_watchdog.watchdog.edge.executor import Executor
+from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 from tests.traces import Trace
 
 

@@ -133,7 +133,7 @@ def test_a_gunicorn_worker_never_leaves_with_a_code_that_stops_gunicorn(monkeypa
 
 
 def test_the_watched_worker_s_progress_is_its_own_on_the_merged_page() -> None:
-    from gpu_watchdog.watchdog.samplers.server_metrics import parse
+    from gpu_watchdog.watchdog.edge.samplers.server_metrics import parse
 
     r0, r1 = CollectorRegistry(), CollectorRegistry()
     for registry, tokens in ((r0, 5), (r1, 900)):
@@ -145,8 +145,9 @@ def test_the_watched_worker_s_progress_is_its_own_on_the_merged_page() -> None:
 
 
 def test_the_sidecar_exposes_every_worker_labelled_with_its_index_and_gpu() -> None:
-    from gpu_watchdog.watchdog.metrics import Snapshot, WatchdogMetrics
-    from gpu_watchdog.watchdog.samples import CanarySample, TorchSample
+    from gpu_watchdog.watchdog.core.samples import CanarySample, TorchSample
+    from gpu_watchdog.watchdog.core.views import Snapshot
+    from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 
     ok = CanarySample(at=1, ok=True, latency_s=0.1, error_class=None)
     hung = CanarySample(at=1, ok=False, latency_s=5, error_class="timeout")

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import generate_latest
 
-from gpu_watchdog.watchdog.names import SERVER_KINDS
-from gpu_watchdog.watchdog.samplers.server_metrics import DIALECTS, parse
+from gpu_watchdog.watchdog.core.names import SERVER_KINDS
+from gpu_watchdog.watchdog.edge.samplers.server_metrics import DIALECTS, parse
 
 FIXTURES = Path(__file__).resolve().parent.parent / "fixtures"
 

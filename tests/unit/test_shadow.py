@@ -9,9 +9,8 @@ import dataclasses
 import pytest
 
 from gpu_watchdog.inference.screen import Entry, QuarantinedRequest, Screen, parse_entry
-from gpu_watchdog.watchdog import placement, policy, procedure, quarantine
-from gpu_watchdog.watchdog.config import ConfigError, from_mapping
-from gpu_watchdog.watchdog.names import (
+from gpu_watchdog.watchdog.core import placement, policy, procedure, quarantine
+from gpu_watchdog.watchdog.core.names import (
     CONTEXT_LOSS,
     HANG,
     MEMORY_PRESSURE,
@@ -22,11 +21,12 @@ from gpu_watchdog.watchdog.names import (
     RUNG_WORKER,
     WOULD,
 )
-from gpu_watchdog.watchdog.policy import Decision
-from gpu_watchdog.watchdog.procedure import EVIDENCE, KEEP_OUT, Facts
-from gpu_watchdog.watchdog.samples import CanarySample, DecisionRecord, TorchSample, WorkerCanaries
-from gpu_watchdog.watchdog.settings import Settings
-from gpu_watchdog.watchdog.state import RestartEnded, would
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.procedure import EVIDENCE, KEEP_OUT, Facts
+from gpu_watchdog.watchdog.core.samples import CanarySample, DecisionRecord, TorchSample, WorkerCanaries
+from gpu_watchdog.watchdog.core.settings import Settings
+from gpu_watchdog.watchdog.core.state import RestartEnded, would
+from gpu_watchdog.watchdog.edge.config import ConfigError, from_mapping
 from tests.traces import Trace
 
 GiB = 2**30
@@ -186,7 +186,7 @@ def test_a_shadow_quarantine_is_served_and_said_by_the_server() -> None:
 
 def test_a_sick_card_in_shadow_is_said_once_while_the_server_goes_on_serving() -> None:
     """A card's fault that serving does not clear: one report until a restart, not one per canary."""
-    from gpu_watchdog.watchdog.samples import DeviceHealth, DeviceHealthSample
+    from gpu_watchdog.watchdog.core.samples import DeviceHealth, DeviceHealthSample
 
     trace = Trace(enforcing("shadow")).fold(ok(0.0))
     sick = DeviceHealthSample(at=1.0, read=True, devices=(DeviceHealth("inference", "nvidia.com/gpu", "GPU-1",
@@ -205,9 +205,9 @@ def test_a_sick_card_in_shadow_is_said_once_while_the_server_goes_on_serving() -
 
 
 def test_the_summary_names_each_shadow_action_its_count_its_cost_and_what_held_others_back() -> None:
-    from gpu_watchdog.watchdog.edges import WouldRefuseCounted
-    from gpu_watchdog.watchdog.replay import Replay
-    from gpu_watchdog.watchdog.report import Report, render
+    from gpu_watchdog.watchdog.core.edges import WouldRefuseCounted
+    from gpu_watchdog.watchdog.core.replay import Replay
+    from gpu_watchdog.watchdog.core.report import Report, render
 
     lines = []
     for pod in ("llm-a", "llm-b"):

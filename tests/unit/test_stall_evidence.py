@@ -12,8 +12,8 @@ import pytest
 
 from gpu_watchdog.inference.screen import REPORTED, STALL_AFTER_S, RequestBook, StallRule
 from gpu_watchdog.inference.service import InferenceService
-from gpu_watchdog.watchdog.names import CONTEXT_LOSS, HANG
-from gpu_watchdog.watchdog.quarantine import RecordsError, failure_from
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, HANG
+from gpu_watchdog.watchdog.core.quarantine import RecordsError, failure_from
 
 
 def trace(rule: StallRule, clock: list[float], samples: list[tuple[float, int, bool]]) -> list[bool]:

@@ -1,0 +1,1 @@
+"""The sidecar's commands and the loading of their configuration."""

@@ -1,0 +1,1 @@
+"""The Kubernetes API: the client the sidecar carries (its memory budget) and what it reads and writes."""

@@ -1,0 +1,1 @@
+"""The loop: sampling, folding, deciding and dispatching each step to the edge; and its wiring."""
