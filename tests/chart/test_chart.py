@@ -196,11 +196,11 @@ def test_every_granted_verb_is_one_the_code_calls() -> None:
     import inspect
     import pkgutil
 
-    from gpu_watchdog.watchdog.edge import effects as actions
+    from gpu_watchdog.watchdog.edge import effects, kube
 
-    source = "".join(inspect.getsource(importlib.import_module(f"gpu_watchdog.watchdog.edge.effects.{m.name}"))
-                     for m in pkgutil.iter_modules(actions.__path__))
-    # Each grant, and the REST call of the sidecar's edge (`watchdog/edge/effects/`) that needs it.
+    source = "".join(inspect.getsource(importlib.import_module(f"{package.__name__}.{m.name}"))
+                     for package in (effects, kube) for m in pkgutil.iter_modules(package.__path__))
+    # Each grant, and the REST call of the sidecar's edge (`watchdog/edge/effects/`, `kube/`) that needs it.
     calls = {("", "pods", "get"): r"api\.get\(pod_path\(self\.namespace, self\.pod_name\)",
              ("", "pods", "list"): r"api\.get\(pod_path\(self\.namespace\), query=\{\"labelSelector\"",
              ("", "pods/eviction", "create"): r"api\.post\(pod_path\(namespace, name, \"eviction\"\)",

@@ -42,7 +42,7 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog.core import edges, fleet, policy, procedure, quarantine, state, timing
+from gpu_watchdog.watchdog.core import edges, fleet, policy, procedure, quarantine, state
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
 from gpu_watchdog.watchdog.core.procedure import Facts, Procedure, Step
@@ -572,7 +572,8 @@ class World:
     def _restart_step(self, car: Sidecar, pod: Pod) -> None:
         """The next step of its restart, through the real procedure."""
         assert car.proc is not None
-        step = procedure.next_step(self.policy, car.history, car.proc, Facts(self.now, "evict", slot_held=car.slot))
+        step = procedure.next_step(self.policy, car.history, car.proc,
+                                   Facts(self.now, "evict", slot_held=car.slot, slot_taken_at=car.slot_at))
         assert step is not None
         server = pod.server
         if step.kind == procedure.STACKS:  # a hung process's stacks, as `Executor.take_stacks` folds them
@@ -600,9 +601,10 @@ class World:
             if car.held is None:
                 car.held_since = self.now
             car.held, car.proc = car.proc.held, None
+        elif step.kind == procedure.SLOT_WAIT:
+            pass  # asked again at its next step, as the procedure's performer sleeps until then
         elif step.kind == procedure.RESTART:
-            if self.now - car.slot_at >= timing.SLOT_WAIT_S:  # as `Executor.restart` waits
-                self._evict(car, pod)
+            self._evict(car, pod)
         else:
             raise AssertionError(f"a step the pod's restart never takes: {step.kind}")
 

@@ -32,6 +32,7 @@ from gpu_watchdog.watchdog.core.procedure import (
     READ_BUDGET,
     REPORTED,
     RESTART,
+    SLOT_WAIT,
     STACKS,
     SWAP_SLOT,
     TAKE_SLOT,
@@ -42,6 +43,7 @@ from gpu_watchdog.watchdog.core.procedure import (
 from gpu_watchdog.watchdog.core.samples import CanarySample, WorkerCanaries, WorkerUntold
 from gpu_watchdog.watchdog.core.settings import Settings
 from gpu_watchdog.watchdog.core.state import WorkloadRestarts
+from gpu_watchdog.watchdog.core.timing import SLOT_WAIT_S
 from tests.traces import Trace
 
 S = Settings()
@@ -235,3 +237,26 @@ def test_a_hang_s_stacks_are_taken_once_for_its_process_and_its_event_says_where
     p = procedure.begin(S.policy, trace.history, 0, target(), 45.0, from_events=False, asked_again=True)
     kinds, _, steps = walk(trace, p, Facts(now=45.0, strategy="evict"))
     assert kinds == [EVIDENCE, TAKE_SLOT, RESTART] and steps[-1].decision.detail["stuck"] == said["stuck"]
+
+
+def test_the_pod_is_replaced_once_its_slot_is_slot_wait_s_old_and_never_waits_in_place() -> None:
+    """The replacement must be created after our slot by either clock: the act waits, as a step of its own."""
+    trace = Trace(S)
+    p = procedure.begin(S.policy, trace.history, 0, target(), 40.0, from_events=False)
+    while (step := procedure.next_step(S.policy, trace.history, p, Facts(now=40.0, strategy="evict"))) is not None \
+            and step.kind != TAKE_SLOT:
+        p = procedure.advance(p, step)
+    assert step is not None
+    p = procedure.advance(p, step)  # granted at 40.0
+    held = Facts(now=41.0, strategy="evict", slot_held=True, slot_taken_at=40.0)
+    step = procedure.next_step(S.policy, trace.history, p, held)
+    assert step is not None and step.kind == SLOT_WAIT
+    assert procedure.slot_wait_left(step.decision, held) == pytest.approx(SLOT_WAIT_S - 1.0)
+    later = Facts(now=40.0 + SLOT_WAIT_S, strategy="evict", slot_held=True, slot_taken_at=40.0)
+    step = procedure.next_step(S.policy, trace.history, p, later)
+    assert step is not None and step.kind == RESTART
+    # A restart in place, or one under no slot, replaces no pod: nothing to wait for.
+    for facts in (Facts(now=41.0, strategy="container", slot_held=True, slot_taken_at=40.0),
+                  Facts(now=41.0, strategy="evict", slot_held=False, slot_taken_at=40.0)):
+        step = procedure.next_step(S.policy, trace.history, p, facts)
+        assert step is not None and step.kind == RESTART, facts

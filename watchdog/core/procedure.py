@@ -23,7 +23,7 @@ from gpu_watchdog.watchdog.core.names import HANG, RUNG_CONTAINER, RUNG_POD, RUN
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.core.samples import Untold
 from gpu_watchdog.watchdog.core.settings import PolicySettings
-from gpu_watchdog.watchdog.core.timing import BUDGET_FRESH_S, EXIT_TRIES
+from gpu_watchdog.watchdog.core.timing import BUDGET_FRESH_S, EXIT_TRIES, SLOT_WAIT_S
 
 # The steps, in the order a restart meets them.
 STACKS = "stacks"  # a hang: where the process is stuck, every thread's stack, kept before anything changes
@@ -44,6 +44,9 @@ EXIT_FAILED = "exit_failed"  # it was not told (or its Event was refused): tried
 FALL_BACK = "fall_back"  # a worker that cannot be told: the container's rung (or the pod's) instead
 SWAP_SLOT = "swap_slot"  # the worker's slot given back: the pod's rung needs the one its replacement frees
 # (then TAKE_SLOT again, for the pod's rung)
+# The pod's replacement must be created after our slot by either clock (`fleet.replaced`): the act
+# waits until the slot is SLOT_WAIT_S old (asked again until then).
+SLOT_WAIT = "slot_wait"
 RESTART = "restart"  # the restarter's rung: the watched target's, or a worker's fallback (ends)
 
 ENDS = frozenset({BLOCKED, REPORTED, WOULD, HELD, EXIT_FAILED, EXITED, RESTART})
@@ -59,6 +62,7 @@ class Facts:
     slot_held: bool = False  # our slot of the workload's ledger, held now
     in_place: bool = False  # another worker's in-place restart holds that slot until it serves again
     keep_out: bool = False  # policy.placement acts (a strategy other than off, an API to act through)
+    slot_taken_at: float | None = None  # when our slot was granted, by this sidecar's clock
 
 
 @dataclass(frozen=True)
@@ -153,7 +157,18 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
         return Step(TAKE_SLOT, d)
     if f.keep_out and not p.did(KEEP_OUT) and slot_rung(d, f.strategy) == RUNG_POD:
         return Step(KEEP_OUT, d)
+    if slot_wait_left(d, f) > 0:
+        return Step(SLOT_WAIT, d)
     return Step(RESTART, d)
+
+
+def slot_wait_left(d: Decision, f: Facts) -> float:
+    """How long the act still waits for our slot to be SLOT_WAIT_S old: only where it replaces the pod
+    (evict, delete) under a slot of the ledger."""
+    if not f.slot_held or f.slot_taken_at is None or f.strategy not in ("evict", "delete") \
+            or d.rung == RUNG_WORKER:
+        return 0.0
+    return max(0.0, SLOT_WAIT_S - (f.now - f.slot_taken_at))
 
 
 def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, held: str | None = None,

@@ -59,7 +59,6 @@ from gpu_watchdog.watchdog.core.timing import (
     LEAVING_WAIT_S,
     RECORD_RETRY_S,
     RECORD_WAIT_S,
-    SLOT_WAIT_S,
 )
 from gpu_watchdog.watchdog.edge.control_client import ControlClient, ControlError
 from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
@@ -501,11 +500,6 @@ class Executor:
         try:
             outcome = await self.worker_exit(decision, 0, self.control) \
                 if decision.rung == RUNG_WORKER and not reported_only else None
-            taken_at = self.edge.slot_taken_at
-            if outcome is None and self.fleet.slot_held and self.restarter.strategy in ("evict", "delete") \
-                    and taken_at is not None:
-                # The pod's replacement must be created after the slot by either clock (`fleet.replaced`).
-                await asyncio.sleep(max(0.0, SLOT_WAIT_S - (self.clock() - taken_at)))
             if outcome is None:
                 if decision.rung == RUNG_WORKER:
                     decision = dataclasses.replace(decision, rung=RUNG_CONTAINER)

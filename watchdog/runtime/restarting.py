@@ -64,7 +64,8 @@ class Restarts:
     def facts(self) -> Facts:
         ex = self.executor
         return Facts(now=self.clock(), strategy=ex.restarter.strategy, slot_held=ex.fleet.slot_held,
-                     in_place=bool(ex.restarting_workers()), keep_out=self.keep_out is not None)
+                     in_place=bool(ex.restarting_workers()), keep_out=self.keep_out is not None,
+                     slot_taken_at=ex.edge.slot_taken_at)
 
     async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
         """`worker`'s restart, begun (`Executor.begin`) by the caller and ended here."""
@@ -170,6 +171,8 @@ class Restarts:
             # The slot taken for the worker is kept for a restart in place; a pod's restart needs a slot
             # of the pod's rung, the one its replacement gives back.
             await ex.give_back_slot(False, f"worker {k} could not be told: its pod restarts instead")
+        elif kind == procedure.SLOT_WAIT:
+            await asyncio.sleep(procedure.slot_wait_left(d, self.facts()))
         elif kind == procedure.RESTART:
             await self._restart(p, d)
         return procedure.advance(p, step)
