@@ -98,7 +98,7 @@ def _literals(paths: list[Path]) -> set[str]:
 
 def known_metrics() -> set[str]:
     """Every metric name the sidecar and the servers can expose (their definitions' literals)."""
-    wd = _literals([ROOT / "watchdog" / "metrics.py"])
+    wd = _literals([ROOT / "watchdog" / "edge" / "metrics.py"])
     inference = _literals(sorted((ROOT / "inference").rglob("*.py")))
     names = {"gpu_watchdog_" + s for s in wd if re.fullmatch(r"[a-z][a-z0-9_]*", s)}
     names |= {s for s in wd | inference if re.fullmatch(r"gpu_(watchdog|inference)_[a-z0-9_]+", s)}
@@ -111,7 +111,7 @@ def known_alerts() -> set[str]:
 
 
 def known_routes() -> set[str]:
-    files = [ROOT / "gpu_watchdog" / "contract.py", ROOT / "watchdog" / "server.py",
+    files = [ROOT / "gpu_watchdog" / "contract.py", ROOT / "watchdog" / "edge" / "server.py",
              *sorted((ROOT / "inference").glob("http_*.py")), ROOT / "inference" / "front.py",
              *sorted((ROOT / "inference").glob("agent*.py"))]
     return {s for s in _literals(files) if s.startswith("/")}

@@ -49,7 +49,7 @@ class AnswerCheck:
                  history: Callable[[], History], fold: Callable[[Outcome], None],
                  evaluate: Callable[[], Awaitable[None]], clock: Callable[[], float],
                  wall_clock: Callable[[], float], template: Callable[[], Awaitable[str | None]], pod: str,
-                 node: str | None) -> None:
+                 node: str | None, device_reported: bool = False) -> None:
         self.settings = settings
         self.c = settings.policy.correctness
         self.prober = prober
@@ -62,6 +62,8 @@ class AnswerCheck:
         self.template = template
         self.pod = pod
         self.node = node
+        # The server's memory report names its device: no vote before it has (the key would change).
+        self.device_reported = device_reported
         self.prompts = {correctness.probe_id(p): p for p in (self.c.prompts or correctness.PROMPTS)}
         self._voted: tuple[str | None, str] | None = None  # (the server process, the key) our vote is for
         self._reference: correctness.Reference | None = None
@@ -77,15 +79,19 @@ class AnswerCheck:
         h = self.history()
         if h.served_at is None or h.restart_in_progress:
             return  # a server that has not served yet, or is going: its answers say nothing
-        key = await self._reference_key(h)
+        device = _device_class(h)
+        if device is None and self.device_reported:
+            return  # its device not read yet: a reference agreed now would be under a key about to change
+        key = correctness.reference_key(await self.prober.model(), device, await self.template())
         if key != self._key:
             self._key, self._reference, self._voted = key, None, None
         instance = _instance(h)
-        if self._voted != (instance, key):
-            await self._vote(h, key, instance)
+        voted = self._voted != (instance, key)
+        if voted:
+            await self._vote(h, key, instance)  # its answers compared at once where a reference stands
         elif self._reference is None:
             await self._look(key)
-        if self._reference is not None:
+        if self._reference is not None and not voted:  # the next probe, decided on after each round
             self._engine_nonfinite(h, instance)
             await self._compare_next()
         await self.evaluate()
@@ -99,12 +105,6 @@ class AnswerCheck:
         seen, self._nonfinite = self._nonfinite, counts[-1]
         if seen is not None and counts[-1] > seen:
             self._record(correctness.NONFINITE, {"evidence": "engine", "steps": counts[-1] - seen}, instance)
-
-    async def _reference_key(self, h: History) -> str:
-        gpu = next((f"{g.name} driver {g.driver}" if g.driver else g.name for g in h.gpus if g.available and g.name),
-                   None)
-        device = gpu or next((t.device for t in reversed(h.torch) if t.reachable), None)
-        return correctness.reference_key(await self.prober.model(), device, await self.template())
 
     def _card(self, h: History) -> str:
         gpus = policy.our_gpus(h)
@@ -214,3 +214,9 @@ def _instance(h: History) -> str | None:
         if c.instance_id is not None:
             return c.instance_id
     return None
+
+
+def _device_class(h: History) -> str | None:
+    """The card's class as NVML names it (with its driver), else as the server's memory report does."""
+    gpu = next((f"{g.name} driver {g.driver}" if g.driver else g.name for g in h.gpus if g.available and g.name), None)
+    return gpu or next((t.device for t in reversed(h.torch) if t.reachable), None)

@@ -105,7 +105,8 @@ def _answer_check(wd: Watchdog, samplers: Samplers, session: aiohttp.ClientSessi
     return AnswerCheck(settings=s, prober=prober, ledger=wd.ledger, metrics=wd.metrics, history=lambda: wd.history,
                        fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, wall_clock=wd.wall_clock,
                        template=executor.own_template,
-                       pod=s.kubernetes.pod_name, node=s.kubernetes.node_name or None)
+                       pod=s.kubernetes.pod_name, node=s.kubernetes.node_name or None,
+                       device_reported=isinstance(prober, ControlProber))
 
 
 def start_tasks(wd: Watchdog, run: Running) -> None:
