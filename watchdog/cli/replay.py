@@ -52,7 +52,7 @@ def with_changes(base: Mapping[str, Any], changes: Sequence[tuple[list[str], Any
 
 def replay_main(files: Sequence[str], config_file: str | None, sets: Sequence[str], out: TextIO = sys.stdout,
                 err: TextIO = sys.stderr, summary: str | None = None) -> int:
-    """`summary`: instead of the decisions, the report over the recordings (`watchdog.report`), as text or
+    """`summary`: instead of the decisions, the report over the recordings (`watchdog.core.report`), as text or
     as one JSON object (`json`)."""
     try:
         return _replay(files, config_file, sets, out, err, summary)

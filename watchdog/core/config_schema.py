@@ -1,4 +1,4 @@
-"""JSON Schema of the sidecar's YAML config, read off the settings dataclasses in `watchdog.settings`.
+"""JSON Schema of the sidecar's YAML config, read off the settings dataclasses in `watchdog.core.settings`.
 
 The Helm chart embeds it under `watchdog.config` in `values.schema.json`, so a misspelt key or a
 wrong type fails `helm install` with the key path instead of crash-looping the sidecar at start.
@@ -8,7 +8,7 @@ The schema is derived at generation time, never written by hand: a setting added
     python -m gpu_watchdog.watchdog.core.config_schema          # rewrite the chart's values.schema.json
     python -m gpu_watchdog.watchdog.core.config_schema --check  # exit 1 when the chart's copy is stale
 
-(`make chart-schema` runs the first). Cross-field rules (`_check` in `watchdog.config`) stay with
+(`make chart-schema` runs the first). Cross-field rules (`_check` in `watchdog.edge.config`) stay with
 the sidecar: JSON Schema cannot say "retry_max >= retry_initial" in a way Helm reports clearly.
 """
 

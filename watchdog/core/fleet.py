@@ -2,7 +2,7 @@
 breaker for faults a restart does not cure, over the ledger every replica of a workload shares.
 
 Pure: a ledger in, a new ledger and a verdict out. Times are wall-clock seconds, since the ledger is
-written by many pods' sidecars. The ledger lives in a Lease (`watchdog.actions.fleet`), written with
+written by many pods' sidecars. The ledger lives in a Lease (`watchdog.edge.effects.fleet`), written with
 optimistic concurrency, so a verdict is only true once the ledger it came with is stored: two sidecars
 can never both take the last slot.
 

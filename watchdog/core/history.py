@@ -80,7 +80,7 @@ class History:
     # A restart in progress that waits for permission (the disruption budget) with nothing drained:
     # the server serves as before, and is ready while its evidence says it can serve.
     restart_waiting: bool = False
-    # Active memory at idle against this process's first idle figure (`watchdog.idle_memory`).
+    # Active memory at idle against this process's first idle figure (`watchdog.core.idle_memory`).
     idle_memory: IdleMemory | None = None
     # Who we are beyond the pod: how restarts are carried out, whether the budget is the workload's
     # (counted from its restart Events), the workload, and the server's metrics page if any.
@@ -89,7 +89,7 @@ class History:
     workload: str | None = None
     server_metrics_url: str | None = None
     keeps_out: bool = False  # a card the evidence is about is kept out of placement (`policy.placement`)
-    # What the edges said (the API, the ledger, the kubelet, the control API): `watchdog.edges`.
+    # What the edges said (the API, the ledger, the kubelet, the control API): `watchdog.core.edges`.
     edge: EdgeFacts = field(default_factory=EdgeFacts)
 
     def canaries_since_epoch(self) -> list[CanarySample]:

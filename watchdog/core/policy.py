@@ -55,7 +55,7 @@ from gpu_watchdog.watchdog.core.samples import (
 from gpu_watchdog.watchdog.core.settings import CanarySettings, PolicySettings
 from gpu_watchdog.watchdog.core.timing import FLEET_RETRY_S, RESTART_RETRY_MAX_S, RESTART_RETRY_S
 
-# Xid classes, derived from the catalog's immediate actions (`watchdog.xid_catalog`). App faults
+# Xid classes, derived from the catalog's immediate actions (`watchdog.core.xid_catalog`). App faults
 # kill the process's context and a new process cures them; hardware ones need the GPU reset or the
 # node rebooted (the pod restarts away from the card and the Node hears of it); ECC errors are either,
 # by their bucket; the rest never restart.

@@ -5,7 +5,7 @@ whatever the budget then says), the workload's budget read again and checked, a 
 ledger taken, the card kept out of the next placement where the pod goes, then the act — another
 worker told to exit, or the restarter's rung — each step an effect whose answer decides the next.
 `next_step` says which step comes next from the procedure so far, the history and a few facts of
-the edge; `advance` folds a step's answer into the procedure. The edge (`watchdog.restarting`)
+the edge; `advance` folds a step's answer into the procedure. The edge (`watchdog.runtime.restarting`)
 performs the steps and nothing else, so every path a restart can take is tested on traces
 (tests/unit/test_procedure.py), the same for every rung and every worker.
 """

@@ -66,7 +66,7 @@ class Replay:
         raise RecordingError(f"unknown line kind {kind!r}")
 
     def summary_report(self) -> dict[str, Any]:
-        """The `--summary` report over everything fed (`watchdog.report`)."""
+        """The `--summary` report over everything fed (`watchdog.core.report`)."""
         assert self.report is not None
         if self.history is not None:
             self.report.seen(self.history)

@@ -178,7 +178,7 @@ class CanarySample:
 
 @dataclass(frozen=True)
 class ProbeSample:
-    """One correctness probe compared with the fleet's agreed reference (`watchdog.correctness`):
+    """One correctness probe compared with the fleet's agreed reference (`watchdog.core.correctness`):
     `result` of correctness.RESULTS, and what differed (probe ids and token ids, never a prompt)."""
 
     at: float

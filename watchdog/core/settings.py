@@ -1,7 +1,7 @@
 """The sidecar's settings: frozen dataclasses, each field with its default, its bounds and its
 one-line meaning (the configuration reference and the chart's schema are generated from them).
 
-Pure: nothing here reads a file, the environment or the network. `watchdog.config` loads and
+Pure: nothing here reads a file, the environment or the network. `watchdog.edge.config` loads and
 checks a YAML file into these; the rules (`policy`, `fleet`, `quarantine`, ...) read them.
 """
 

@@ -1,4 +1,4 @@
-"""The watchdog's YAML config, loaded and checked into the settings of `watchdog.settings`.
+"""The watchdog's YAML config, loaded and checked into the settings of `watchdog.core.settings`.
 
 Every error names its key path (`policy.fragmentation.ratio: ...`); all errors are reported
 at once. `${VAR}` in a string is replaced from the environment (the downward API sets

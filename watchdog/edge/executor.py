@@ -1,7 +1,7 @@
 """The watchdog's effects: each performs one action at its edge and tells what happened.
 
-It decides nothing and remembers nothing: the loop (`watchdog.app`) hands it a decision, and what an
-edge answers is folded into the history (`state.reduce`, the edges' facts in `watchdog.edges`),
+It decides nothing and remembers nothing: the loop (`watchdog.runtime.app`) hands it a decision, and what an
+edge answers is folded into the history (`state.reduce`, the edges' facts in `watchdog.core.edges`),
 where the executor reads it back. It keeps its clients, and the work in flight (a lock that puts
 the ledger's writes one at a time, the reports written beside the loop, the evidence being read)
 and nothing else. Failures at an edge (an API that refuses, a control API that hangs) come back as
@@ -132,7 +132,7 @@ class RestartEvents(Protocol):
 
 class FleetLedger(Protocol):
     """The workload's shared ledger and what the cluster says of the workload (blocking; see
-    `watchdog.actions.fleet.LeaseLedger`). Failures raise; `update` raises LedgerUnavailable."""
+    `watchdog.edge.effects.fleet.LeaseLedger`). Failures raise; `update` raises LedgerUnavailable."""
 
     name: str
 

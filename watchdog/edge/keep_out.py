@@ -42,7 +42,7 @@ class PlacementLedger(Protocol):
 
 
 class CardPlacer(Protocol):
-    """The cluster's side (blocking; see `watchdog.actions.placement.Placer`)."""
+    """The cluster's side (blocking; see `watchdog.edge.effects.placement.Placer`)."""
 
     def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]: ...
     def scope(self, kind: str, cards_per_pod: int) -> int: ...

@@ -5,7 +5,7 @@ Bounded: the file is rotated once it would pass half of `recorder.max_bytes` (FI
 the older FILE.1 is dropped), so the two together stay within it; each file begins with a `start`
 line holding the whole history at that moment and replays on its own (`gpu-watchdog replay`).
 Lines the thread cannot keep up with are dropped and counted; a write that fails is counted and
-said once; neither stops the sidecar. What is written comes from `watchdog.recording`: samples,
+said once; neither stops the sidecar. What is written comes from `watchdog.core.recording`: samples,
 outcomes and decisions, never request text, a token or a secret.
 """
 

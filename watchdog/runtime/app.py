@@ -3,8 +3,8 @@ by the flight recorder), `policy.decide` turns the history into decisions at eac
 each decision is handed to what performs it (the executor, the restart procedure's edge), whose
 outcomes are folded in turn. Views (`/status`, readiness, the metrics) read the fold alone.
 
-Wiring (`watchdog.wiring`) builds the settings' parts; what exists only while running is built
-whole at start (`watchdog.running`).
+Wiring (`watchdog.runtime.wiring`) builds the settings' parts; what exists only while running is built
+whole at start (`watchdog.runtime.running`).
 """
 
 from __future__ import annotations
@@ -244,7 +244,7 @@ class Watchdog:
             self.spawn(self._set_admission(decision, change))
 
     def _would(self, decision: Decision, now: float) -> None:
-        """A shadow decision other than a restart (`watchdog.restarting` says those): recorded and said."""
+        """A shadow decision other than a restart (`watchdog.runtime.restarting` says those): recorded and said."""
         self.record_decision(decision, WOULD, now)
         log.warning("decision", action=decision.action, reason=decision.reason, shadow=True, performed=False,
                     detail=decision.detail)

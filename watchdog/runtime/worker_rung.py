@@ -1,7 +1,7 @@
 """The service's other workers (k >= 1, `target.workers`): their canaries, and the worker rung for
 one that hangs — told to exit through its own control API, its server starting it again while the
 others serve. The decision is the policy's (`policy.other_workers`); its restart is the same
-procedure as the watched target's (`watchdog.procedure`, performed by `watchdog.restarting`): its
+procedure as the watched target's (`watchdog.core.procedure`, performed by `watchdog.runtime.restarting`): its
 evidence recorded, within the budget, its Event written first, a slot of the workload's ledger
 taken (given back once that worker serves again), reported only under strategy `none`; a worker
 its control API cannot tell to exit, `timing.EXIT_TRIES` times running, gets the container's rung."""

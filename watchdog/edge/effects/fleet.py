@@ -1,7 +1,7 @@
 """The workload's shared ledger in a `coordination.k8s.io/v1` Lease, and its replica count.
 
 Blocking (callers run it through `asyncio.to_thread`). Every change is read, decided by a pure rule
-(`watchdog.fleet`) and written back with the `resourceVersion` that was read: a write that lost a race
+(`watchdog.core.fleet`) and written back with the `resourceVersion` that was read: a write that lost a race
 gets 409 and is decided again on what the winner wrote, so a slot is taken once.
 """
 

@@ -1,7 +1,7 @@
 """Tainting a card in the cluster: a DRA device's DeviceTaintRule, or (opt-in) its node's taint.
 
 Blocking (callers run it through `asyncio.to_thread`); what to taint and whether the bound allows it
-is decided by `watchdog.placement`. The DeviceTaintRule's API version is found by discovery:
+is decided by `watchdog.core.placement`. The DeviceTaintRule's API version is found by discovery:
 v1alpha3 in Kubernetes 1.33-1.35 (feature gate DRADeviceTaints), v1beta2 in 1.36, v1 from 1.37.
 Only what we placed is ever lifted: a rule without our label and our workload's annotations, or a node
 taint without our workload's entry (nor, in the previous format, a card our records name), is left as
