@@ -93,11 +93,13 @@ def test_a_replacement_gives_back_only_a_pod_slot_taken_before_it_started() -> N
 
 
 def every_replica_fails(replicas: int, settings: FleetSettings = S, serves_after: float = 3.0,
-                        fails_after: float = 3.0) -> tuple[Ledger, list[tuple[float, str, str]], int, int]:
+                        fails_after: float = 3.0, counted: bool = False,
+                        ) -> tuple[Ledger, list[tuple[float, str, str]], int, int]:
     """A fault on every replica at once; each replacement serves `serves_after` seconds after its
     restart was granted (giving the slot back) and fails the same way `fails_after` later. Every failing
-    replica asks each second. Returns the ledger, every (time, pod, outcome), the restarts carried out
-    and the most slots in use at once."""
+    replica asks each second. `counted`: each ask comes with the cluster's census (the restarted pod
+    gone, its replacement Ready only while it serves), as the sidecar's does. Returns the ledger, every
+    (time, pod, outcome), the restarts carried out and the most slots in use at once."""
     ledger, log, done, most = Ledger(), [], 0, 0
     failing = {f"p{i}": 0.0 for i in range(replicas)}  # pod -> failing since
     coming: list[tuple[float, float, str]] = []  # (serves at, fails at, replacement)
@@ -112,7 +114,10 @@ def every_replica_fails(replicas: int, settings: FleetSettings = S, serves_after
                 failing[new] = fails_at
                 coming.remove((serves_at, fails_at, new))
         for pod in sorted(failing):
-            ledger, verdict = take(ledger, pod, now, replicas=replicas, settings=settings)
+            seen = fleet.Census(replicas, tuple(
+                [fleet.PodSeen(p, False) for p in failing]
+                + [fleet.PodSeen(new, serves_at <= now) for serves_at, _, new in coming])) if counted else None
+            ledger, verdict = fleet.take(settings, ledger, replicas, pod, HANG, RUNG_POD, now, census=seen)
             log.append((now, pod, verdict.outcome))
             most = max(most, len(ledger.slots))
             if verdict.granted:
@@ -124,14 +129,18 @@ def every_replica_fails(replicas: int, settings: FleetSettings = S, serves_after
     return ledger, log, done, most
 
 
-def test_every_replica_failing_opens_the_breaker_when_restarted_ones_come_back_failing() -> None:
-    ledger, log, done, most = every_replica_fails(8)
+@pytest.mark.parametrize("counted", [False, True], ids=["ledger", "census"])
+def test_every_replica_failing_opens_the_breaker_when_restarted_ones_come_back_failing(counted: bool) -> None:
+    ledger, log, done, most = every_replica_fails(8, counted=counted)
     breaker = fleet.breaker_open(ledger)
     assert breaker is not None and breaker.reason == HANG
     assert most <= 2  # never more than max_unavailable (25 % of 8) restarting at once
     # Every replica failed (four restarted, four waiting for a slot) and two lineages that were
     # restarted came back failing the same way: the restart does not cure.
-    assert breaker.restarted == tuple(f"p{i}" for i in range(8)) and breaker.opened_by == "p1-g2"
+    # Asked in order, the last comeback to ask opens it (with the census, p7's replacement: p1's, asking
+    # while p7 was out by its restart, was held).
+    assert breaker.restarted == tuple(f"p{i}" for i in range(8))
+    assert breaker.opened_by == ("p7-g2" if counted else "p1-g2")
     assert done == 5  # the first comeback is given one more try; the second tells
     assert log[-1][2] == BREAKER_OPEN
     # Now every replica is held, whatever it asks for.
@@ -506,6 +515,60 @@ def test_a_slot_whose_pod_is_gone_holds_nobody() -> None:
     # Gone and replaced by one still loading: held by the census, not by the slot.
     _, held = ask(ledger, "b", census(4, ready="bcd", unready="e", terminating="a"), now=110.0)
     assert held.outcome == UNAVAILABLE_LIMIT and held.detail["restarting"] == []
+
+
+def test_replacements_that_came_back_failing_while_the_slots_were_taken_do_not_hold_the_fleet_for_good() -> None:
+    """Eight replicas hung at once, as a fleet saw it: the first two restarted, and their replacements
+    served and hung again while the next two restarts held both slots. Held then, they were left out of
+    the waiting list, so every replica counted them as out by a restart: no one was granted a slot again,
+    the breaker (which needs one more lineage restarted and back failing) never opened, and the fleet
+    stayed down and held for good. Waiting as any failing replica does, one of them goes, and the next
+    one that comes back failing opens the breaker."""
+    pods = {p: False for p in "abcdefgh"}  # pod -> Ready
+    ledger, now = Ledger(), 100.0
+
+    def ask_all() -> list[tuple[str, str]]:
+        nonlocal ledger
+        seen = fleet.Census(8, tuple(fleet.PodSeen(p, ready) for p, ready in pods.items()))
+        outcomes = []
+        for p in sorted(p for p, ready in pods.items() if not ready):
+            ledger, verdict = fleet.take(S, ledger, None, p, HANG, RUNG_POD, now, census=seen)
+            outcomes.append((p, verdict.outcome))
+        return outcomes
+
+    def restart_and_serve(old: str, new: str) -> None:
+        nonlocal ledger
+        del pods[old]
+        pods[new] = True
+        ledger, slot = fleet.replaced(ledger, new, started_at=now)
+        assert slot is not None  # one of the two taken at the same time: either is the lineage
+
+    for _ in range(2):
+        ask_all()
+    first = sorted(s.pod for s in ledger.slots)
+    assert len(first) == 2
+    now += 5
+    for old in first:
+        restart_and_serve(old, old + "2")
+    assert [p for p, outcome in ask_all() if outcome == GRANTED] and len(ledger.slots) == 2
+    for old in first:
+        pods[old + "2"] = False  # back failing while two others hold both slots
+    now += 2
+    assert dict(ask_all())[first[0] + "2"] == UNAVAILABLE_LIMIT
+    now += 5
+    taken = sorted(s.pod for s in ledger.slots)
+    for old in taken:
+        restart_and_serve(old, old + "2")
+    for old in taken:
+        pods[old + "2"] = False  # back failing too: nothing in the fleet serves
+    for _ in range(6):
+        now += 2
+        ask_all()
+        if fleet.breaker_open(ledger) is not None:
+            break
+    breaker = fleet.breaker_open(ledger)
+    assert breaker is not None, fleet.dump(ledger)
+    assert breaker.opened_by.endswith("2") and len(breaker.restarted) == 8
 
 
 def test_replicas_that_already_cannot_serve_go_one_at_a_time() -> None:

@@ -312,7 +312,9 @@ def failed_for(settings: FleetSettings, ledger: Ledger, reason: str, now: float)
     comebacks) or waiting for a slot."""
     restarted = [r.pod for r in ledger.restarts if r.reason == reason and not r.comeback
                  and _counted(settings, ledger, r.at, now)]
-    waiting = [w.pod for w in ledger.waiting if w.reason == reason and _counted(settings, ledger, w.at, now)]
+    # A replacement that came back failing waits under its own name: its lineage is the one replica.
+    waiting = [lineage_of(ledger, w.pod, reason) for w in ledger.waiting
+               if w.reason == reason and _counted(settings, ledger, w.at, now)]
     return sorted({*restarted, *waiting})
 
 
@@ -379,9 +381,10 @@ def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str
         b = Breaker(reason, now, now, replicas, tuple(failed), pod)
         return replace(ledger, breaker=b), Verdict(BREAKER_OPEN, {**figures, **_breaker_detail(b)}, opened=True)
     if len([s for s in live if s.pod != pod]) >= limit or (out is not None and out > limit):
-        if comeback:
-            pass  # a lineage already counted: its waiting adds nothing to the breaker's count
-        elif not any(w.pod == pod and now - w.at < settings.slot_timeout / 2 for w in ledger.waiting):
+        # A comeback waits too (its lineage is counted once by the breaker): a replica that cannot serve
+        # and waits is out by its fault, not by a restart, and left uncounted it would hold every other
+        # replica's slot, and so the restart that lets the breaker see a second lineage, for good.
+        if not any(w.pod == pod and now - w.at < settings.slot_timeout / 2 for w in ledger.waiting):
             waiting = (*(w for w in ledger.waiting if w.pod != pod), Slot(pod, reason, rung, now, template, replicas))
             ledger = replace(ledger, waiting=waiting)
         return ledger, Verdict(UNAVAILABLE_LIMIT, {**figures, "restarting": sorted(s.pod for s in live)})
