@@ -4,6 +4,7 @@ restart takes the process's stacks first (`STACKS`)."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from typing import Any
 
@@ -11,6 +12,7 @@ import pytest
 
 from gpu_watchdog.watchdog.core import procedure
 from gpu_watchdog.watchdog.core.names import (
+    CONTEXT_LOSS,
     FLEET_UNAVAILABLE_LIMIT,
     FRAGMENTATION_DRIFT,
     HANG,
@@ -29,6 +31,7 @@ from gpu_watchdog.watchdog.core.procedure import (
     FALL_BACK,
     HELD,
     KEEP_OUT,
+    NOT_NEEDED,
     READ_BUDGET,
     REPORTED,
     RESTART,
@@ -42,7 +45,7 @@ from gpu_watchdog.watchdog.core.procedure import (
 )
 from gpu_watchdog.watchdog.core.samples import CanarySample, WorkerCanaries, WorkerUntold
 from gpu_watchdog.watchdog.core.settings import Settings
-from gpu_watchdog.watchdog.core.state import WorkloadRestarts
+from gpu_watchdog.watchdog.core.state import RestartBegun, RestartCancelled, WorkloadRestarts
 from gpu_watchdog.watchdog.core.timing import SLOT_WAIT_S
 from tests.traces import Trace
 
@@ -260,3 +263,55 @@ def test_the_pod_is_replaced_once_its_slot_is_slot_wait_s_old_and_never_waits_in
                   Facts(now=41.0, strategy="evict", slot_held=False, slot_taken_at=40.0)):
         step = procedure.next_step(S.policy, trace.history, p, facts)
         assert step is not None and step.kind == RESTART, facts
+
+
+def _to_slot_wait(trace: Trace, p: Procedure, at: float) -> Procedure:
+    """`p` walked through its slot (granted at `at`) to the slot's wait."""
+    facts = Facts(now=at, strategy="delete", slot_held=True, slot_taken_at=at)
+    while (step := procedure.next_step(S.policy, trace.history, p, facts)) is not None and step.kind != SLOT_WAIT:
+        p = procedure.advance(p, step)
+    assert step is not None and step.kind == SLOT_WAIT
+    return p
+
+
+@pytest.mark.parametrize(("ours", "theirs", "went_away", "rung", "expected"), [
+    ("p1", "p2", False, RUNG_CONTAINER, NOT_NEEDED),  # another process served: the cure came by itself
+    ("p1", "p1", True, RUNG_CONTAINER, RESTART),  # the poisoned process still answers: no cure
+    (None, None, True, RUNG_CONTAINER, NOT_NEEDED),  # no names: the port refused, then it served
+    (None, None, False, RUNG_CONTAINER, RESTART),  # no names and never away: maybe the same process
+    ("p1", "p2", True, RUNG_POD, RESTART),  # the card needs more than a new process
+], ids=["new-instance", "same-instance", "unnamed-after-away", "unnamed-never-away", "pod-rung"])
+def test_a_restart_whose_target_came_back_as_a_new_process_before_the_act_is_not_needed(
+        ours: str | None, theirs: str | None, went_away: bool, rung: str, expected: str) -> None:
+    """Strategy delete, context loss: the server left on its poisoned context and its container came
+    back in place while the pod's restart waited for its slot. Deleting the pod then would replace a
+    pod whose new process serves: the restart ends there (`NOT_NEEDED`) and the evidence of the process
+    that left is no longer read (the next decision is about the new one)."""
+    trace = Trace(S)
+    trace.run([(10.0, CanarySample(10.0, False, 0.1, "fatal_cuda", "CUDA error: an illegal memory access",
+                                   instance_id=ours))])
+    (decided,) = [d for _, d in trace.decided]
+    assert decided.reason == CONTEXT_LOSS and decided.rung == RUNG_CONTAINER
+    decided = dataclasses.replace(decided, rung=rung)
+    p = _to_slot_wait(trace, procedure.begin(S.policy, trace.history, 0, decided, 10.0, from_events=False), 10.5)
+    if went_away:
+        trace.fold(CanarySample(11.0, False, 0.01, "unreachable", "connection refused"))
+    trace.fold(CanarySample(12.5, True, 0.05, None, instance_id=theirs))
+    later = Facts(now=10.5 + SLOT_WAIT_S, strategy="delete", slot_held=True, slot_taken_at=10.5)
+    step = procedure.next_step(S.policy, trace.history, p, later)
+    assert step is not None and step.kind == expected
+    if expected == NOT_NEEDED:
+        served = procedure.served_anew(trace.history, step.decision, p.begun_at)
+        assert served is not None and served.at == 12.5
+        assert procedure.next_step(S.policy, trace.history, procedure.advance(p, step), later) is None
+        trace.fold(RestartBegun(10.0), RestartCancelled(later.now, renewed_at=served.started_at))
+        assert not trace.history.restart_in_progress and trace.tick(later.now + 1) == []
+
+
+def test_a_canary_answered_before_the_restart_was_decided_says_nothing_of_a_new_process() -> None:
+    trace = Trace(S)
+    trace.fold(CanarySample(5.0, False, 0.01, "unreachable", "connection refused"),
+               CanarySample(6.0, True, 0.05, None, instance_id="p2"))
+    decided = Decision("restart", CONTEXT_LOSS, {"evidence": "canary"}, drain=False, instance_id="p1",
+                       rung=RUNG_CONTAINER)
+    assert procedure.served_anew(trace.history, decided, since=10.0) is None

@@ -21,7 +21,7 @@ from gpu_watchdog.watchdog.core.escalation import CURING_REASONS
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.names import HANG, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER
 from gpu_watchdog.watchdog.core.policy import Decision
-from gpu_watchdog.watchdog.core.samples import Untold
+from gpu_watchdog.watchdog.core.samples import CanarySample, Untold
 from gpu_watchdog.watchdog.core.settings import PolicySettings
 from gpu_watchdog.watchdog.core.timing import BUDGET_FRESH_S, EXIT_TRIES, SLOT_WAIT_S
 
@@ -47,9 +47,13 @@ SWAP_SLOT = "swap_slot"  # the worker's slot given back: the pod's rung needs th
 # The pod's replacement must be created after our slot by either clock (`fleet.replaced`): the act
 # waits until the slot is SLOT_WAIT_S old (asked again until then).
 SLOT_WAIT = "slot_wait"
+# The watched target's new process served since the restart was decided (its container restarted in
+# place: the process left on its poisoned context, the kubelet's probe): the cure came by itself, our
+# slot goes back and nothing is done (ends). Never for a pod's rung: a new process was not the cure.
+NOT_NEEDED = "not_needed"
 RESTART = "restart"  # the restarter's rung: the watched target's, or a worker's fallback (ends)
 
-ENDS = frozenset({BLOCKED, REPORTED, WOULD, HELD, EXIT_FAILED, EXITED, RESTART})
+ENDS = frozenset({BLOCKED, REPORTED, WOULD, HELD, EXIT_FAILED, EXITED, NOT_NEEDED, RESTART})
 
 
 
@@ -79,6 +83,7 @@ class Procedure:
     exit: str | None = None  # what the worker's exit answered: one of EXIT_ANSWERS
     exit_detail: str = ""
     exit_recorded: bool = False  # the exit's Event was written
+    begun_at: float = 0.0  # when it was decided (or asked again): what the target did since is after it
 
     def did(self, step: str) -> bool:
         return step in self.done
@@ -109,7 +114,7 @@ def begin(s: PolicySettings, h: History, worker: int, decision: Decision, now: f
     taken = edges.stacks_taken(h.edge, worker, decision.reason, decision.instance_id)
     if taken is not None:  # asked again (held): its Event still says where the stacks are
         decision = dataclasses.replace(decision, detail={**decision.detail, **edges.stacks_detail(taken)})
-    return Procedure(worker, decision, from_events, asked_again, untold=untold)
+    return Procedure(worker, decision, from_events, asked_again, untold=untold, begun_at=now)
 
 
 def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | None:
@@ -124,6 +129,8 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
         return Step(EVIDENCE, d)
     if not p.did(READ_BUDGET) and p.from_events and d.allowed and _budget_stale(h, p, f.now):
         return Step(READ_BUDGET, d)
+    if p.worker == 0 and served_anew(h, d, p.begun_at) is not None:
+        return Step(NOT_NEEDED, d)
     if not p.did(TAKE_SLOT):
         # Again for each restart: the one before it (of another worker) spent the budget too.
         if d.allowed and budget_spent(s, h, f.now, p.from_events):
@@ -160,6 +167,25 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
     if slot_wait_left(d, f) > 0:
         return Step(SLOT_WAIT, d)
     return Step(RESTART, d)
+
+
+def served_anew(h: History, d: Decision, since: float) -> CanarySample | None:
+    """The watched target's first canary served by a new process since `since`, where the decision's
+    cure is a new process (`RUNG_CONTAINER`); None otherwise. A new process is one of another instance
+    id; where either side names none, one that served after the port refused connections (the process
+    went away). The same process serving again is no cure: a poisoned context can still answer."""
+    if d.rung != RUNG_CONTAINER:
+        return None
+    went_away = False
+    for c in h.canaries:
+        if c.started_at < since:
+            continue
+        if c.error_class == "unreachable":
+            went_away = True
+        elif c.served and (c.instance_id != d.instance_id if d.instance_id is not None and c.instance_id is not None
+                           else went_away):
+            return c
+    return None
 
 
 def slot_wait_left(d: Decision, f: Facts) -> float:

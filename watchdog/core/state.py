@@ -80,9 +80,12 @@ class RestartEnded:
 
 @dataclass(frozen=True)
 class RestartCancelled:
-    """A restart given up before it began: the workload's budget turned out spent on a fresh read."""
+    """A restart given up before it began: the workload's budget turned out spent on a fresh read, or
+    (`renewed_at`) a new process of the target served since it was decided: evidence older than its
+    first canary is about the process that is gone."""
 
     at: float
+    renewed_at: float | None = None
 
 
 @dataclass(frozen=True)
@@ -229,6 +232,8 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.served_at = None
     elif isinstance(outcome, RestartCancelled):
         h.restart_in_progress, h.restart_waiting = False, False
+        if outcome.renewed_at is not None:
+            h.epoch = max(h.epoch, outcome.renewed_at)
     elif isinstance(outcome, RestartHeld):
         h.restart_in_progress, h.restart_waiting = False, False
         # Only the latest hold matters: a long wait for a slot must not push real restarts out of the log.

@@ -171,6 +171,15 @@ class Restarts:
             # The slot taken for the worker is kept for a restart in place; a pod's restart needs a slot
             # of the pod's rung, the one its replacement gives back.
             await ex.give_back_slot(False, f"worker {k} could not be told: its pod restarts instead")
+        elif kind == procedure.NOT_NEEDED:
+            served = procedure.served_anew(self.history(), d, p.begun_at)
+            assert served is not None
+            await ex.release_slot(k, "not needed: a new process serves")
+            self.fold(RestartCancelled(now, renewed_at=served.started_at))
+            self.record_decision(d, procedure.NOT_NEEDED, now)
+            log.warning("restart_not_needed", reason=d.reason, rung=d.rung, instance_id=d.instance_id,
+                        served_by=served.instance_id, served_after_s=round(served.at - p.begun_at, 3),
+                        action="the target's new process serves: nothing restarted, the slot given back")
         elif kind == procedure.SLOT_WAIT:
             await asyncio.sleep(procedure.slot_wait_left(d, self.facts()))
         elif kind == procedure.RESTART:
