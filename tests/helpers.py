@@ -1,7 +1,8 @@
-"""Test helpers: free ports, real processes on loopback, waiting for readiness."""
+"""Test helpers: free ports, real processes on loopback (and their resident memory), waiting for readiness."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import socket
@@ -131,6 +132,35 @@ def wait_for(predicate: Any, timeout: float, what: str, interval: float = 0.1) -
             return value
         time.sleep(interval)
     raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+
+
+async def async_wait(probe: Any, timeout: float, what: str) -> Any:
+    """`wait_for` from inside the event loop, for a probe that is itself a coroutine."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while asyncio.get_running_loop().time() < deadline:
+        found = await probe()
+        if found:
+            return found
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"not within {timeout} s: {what}")
+
+
+async def until(predicate: Any, timeout: float, what: str) -> None:
+    """A plain predicate polled from the event loop, so what it reads (an in-process sidecar, the
+    emulator) moves on between polls."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout
+    while not predicate():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def json_lines(text: str) -> list[dict[str, Any]]:

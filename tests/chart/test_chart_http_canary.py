@@ -6,7 +6,8 @@ from typing import Any
 
 import pytest
 
-from tests.chart.test_chart import EXTERNAL, watchdog_config
+from tests.chart.rendering import watchdog_config
+from tests.chart.value_sets import EXTERNAL
 
 TRITON: dict[str, Any] = {
     **EXTERNAL,

@@ -22,32 +22,18 @@ from gpu_watchdog.units import parse_duration
 from gpu_watchdog.watchdog.core import config_schema
 from gpu_watchdog.watchdog.edge.config import ConfigError, from_mapping
 from tests.chart import pod_security
-from tests.chart.test_chart import (
-    ALL_ON,
+from tests.chart.rendering import (
     CHART,
-    EXTERNAL,
     K8S_VERSION,
-    VLLM,
     by_kind,
     containers,
+    pod_template,
     render,
+    render_error,
     watchdog_config,
     with_images,
 )
-
-HF_VLLM: dict[str, Any] = {"inference": {"engine": "vllm"}, "vllm": {"model": "meta-llama/Llama-3.1-8B-Instruct"}}
-
-
-def pod_spec(docs: list[dict[str, Any]]) -> dict[str, Any]:
-    [deploy] = by_kind(docs, "Deployment")
-    return deploy["spec"]["template"]["spec"]  # type: ignore[no-any-return]
-
-
-def render_error(values: dict[str, Any], namespace: str = "serving") -> str:
-    chart = helm.Chart.load(str(CHART))
-    with pytest.raises(helm.HelmError) as err:
-        chart.render(with_images(values), name="demo", namespace=namespace, is_install=True)
-    return str(err.value)
+from tests.chart.value_sets import ADMITTED, ALL_ON, EXTERNAL, HF_VLLM, PRIVILEGED_PR, VLLM
 
 
 def quantity(q: str) -> float:
@@ -67,8 +53,6 @@ def mount_of(container: dict[str, Any], path: str) -> dict[str, Any] | None:
     return best
 
 
-PRIVILEGED_PR: dict[str, Any] = {**VLLM, "podSecurityLevel": "privileged",
-                                 "watchdog": {"podResources": {"runAsRoot": True}}}
 NEW_VALUES = [
     HF_VLLM, PRIVILEGED_PR, {"strategy": {"type": "Recreate"}},
     {**HF_VLLM, "inference": {"engine": "vllm", "cache": {"pvc": {"claimName": "cache"}}}},
@@ -100,7 +84,7 @@ def test_downloads_and_compile_caches_live_on_a_volume_sized_for_a_model(values:
     """The kubelet evicts a pod whose emptyDir outgrows its sizeLimit: /tmp (1Gi) holds no model."""
     docs = render(values)
     inf = containers(docs)["inference"]
-    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    volumes = {v["name"]: v for v in pod_template(docs)["volumes"]}
     env = {e["name"]: e.get("value") for e in inf["env"]}
     for name in CACHE_ENV:
         path = env[name]
@@ -122,7 +106,7 @@ def test_a_uid_without_passwd_entry_still_has_a_user_name(values: dict[str, Any]
     getpass.getuser() at import, which reads USER/LOGNAME before falling back to getpwuid()."""
     docs = render(values)
     inf = containers(docs)["inference"]
-    uid = (inf.get("securityContext") or {}).get("runAsUser") or pod_spec(docs)["securityContext"]["runAsUser"]
+    uid = (inf.get("securityContext") or {}).get("runAsUser") or pod_template(docs)["securityContext"]["runAsUser"]
     assert uid != 0
     env = {e["name"]: e.get("value") for e in inf["env"]}
     assert env.get("USER") and env.get("LOGNAME"), env
@@ -175,17 +159,10 @@ def test_a_startup_probe_shorter_than_the_startup_timeout_is_refused() -> None:
 
 # --- 6. PodSecurity and the PodResources hostPath --------------------------------------------------
 
-ADMITTED = [
-    ("restricted", {}), ("restricted", ALL_ON), ("restricted", VLLM), ("restricted", HF_VLLM),
-    ("restricted", EXTERNAL), ("baseline", VLLM),
-    ("privileged", PRIVILEGED_PR),
-]
-
-
 @pytest.mark.parametrize(("level", "values"), ADMITTED)
 def test_every_rendered_pod_passes_the_namespaces_pod_security_level(level: str, values: dict[str, Any]) -> None:
     docs = render({**values, "podSecurityLevel": level})
-    pods = [pod_spec(docs)] + [d["spec"] for d in by_kind(docs, "Pod")]
+    pods = [pod_template(docs)] + [d["spec"] for d in by_kind(docs, "Pod")]
     for pod in pods:
         assert pod_security.violations(pod, level) == [], level
 
@@ -193,11 +170,11 @@ def test_every_rendered_pod_passes_the_namespaces_pod_security_level(level: str,
 @pytest.mark.parametrize("engine_values", [VLLM, EXTERNAL])
 def test_pod_resources_is_off_unless_the_namespace_admits_it(engine_values: dict[str, Any]) -> None:
     for level in ("restricted", "baseline"):
-        pod = pod_spec(render({**engine_values, "podSecurityLevel": level,
+        pod = pod_template(render({**engine_values, "podSecurityLevel": level,
                                "watchdog": {"podResources": {"runAsRoot": True}}}))
         assert not any("hostPath" in v for v in pod["volumes"]), level
     # privileged but non-root: the socket would refuse the connection, so it stays off too.
-    pod = pod_spec(render({**engine_values, "podSecurityLevel": "privileged"}))
+    pod = pod_template(render({**engine_values, "podSecurityLevel": "privileged"}))
     assert not any("hostPath" in v for v in pod["volumes"])
 
 
@@ -232,7 +209,7 @@ def test_pull_secrets_runtime_class_priority_and_placement_reach_the_pod() -> No
               "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
                                              "whenUnsatisfiable": "ScheduleAnyway"}]}
     docs = render(values)
-    pod = pod_spec(docs)
+    pod = pod_template(docs)
     assert pod["imagePullSecrets"] == [{"name": "registry-credentials"}]
     assert pod["runtimeClassName"] == "nvidia" and pod["priorityClassName"] == "inference-critical"
     assert pod["tolerations"] == values["tolerations"] and pod["affinity"] == values["affinity"]
@@ -332,7 +309,7 @@ SA_PATH = "/var/run/secrets/kubernetes.io/serviceaccount"
 @pytest.mark.parametrize("values", [{}, VLLM, EXTERNAL])
 def test_only_the_watchdog_holds_an_api_token(values: dict[str, Any]) -> None:
     docs = render(values)
-    pod = pod_spec(docs)
+    pod = pod_template(docs)
     assert pod["automountServiceAccountToken"] is False
     volumes = {v["name"]: v for v in pod["volumes"]}
     token_volumes = {name for name, v in volumes.items()
@@ -437,7 +414,7 @@ def test_helm_test_sends_the_api_key_the_server_requires(values: dict[str, Any])
 @pytest.mark.parametrize("values", [{}, VLLM, EXTERNAL])
 def test_the_server_keeps_serving_while_endpoints_drop_the_pod(values: dict[str, Any]) -> None:
     docs = render(values)
-    pod = pod_spec(docs)
+    pod = pod_template(docs)
     stop = containers(docs)["inference"]["lifecycle"]["preStop"]
     seconds = stop["sleep"]["seconds"] if "sleep" in stop else int(stop["exec"]["command"][-1])
     assert seconds >= 5
@@ -474,8 +451,6 @@ def test_ceil_matches_the_templates_rounding() -> None:
 @pytest.mark.parametrize("node_events", [True, False])
 def test_node_events_off_reaches_the_sidecar(node_events: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     """Without the Role in `default` the sidecar must not try to write its Node Event (a 403 each time)."""
-    from tests.chart.test_chart import watchdog_config
-
     settings = watchdog_config({"watchdog": {"nodeEvents": node_events}}, monkeypatch)
     assert settings.policy.escalation.node_event is node_events
     rendered = {(d["kind"], d["metadata"].get("namespace")) for d in render({"watchdog": {"nodeEvents": node_events}})}
@@ -492,8 +467,6 @@ def test_the_container_rung_is_rendered_for_every_engine(engine_values: dict[str
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
     """The inference container's liveness reads the watchdog's verdict from a shared emptyDir, and
     only the watchdog can write it; the pod rung keeps its eviction right."""
-    from tests.chart.test_chart import watchdog_config
-
     values = {**engine_values, "watchdog": {**engine_values.get("watchdog", {}),
                                             "config": {"restart": {"strategy": strategy}}}}
     docs = render(values)
@@ -514,5 +487,5 @@ def test_the_container_rung_is_rendered_for_every_engine(engine_values: dict[str
     verdict_dir = str(Path(settings.restart.verdict_file).parent)
     assert mount_of(inf, verdict_dir) == {"name": "verdict", "mountPath": verdict_dir, "readOnly": True}
     assert mount_of(wd, verdict_dir) == {"name": "verdict", "mountPath": verdict_dir}
-    volumes = {v["name"]: v for v in pod_spec(docs)["volumes"]}
+    volumes = {v["name"]: v for v in pod_template(docs)["volumes"]}
     assert volumes["verdict"]["emptyDir"]["medium"] == "Memory"

@@ -13,18 +13,18 @@ import yaml
 from gpu_watchdog.watchdog.edge.config import FleetSettings, QuarantineSettings, RestartBudgetSettings, from_mapping
 from gpu_watchdog.watchdog.edge.effects.fleet import lease_name
 from gpu_watchdog.watchdog.edge.kube.kube import workload_from_pod
-from tests.chart.test_chart import (
-    ALL_ON,
+from tests.chart.rendering import (
     CHART,
-    EXTERNAL,
     K8S_VERSION,
-    VLLM,
     by_kind,
+    comment_above,
+    containers,
     render,
+    render_error,
     render_manifests,
     watchdog_config,
 )
-from tests.chart.test_day_one import render_error
+from tests.chart.value_sets import ALL_ON, EXTERNAL, VLLM
 
 
 def lease(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -196,18 +196,6 @@ def test_every_replica_gets_the_releases_fingerprint_key(values: dict[str, Any])
     assert watchdog and all("GPU_WATCHDOG_FINGERPRINT_KEY" not in str(c.get("env")) for c in watchdog)
 
 
-def comment_above(text: str, line_start: str) -> str:
-    """The comment lines right above the line that starts (after its indent) with `line_start`."""
-    lines = text.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.strip().startswith(line_start))
-    comment: list[str] = []
-    for line in reversed(lines[:at]):
-        if not line.strip().startswith("#"):
-            break
-        comment.insert(0, line.strip().lstrip("# "))
-    return " ".join(comment)
-
-
 QUARANTINE_OFF = {"watchdog": {"config": {"policy": {"quarantine": {"enabled": False}}}}}
 
 
@@ -218,7 +206,6 @@ def test_the_server_waits_for_the_quarantine_wherever_the_sidecar_keeps_one(valu
     its sidecar's list is in force, wherever the sidecar pushes one."""
     from gpu_watchdog.cli import build_parser
     from gpu_watchdog.inference.settings import from_args
-    from tests.chart.test_chart import containers
 
     args = containers(render(values))["inference"]["args"]
     settings = from_args(build_parser().parse_args(args))

@@ -23,37 +23,27 @@ import pytest
 
 from gpu_watchdog.units import parse_duration
 from tests.chart import pod_security
-from tests.chart.test_chart import (
+from tests.chart.rendering import (
     CHART,
-    EXTERNAL,
-    VLLM,
     by_kind,
     containers,
+    merge,
     pod_template,
     render,
+    render_failure,
     render_manifests,
+    schema_version,
     with_images,
 )
-from tests.chart.test_day_one import ADMITTED, PRIVILEGED_PR
+from tests.chart.value_sets import ADMITTED, EXTERNAL, PRIVILEGED_PR, VLLM
 
 NATIVE_FROM = [("1.28.0", False), ("1.29.0", True), ("1.33.0", True),
                # Providers' versions carry a suffix semver reads as a pre-release.
                ("1.29.3-eks-adc7111", True), ("1.30.1-gke.1261000", True)]
 
 
-def merge(base: Any, over: Any) -> Any:
-    if isinstance(base, dict) and isinstance(over, dict):
-        return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
-    return over
-
-
 def native(values: dict[str, Any], mode: Any) -> dict[str, Any]:
     return merge(values, {"watchdog": {"nativeSidecar": mode}})  # type: ignore[no-any-return]
-
-
-def schema_version(kube: str) -> str:
-    major, minor = kube.split(".")[:2]
-    return f"{major}.{minor}.0"
 
 
 @pytest.mark.parametrize(("kube", "is_native"), NATIVE_FROM)
@@ -164,12 +154,6 @@ def test_the_in_place_rung_restarts_the_model_server_alone(kube: str, engine_val
     assert not any("exec" in wd.get(p, {}) for p in ("livenessProbe", "readinessProbe", "startupProbe"))
     in_containers = "watchdog" in [x["name"] for x in pod["containers"]]
     assert in_containers is (kube == "1.28.0")
-
-
-def render_failure(values: dict[str, Any], kube: str) -> str:
-    with pytest.raises(helm.HelmError) as err:
-        render_manifests(values, kube)
-    return str(err.value)
 
 
 def test_the_explicit_values() -> None:

@@ -26,9 +26,19 @@ import pytest
 import yaml
 
 from gpu_watchdog.watchdog.edge.config import from_mapping
-from tests.chart.test_chart import ALLOWED, CHART, K8S_VERSION, by_kind, grants, render, with_images
-from tests.chart.test_fleet_chart import comment_above
-from tests.chart.test_native_sidecar import render_failure, schema_version
+from tests.chart.rendering import (
+    ALLOWED,
+    CHART,
+    K8S_VERSION,
+    by_kind,
+    comment_above,
+    grants,
+    render,
+    render_failure,
+    render_manifests,
+    schema_version,
+    with_images,
+)
 
 NODE_KEY = "gpu-watchdog.io/gpu-suspect"
 DEVICE_KEY = "gpu-watchdog.io/suspect"
@@ -302,8 +312,6 @@ def test_lint_is_clean_with_placement() -> None:
 
 
 def test_the_notes_say_what_is_tainted() -> None:
-    from tests.chart.test_chart import render_manifests
-
     def notes(values: dict[str, Any]) -> str:
         return render_manifests(values, "1.33.0")["gpu-watchdog/templates/NOTES.txt"]
 

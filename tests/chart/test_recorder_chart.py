@@ -12,19 +12,19 @@ import yaml
 
 from gpu_watchdog.watchdog.edge.config import from_mapping
 from tests.chart import pod_security
-from tests.chart.test_chart import (
+from tests.chart.rendering import (
     CHART,
-    EXTERNAL,
     K8S_VERSION,
-    VLLM,
     by_kind,
     containers,
+    merge,
     pod_template,
     render,
+    render_error,
     render_manifests,
     with_images,
 )
-from tests.chart.test_day_one import PRIVILEGED_PR, render_error
+from tests.chart.value_sets import EXTERNAL, PRIVILEGED_PR, VLLM
 
 RECORDER_DIR = "/var/lib/gpu-watchdog"
 RECORDING = f"{RECORDER_DIR}/flight.jsonl"
@@ -40,12 +40,6 @@ PLACES = [
     (VLLM, K8S_VERSION, True),
     (EXTERNAL, K8S_VERSION, True),
 ]
-
-
-def merge(base: Any, over: Any) -> Any:
-    if isinstance(base, dict) and isinstance(over, dict):
-        return {**base, **{k: merge(base.get(k), v) for k, v in over.items()}}
-    return over
 
 
 def rendered_config(docs: list[dict[str, Any]]) -> dict[str, Any]:

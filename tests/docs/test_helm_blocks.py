@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.chart.test_chart import render
+from tests.chart.rendering import render
 from tests.docs import pages
 from tests.docs.pages import ROOT
 

@@ -9,20 +9,10 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.helpers import Proc, free_port, json_lines, spawn, start_server
-from tests.integration.test_kubernetes import serve_events
-from tests.integration.test_sidecar_memory import rss_bytes
+from tests.helpers import Proc, free_port, json_lines, rss_bytes, spawn, start_server
+from tests.integration.kmock_api import NS, kubeconfig, serve_events
 
-NS, POD = "serving", "model-7f9c"
-
-
-def kubeconfig(path: Path, url: str) -> None:
-    path.write_text(yaml.safe_dump({
-        "apiVersion": "v1", "kind": "Config", "current-context": "kmock",
-        "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-        "users": [{"name": "kmock", "user": {"token": "not-a-real-token"}}],
-        "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock", "namespace": NS}}],
-    }))
+POD = "model-7f9c"
 
 
 async def until(predicate: Any, timeout: float, what: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 import requests
 
 from gpu_watchdog.benchmarks.make_encoder import make
-from tests.e2e.test_up_faults import SHORT, Stack
+from tests.e2e.up_stack import SHORT, Stack
 from tests.helpers import free_port, json_lines, metric, spawn, wait_for, wait_http
 
 

@@ -21,7 +21,7 @@ from gpu_watchdog.watchdog.core.names import CORRUPT
 from tests.fleet.cluster import Cluster
 from tests.fleet.harness import Fleet, deep_merge
 from tests.fleet.scheduler import Scheduler
-from tests.integration.test_kubernetes import events as all_events
+from tests.integration.kmock_api import events as all_events
 
 pytestmark = pytest.mark.timeout(180)
 

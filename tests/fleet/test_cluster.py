@@ -13,41 +13,14 @@ import pytest
 from kubernetes import client
 
 from tests.fleet import cluster as k8s
+from tests.fleet.clients import DRA, NS, api_of, apps_api, coordination, core_api, custom, refusal, taint_rule
 from tests.fleet.cluster import Cluster, PodRemoval
 from tests.fleet.harness import Fleet
-
-NS = "serving"
-
-
-def api_of(cluster: Cluster) -> client.ApiClient:
-    cfg = client.Configuration()
-    cfg.host = str(cluster.url).rstrip("/")
-    cfg.retries = 0
-    return client.ApiClient(cfg)
-
-
-# The client's models type every field Optional; the tests read answers they just checked the status of.
-def coordination(cluster: Cluster) -> Any:
-    return client.CoordinationV1Api(api_of(cluster))
-
-
-def core_api(cluster: Cluster) -> Any:
-    return client.CoreV1Api(api_of(cluster))
-
-
-def apps_api(cluster: Cluster) -> Any:
-    return client.AppsV1Api(api_of(cluster))
 
 
 def lease(name: str, holder: str) -> client.V1Lease:
     return client.V1Lease(metadata=client.V1ObjectMeta(name=name, namespace=NS),
                           spec=client.V1LeaseSpec(holder_identity=holder, lease_duration_seconds=15))
-
-
-def refusal(call: Any) -> client.ApiException:
-    with pytest.raises(client.ApiException) as caught:
-        call()
-    return caught.value
 
 
 def status_of(exc: client.ApiException) -> dict[str, Any]:
@@ -373,22 +346,6 @@ async def test_a_node_patch_is_validated_and_keeps_what_it_does_not_own(kmock: C
 
 
 # --- resource.k8s.io ----------------------------------------------------------------------------------------------
-
-DRA = "resource.k8s.io"
-MANAGED = {"app.kubernetes.io/managed-by": "gpu-watchdog"}
-
-
-def custom(cluster: Cluster) -> Any:
-    return client.CustomObjectsApi(api_of(cluster))
-
-
-def taint_rule(name: str, version: str, pool: str = "node-a", device: str = "gpu-0",
-               labels: dict[str, str] | None = None, effect: str = "NoSchedule") -> dict[str, Any]:
-    return {"apiVersion": f"{DRA}/{version}", "kind": "DeviceTaintRule",
-            "metadata": {"name": name, "labels": dict(MANAGED if labels is None else labels),
-                         "annotations": {"gpu-watchdog.io/until": "2026-01-02T00:00:00Z"}},
-            "spec": {"deviceSelector": {"driver": "gpu.nvidia.com", "pool": pool, "device": device},
-                     "taint": {"key": "gpu-watchdog.io/suspect", "value": device, "effect": effect}}}
 
 
 def discover(api: Any) -> str | None:

@@ -19,18 +19,13 @@ from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION
 from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, LedgerUnavailable
 from tests.fleet import cluster as k8s
+from tests.fleet.clients import NS, api_of
 from tests.fleet.harness import Fleet, FleetPod
-from tests.fleet.test_cluster import api_of
-from tests.fleet.test_fleet_restarts import figures, held_lines
+from tests.fleet.readouts import figures, held_lines
+from tests.fleet.workload import LEASE, stored_ledger
 from tests.tooling import faketime_env
 
-NS, LEASE = "serving", "gpu-watchdog-llm"
 ONE = {"policy": {"fleet": {"max_unavailable": "1"}}}
-
-
-def ledger_of(kmock: Any) -> fleet.Ledger:
-    lease = kmock.lease(NS, LEASE)
-    return fleet.parse(None if lease is None else (lease["metadata"].get("annotations") or {}).get(LEDGER_ANNOTATION))
 
 
 def by_sidecars(f: Fleet, drained: set[str]) -> list[str]:
@@ -47,7 +42,7 @@ async def test_a_ledger_wiped_mid_restart_never_puts_a_second_replica_out(kmock:
         await f.wait_until(lambda: len(f.deletions()) == 1, 30, "A restarted")
         kmock.mutate("leases", NS, LEASE, lambda lease: lease["metadata"].setdefault("annotations", {}).pop(
             LEDGER_ANNOTATION, None))
-        assert ledger_of(kmock).slots == ()
+        assert stored_ledger(kmock).slots == ()
         replacement = next(p for p in f.pods() if p.replaces == a.name)
         assert replacement.ready_at is None
         await f.hang(b)
@@ -126,7 +121,7 @@ async def test_a_node_whose_clock_runs_30s_fast_never_holds_the_fleet_for_slot_t
         replacement = next(p for p in f.pods() if p.replaces == a.name)
         await f.wait_until(lambda: replacement.ready_at is not None, 60, "A's replacement serving")
         await asyncio.sleep(1.0)  # its sidecar has told the ledger it serves
-        assert [s.pod for s in ledger_of(kmock).slots] == [a.name]  # stamped 30 s ahead: never given back
+        assert [s.pod for s in stored_ledger(kmock).slots] == [a.name]  # stamped 30 s ahead: never given back
         await f.hang(b)
         await f.wait_until(lambda: len(f.deletions()) == 2, 30, "B restarted without waiting for slot_timeout")
         assert f.max_restarting() == 1, f.restarting_series()

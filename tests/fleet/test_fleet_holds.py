@@ -17,7 +17,6 @@ from aiohttp import web
 from kubernetes import client
 
 from gpu_watchdog.watchdog.core import fleet
-from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION
 from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT, HANG, MAX_AGE, RUNG_CONTAINER, RUNG_POD
 from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
@@ -25,12 +24,11 @@ from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
 from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.fleet import cluster as k8s
-from tests.integration.test_kubernetes import serve_events
-from tests.integration.test_restart_metrics import NoNvml
-from tests.integration.test_watchdog_robustness import serve_everything
-
-NS, LEASE = "serving", "gpu-watchdog-llm"
+from tests.fleet.clients import NS
+from tests.fleet.workload import LEASE, after_creation, cluster_of, stored_ledger
+from tests.helpers import until
+from tests.integration.loopback import serve_everything
+from tests.integration.sidecar_stand_ins import NoNvml
 
 
 @asynccontextmanager
@@ -42,24 +40,6 @@ async def serving() -> AsyncIterator[str]:
 
     async with serve_everything(handler) as url:
         yield url
-
-
-def cluster_of(kmock: Any, replicas: int) -> tuple[client.ApiClient, list[str]]:
-    serve_events(kmock)
-    deploy = kmock.add(k8s.deployment("llm", NS, replicas))
-    rs = kmock.add(k8s.replica_set(deploy, "5c9d7b6f4x"))
-    names = [f"llm-5c9d7b6f4x-{c * 5}" for c in "bcdfghjk"[:replicas]]
-    for i, name in enumerate(names):
-        kmock.add(k8s.pod_of(rs, name, f"node-{i}", ready=True))
-    cfg = client.Configuration()
-    cfg.host = str(kmock.url).rstrip("/")
-    cfg.retries = 0
-    return client.ApiClient(cfg), names
-
-
-async def after_creation() -> None:
-    """Past the clock skew a replacement may have: a slot taken now is not one these pods replace."""
-    await asyncio.sleep(fleet.CLOCK_SKEW_S + 0.5)
 
 
 def sidecar(api: client.ApiClient, pod: str, url: str, **policy: Any) -> Watchdog:
@@ -76,20 +56,6 @@ def sidecar(api: client.ApiClient, pod: str, url: str, **policy: Any) -> Watchdo
     ledger = LeaseLedger(api, NS, LEASE, "llm", pod, 5.0)
     return Watchdog(settings, restarter, nvml_backend=NoNvml(), restart_events=events,  # type: ignore[arg-type]
                     workload="llm", ledger=ledger)
-
-
-def stored_ledger(kmock: Any) -> fleet.Ledger:
-    lease = kmock.lease(NS, LEASE)
-    return fleet.parse(None if lease is None else (lease["metadata"].get("annotations") or {}).get(LEDGER_ANNOTATION))
-
-
-async def until(predicate: Any, timeout: float, what: str) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout
-    while not predicate():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
 
 
 async def test_a_restart_held_while_its_server_serves_is_one_episode_and_takes_the_slot_that_frees(

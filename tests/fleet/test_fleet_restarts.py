@@ -22,17 +22,10 @@ from gpu_watchdog.watchdog.core.names import FLEET_BREAKER_OPEN, FLEET_UNAVAILAB
 from gpu_watchdog.watchdog.edge.config import FleetSettings
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger
 from tests.fleet.harness import Fleet
-from tests.integration.test_kubernetes import events as all_events
+from tests.fleet.readouts import figures, held_lines
+from tests.integration.kmock_api import events as all_events
 
 REPLICAS = 8
-
-
-def figures(scenario: str, **values: Any) -> None:
-    print(f"\nfleet scenario {scenario}: {json.dumps(values, sort_keys=True)}")
-
-
-def held_lines(f: Fleet, event: str) -> list[str]:
-    return [p.name for p in f.all_pods.values() for line in p.log() if line.get("event") == event]
 
 
 async def test_independent_faults_on_more_replicas_than_a_fixed_budget_are_all_restarted(

@@ -25,10 +25,12 @@ from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
 from gpu_watchdog.watchdog.edge.effects.restart import NOT_RECORDED, WORKER_ACTION, ContainerRestarter, KubeRestarter
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.fleet.test_fleet_holds import LEASE, NS, after_creation, cluster_of, stored_ledger, until
-from tests.integration.test_kubernetes import events
-from tests.integration.test_restart_metrics import NoNvml
-from tests.integration.test_serve_workers import TOKEN, Tree, sidecar_settings, start_tree
+from tests.fleet.clients import NS
+from tests.fleet.workload import LEASE, after_creation, cluster_of, stored_ledger
+from tests.helpers import until
+from tests.integration.kmock_api import events
+from tests.integration.sidecar_stand_ins import NoNvml
+from tests.integration.workers import TOKEN, Tree, sidecar_settings, start_tree
 
 
 @asynccontextmanager

@@ -26,7 +26,7 @@ from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
 from tests.fleet.harness import Fleet, FleetPod
 from tests.helpers import ROOT, json_lines
-from tests.integration.test_kubernetes import events as all_events
+from tests.integration.kmock_api import events as all_events
 
 MARK = "QOD-7f3a"
 MARKED = {"prompt": f"compute the {MARK} shape", "max_tokens": 6}

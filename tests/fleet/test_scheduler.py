@@ -12,10 +12,10 @@ import pytest
 from kubernetes import client
 
 from tests.fleet import cluster as k8s
+from tests.fleet.clients import NS, core_api, custom, refusal, taint_rule
 from tests.fleet.cluster import Cluster
 from tests.fleet.harness import Fleet
 from tests.fleet.scheduler import Placement, Scheduler, rule_matches, tolerates
-from tests.fleet.test_cluster import NS, core_api, custom, refusal, taint_rule
 
 SUSPECT = {"key": "gpu-watchdog.io/gpu-suspect", "value": "GPU-node-a-0", "effect": "NoSchedule"}
 MERGE = "application/merge-patch+json"

@@ -22,7 +22,7 @@ from tests.fleet.cluster import Cluster
 from tests.fleet.harness import Fleet, FleetPod
 from tests.fleet.scheduler import Scheduler
 from tests.helpers import json_lines
-from tests.integration.test_kubernetes import events as all_events
+from tests.integration.kmock_api import events as all_events
 
 pytestmark = pytest.mark.timeout(300)
 

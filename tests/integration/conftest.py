@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 from kubernetes import client
 
-from tests.integration.test_kubernetes import NS, POD, pod, serve_events
+from tests.integration.kmock_api import NS, POD, pod, serve_events
 
 
 @pytest.fixture

@@ -18,25 +18,19 @@ import requests
 import structlog
 
 from gpu_watchdog.benchmarks._procs import free_ports
-from gpu_watchdog.contract import MEMORY
 from gpu_watchdog.inference.agent import Agent, AgentSettings
 from gpu_watchdog.token import ensure_token
 from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter, ReportOnlyRestarter
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.helpers import ROOT, spawn_python, wait_for, wait_http
-from tests.integration.test_restart_metrics import NoNvml
+from tests.helpers import ROOT, async_wait, spawn_python, wait_for, wait_http
+from tests.integration.sidecar_stand_ins import NoNvml
+from tests.integration.workers import memory
 
 TOKEN = "workers-token"
 
 
 free_run = free_ports
-
-
-def memory(port: int, token: str) -> dict[str, Any]:
-    r = requests.get(f"http://127.0.0.1:{port}{MEMORY}", headers={"Authorization": f"Bearer {token}"}, timeout=5)
-    assert r.status_code == 200, (port, r.status_code, r.text)
-    return dict(r.json())
 
 
 def test_each_agent_takes_the_next_port_and_one_past_the_range_serves_unwatched(
@@ -170,16 +164,6 @@ async def test_the_sidecar_shows_every_worker_and_says_when_one_is_gone(monkeypa
         await wd.stop()
         for agent in agents:
             agent.stop()
-
-
-async def async_wait(probe: Any, timeout: float, what: str) -> Any:
-    deadline = asyncio.get_running_loop().time() + timeout
-    while asyncio.get_running_loop().time() < deadline:
-        found = await probe()
-        if found:
-            return found
-        await asyncio.sleep(0.05)
-    raise AssertionError(f"not within {timeout} s: {what}")
 
 
 @pytest.mark.parametrize("hung", [0, 1])

@@ -3,21 +3,14 @@
 from __future__ import annotations
 
 import socket
-import subprocess
-import sys
-import tempfile
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 import requests
 
 from tests.helpers import Server, start_server
-
-CHECKS = ("not_a_server_error,status_code_conformance,content_type_conformance,response_schema_conformance,"
-          "negative_data_rejection")
-SCHEMATHESIS = str(Path(sys.executable).parent / "schemathesis")
+from tests.integration.fuzzing import fuzz
 
 
 @pytest.fixture(scope="module")
@@ -26,12 +19,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
                        "--body-timeout", "1")
     yield srv
     srv.proc.stop()
-
-
-def fuzz(url: str, *extra: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([SCHEMATHESIS, "run", url, "-c", CHECKS, "-n", "60", "--seed", "20261129",
-                           "--generation-deterministic", *extra], capture_output=True, text=True, timeout=600,
-                          cwd=tempfile.mkdtemp(prefix="fuzz-"))  # its caches stay out of the tree
 
 
 def test_public_api_survives_fuzzing_without_5xx(server: Server) -> None:

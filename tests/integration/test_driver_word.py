@@ -16,10 +16,9 @@ from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
 from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.integration.test_escalation import NODE, OURS, objects
-from tests.integration.test_kubernetes import NS, POD
-from tests.integration.test_restart_metrics import NoNvml
-from tests.unit.test_nvml_sampler import FakeNvml
+from tests.integration.kmock_api import NODE, NS, OURS, POD, objects
+from tests.integration.sidecar_stand_ins import NoNvml
+from tests.unit.fake_nvml import FakeNvml
 
 
 class RecordingRestarter:

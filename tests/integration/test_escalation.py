@@ -15,10 +15,8 @@ from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
 from gpu_watchdog.watchdog.edge.effects.restart import annotations_for, event_reason, note_for
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.integration.test_kubernetes import NS, POD
-from tests.integration.test_restart_metrics import NoNvml, Restarter
-
-OURS, OTHER, NODE = "GPU-11111111-aaaa", "GPU-22222222-bbbb", "gpu-node-7"
+from tests.integration.kmock_api import NODE, NS, OTHER, OURS, POD, objects
+from tests.integration.sidecar_stand_ins import NoNvml, Restarter
 
 
 def earlier_restart(api: client.ApiClient, pod_name: str, reason: str, gpu: str, xid: int | None = None) -> None:
@@ -29,15 +27,6 @@ def earlier_restart(api: client.ApiClient, pod_name: str, reason: str, gpu: str,
     d = Decision("restart", reason, detail)
     PodActions(api, pod_name, NS, 5).record_event(pod_name, NS, event_reason(reason), note_for(d), "Evict",
                                                     annotations=annotations_for(d))
-
-
-def objects(kmock: Any, plural: str) -> list[dict[str, Any]]:
-    out = []
-    for key in list(kmock.objects):
-        if getattr(key[0], "plural", None) == plural:
-            obj = kmock.objects[key]
-            out.append(dict(getattr(obj, "raw", None) or obj))
-    return out
 
 
 def watchdog(api: client.ApiClient, condition: bool) -> Watchdog:

@@ -21,6 +21,7 @@ import torch
 
 from gpu_watchdog.benchmarks.make_encoder import LABELS, make
 from tests.helpers import Server, metric, start_server
+from tests.integration.fuzzing import fuzz
 
 TEXTS = ["hello world", "the gpu watchdog probe", "ok", "memory cache queue health canary batch token"]
 
@@ -181,8 +182,6 @@ def test_routes_the_handler_cannot_serve_say_so(bert: Server) -> None:
 
 
 def test_the_published_api_is_the_handlers_and_survives_fuzzing_without_5xx(bert: Server) -> None:
-    from tests.integration.test_api_fuzz import fuzz
-
     spec = requests.get(bert.url + "/openapi.json", timeout=10).json()
     assert set(spec["paths"]) == {"/v1/models", "/v1/models/{model}", "/v1/embeddings", "/predict", "/healthz",
                                   "/readyz", "/metrics"}

@@ -19,29 +19,11 @@ import pytest
 from aiohttp import web
 
 from gpu_watchdog.watchdog.core import policy
-from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.edge.config import from_mapping
-from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
 from gpu_watchdog.watchdog.edge.samplers.canary import EMBEDDINGS, OpenAICanary
 from gpu_watchdog.watchdog.edge.samplers.http_canary import HttpCanary
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-
-
-class RecordingRestarter:
-    strategy = "none"
-
-    def __init__(self) -> None:
-        self.calls: list[Decision] = []
-
-    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
-        self.calls.append(decision)
-        return RestartOutcome(False, "recorded")
-
-    async def target_served(self, at_wall: float) -> None:
-        return None
-
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        return None  # no cluster
+from tests.integration.sidecar_stand_ins import RecordingRestarter
 
 
 @dataclass

@@ -16,7 +16,8 @@ from prometheus_client import generate_latest
 from structlog.testing import capture_logs
 
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.integration.test_watchdog_robustness import RecordingRestarter, serve_everything, settings
+from tests.integration.loopback import serve_everything, settings
+from tests.integration.sidecar_stand_ins import RecordingRestarter
 
 GiB = 1 << 30
 

@@ -13,6 +13,7 @@ import pytest
 import requests
 
 from tests.helpers import Server, json_lines, start_server
+from tests.unit.memory_record import check_against_the_record
 
 
 @pytest.fixture(scope="module")
@@ -371,8 +372,6 @@ def test_a_plain_stream_cut_by_context_loss_fails_loudly(tmp_path: Path) -> None
 
 def test_the_memory_report_is_the_shared_record(server: Server) -> None:
     # The same record as the agent's (tests/unit/test_memory_report.py), with serve's engine figures.
-    from tests.unit.test_memory_report import check_against_the_record
-
     parsed = check_against_the_record(server.memory())
     assert parsed.engine is not None and parsed.engine["max_batch_size"] >= 1
     assert parsed.admission.limit == 4 and parsed.device == "cpu" and parsed.pid == server.proc.proc.pid

@@ -11,44 +11,8 @@ from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.edge.config import RestartSettings
 from gpu_watchdog.watchdog.edge.effects.restart import NOT_RECORDED, KubeRestarter
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions, RefusedError
-
-NS, POD = "serving", "model-0"
-
-
-def pod(name: str = POD, ns: str = NS) -> dict[str, Any]:
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": ns},
-            "spec": {"containers": [{"name": "inference", "image": "gpu-watchdog-inference"}]}}
-
-
-def serve_events(kmock: Any) -> None:
-    """Declare the Events resource, so an empty namespace lists as 200 with no items, as a real API server answers."""
-    kmock.resources["events.k8s.io/v1/events"] = kmock.ResourceInfo(
-        namespaced=True, kind="Event", verbs={"create", "list", "get"})
-
-
-def events(kmock: Any) -> list[dict[str, Any]]:
-    out = []
-    for key in list(kmock.objects):
-        if getattr(key[0], "plural", None) == "events":
-            obj = kmock.objects[key]
-            out.append(dict(getattr(obj, "raw", None) or obj))
-    return out
-
-
-class RecordingDrain:
-    """The drain's calls, in order (the restarter owns when; the executor owns how)."""
-
-    def __init__(self) -> None:
-        self.calls: list[str] = []
-
-    async def begin(self) -> None:
-        self.calls.append("begin")
-
-    async def lift(self, why: str) -> None:
-        self.calls.append(f"lift:{why}")
-
-    async def before_act(self, at: float) -> None:
-        return None
+from tests.integration.kmock_api import NS, POD, events, pod
+from tests.integration.sidecar_stand_ins import RecordingDrain
 
 
 def dry(req: Any) -> bool:

@@ -11,7 +11,7 @@ import pytest
 import requests
 
 from tests.helpers import Server, start_server
-from tests.integration.test_serve_workers import start_tree, worker_requests
+from tests.integration.workers import start_tree, worker_requests
 
 NAME = "tiny-test"
 

@@ -20,7 +20,7 @@ from google.protobuf import descriptor_pb2, descriptor_pool, message_factory
 from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.samplers.pod_resources import PodResourcesError, list_pod_gpus
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.unit.test_nvml_sampler import A, B, FakeNvml
+from tests.unit.fake_nvml import A, B, FakeNvml
 
 C, D = "GPU-33333333-cccc", "GPU-44444444-dddd"
 T = descriptor_pb2.FieldDescriptorProto

@@ -27,10 +27,9 @@ from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter, annotation
 from gpu_watchdog.watchdog.edge.kube.kube import CONTROLLER, PodActions, workload_from_pod
 from gpu_watchdog.watchdog.runtime.app import Watchdog
 from gpu_watchdog.watchdog.runtime.wiring import resolve_workload
-from tests.e2e.test_run_evicts import kubeconfig
-from tests.integration.test_kubernetes import NS, events, pod
-from tests.integration.test_restart_metrics import NoNvml
-from tests.integration.test_watchdog_robustness import serve_everything
+from tests.integration.kmock_api import NS, events, kubeconfig, pod
+from tests.integration.loopback import serve_everything
+from tests.integration.sidecar_stand_ins import NoNvml
 
 EVENTS = f"get /apis/events.k8s.io/v1/namespaces/{NS}/events"
 # Pods of the Deployment "model", as its ReplicaSets name them: three generations and the fourth.

@@ -2,56 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from gpu_watchdog.watchdog.core.names import RESTART_REASONS
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.edge.config import from_mapping
-from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, RestartOutcome
-from gpu_watchdog.watchdog.edge.samplers.nvml import NvmlUnavailable
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-
-
-class NoNvml:
-    """No driver here: the hardware edge reports itself unavailable."""
-
-    def open(self) -> None:
-        raise NvmlUnavailable("NVML Shared Library Not Found")
-
-    def uuids(self) -> list[str]:
-        return []
-
-    def read(self, uuid: str) -> Any:
-        raise AssertionError("never read")
-
-    def wait_xid(self, timeout_ms: int) -> list[tuple[str | None, int]]:
-        return []
-
-    def recovery_action(self, uuid: str) -> int | None:
-        raise AssertionError("never read")
-
-    def close(self) -> None:
-        return None
-
-
-class Restarter:
-    strategy = "local"
-
-    def __init__(self, done: bool) -> None:
-        self.done = done
-        self.calls: list[str] = []
-
-    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
-        self.calls.append(decision.reason)
-        return RestartOutcome(self.done, "done" if self.done else "refused")
-
-    async def target_served(self, at_wall: float) -> None:
-        return None
-
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        return None  # no cluster
+from tests.integration.sidecar_stand_ins import NoNvml, Restarter
 
 
 def watchdog(restarter: Restarter) -> Watchdog:

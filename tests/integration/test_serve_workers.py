@@ -9,86 +9,20 @@ import threading
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import pytest
 import requests
 import structlog
-from prometheus_client.parser import text_string_to_metric_families
 
 from gpu_watchdog.benchmarks._procs import free_port, free_ports
-from gpu_watchdog.contract import MEMORY
 from gpu_watchdog.watchdog.core.names import RUNG_WORKER
-from gpu_watchdog.watchdog.edge.config import Settings, from_mapping
 from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.fleet.harness import deep_merge
-from tests.helpers import Proc, json_lines, spawn, wait_for, wait_http
-from tests.integration.test_agent_workers import async_wait
-from tests.integration.test_restart_metrics import NoNvml
-
-TOKEN = "workers-serve-token"
-BODY = {"prompt": "hello workers", "max_tokens": 4}
-
-
-@dataclass
-class Tree:
-    port: int
-    control: int
-    workers: int
-    proc: Proc
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def ctl(self, k: int, method: str, path: str, body: Any = None) -> requests.Response:
-        return requests.request(method, f"http://127.0.0.1:{self.control + k}{path}", json=body,
-                                headers={"Authorization": f"Bearer {TOKEN}"}, timeout=10)
-
-    def memory(self, k: int) -> dict[str, Any]:
-        r = self.ctl(k, "GET", MEMORY)
-        assert r.status_code == 200, r.text
-        return dict(r.json())
-
-    def workers_view(self) -> list[dict[str, Any]]:
-        return list(requests.get(self.url + "/healthz", timeout=5).json()["workers"])
-
-    def complete(self) -> int:
-        try:
-            return requests.post(self.url + "/v1/completions", json=BODY, timeout=60).status_code
-        except requests.RequestException:
-            return -1
-
-
-def start_tree(tmp_path: Path, workers: int, *flags: str) -> Tree:
-    port, control = free_port(), free_ports(workers)
-    proc = spawn(["serve", "--device", "cpu", "--host", "127.0.0.1", "--port", str(port), "--control-port",
-                  str(control), "--workers", str(workers), *flags], tmp_path / f"workers-{port}.log",
-                 env={"GPU_WATCHDOG_TOKEN": TOKEN})
-    tree = Tree(port, control, workers, proc)
-    try:
-        wait_http(tree.url + "/readyz", proc, timeout=120)
-        wait_for(lambda: all(w["ready"] for w in tree.workers_view()), 120, "every worker ready")
-    except BaseException:
-        proc.stop()
-        raise
-    return tree
-
-
-def sidecar_settings(tree: Tree, verdict: Path, override: dict[str, Any] | None = None) -> Settings:
-    """The sidecar watching every worker of `tree` quickly (canaries every 300 ms, a hang after two
-    timeouts), restarting in place through `verdict`; `override` merged over it key by key."""
-    return from_mapping(deep_merge({
-        "target": {"control_url": f"http://127.0.0.1:{tree.control}", "token_file": None, "metrics_url": None,
-                   "workers": tree.workers},
-        "sampling": {"torch_interval": "200ms"}, "canary": {"interval": "300ms", "timeout": "1s"},
-        "policy": {"hang": {"consecutive_timeouts": 2}},
-        "restart": {"strategy": "container", "verdict_file": str(verdict)},
-        "server": {"host": "127.0.0.1", "port": 0},
-    }, override or {}))
+from tests.helpers import async_wait, json_lines, spawn, wait_for
+from tests.integration.sidecar_stand_ins import NoNvml
+from tests.integration.workers import TOKEN, Tree, sidecar_settings, start_tree, worker_requests
 
 
 @pytest.fixture
@@ -96,16 +30,6 @@ def three(tmp_path: Path) -> Iterator[Tree]:
     tree = start_tree(tmp_path, 3, "--max-concurrency", "2", "--fault-injection")
     yield tree
     tree.proc.stop(timeout=40)
-
-
-def worker_requests(tree: Tree) -> dict[str, float]:
-    text = requests.get(tree.url + "/metrics", timeout=10).text
-    out: dict[str, float] = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            if s.name == "gpu_inference_requests_total" and s.labels.get("route") == "/v1/completions":
-                out[s.labels["worker"]] = out.get(s.labels["worker"], 0.0) + s.value
-    return out
 
 
 def test_a_flood_of_32_clients_is_spread_and_never_more_than_its_limit_inside_any_worker(three: Tree) -> None:

@@ -19,20 +19,13 @@ import yaml
 from tests.fleet import cluster as k8s
 from tests.fleet.cluster import Cluster
 from tests.fleet.harness import write_kubeconfig
-from tests.helpers import free_port, json_lines, spawn, start_server, wait_http
+from tests.helpers import free_port, json_lines, rss_bytes, spawn, start_server, wait_http
 
 LOCAL_MODE_LIMIT = 64 * 2**20
 KUBERNETES_MODE_LIMIT = 64 * 2**20
 # The official client's stack: none of it may be imported by the sidecar.
 KUBERNETES_CLIENT = ("kubernetes", "pydantic", "pydantic_core", "oauthlib", "requests_oauthlib", "websocket",
                      "requests")
-
-
-def rss_bytes(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def mapped_packages(pid: int) -> set[str]:

@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import random
 from collections.abc import AsyncIterator
-from typing import Any
 
 import pytest
 from aiohttp import web
@@ -15,11 +13,12 @@ from kubernetes import client
 
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.edge.config import RestartSettings, from_mapping
-from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, KubeRestarter, RestartOutcome
+from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter, RestartOutcome
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.edge.samplers.nvml import GpuReading
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.integration.test_kubernetes import RecordingDrain
+from tests.integration.loopback import serve_everything, settings
+from tests.integration.sidecar_stand_ins import RecordingDrain, RecordingRestarter
 
 GARBAGE: list[tuple[int, str, str]] = [
     (200, "text/html", "<html>oops</html>"),
@@ -32,23 +31,6 @@ GARBAGE: list[tuple[int, str, str]] = [
     (404, "text/plain", "not here"),
     (200, "application/json", '{"ok": false, "error_class": "meteor", "latency_s": 1}'),
 ]
-
-
-class RecordingRestarter:
-    strategy = "none"
-
-    def __init__(self) -> None:
-        self.calls: list[Decision] = []
-
-    async def restart(self, decision: Decision, drain: DrainHandle) -> RestartOutcome:
-        self.calls.append(decision)
-        return RestartOutcome(False, "recorded")
-
-    async def target_served(self, at_wall: float) -> None:
-        return None
-
-    async def record_event(self, decision: Decision, action: str, prefix: str = "") -> str | None:
-        return None  # no cluster
 
 
 class ExplodingNvml:
@@ -78,22 +60,6 @@ class ExplodingNvml:
         raise RuntimeError("cannot shut down")
 
 
-@contextlib.asynccontextmanager
-async def serve_everything(handler: Any) -> AsyncIterator[str]:
-    """A loopback HTTP server that sends every method and path to `handler`."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        yield f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
-
-
 @pytest.fixture
 async def garbage_server() -> AsyncIterator[tuple[str, dict[str, int]]]:
     hits = {"empty_cache": 0, "drain": 0, "memory": 0}
@@ -113,16 +79,6 @@ async def garbage_server() -> AsyncIterator[tuple[str, dict[str, int]]]:
 
     async with serve_everything(handler) as url:
         yield url, hits
-
-
-def settings(control_url: str) -> Any:
-    return from_mapping({
-        "target": {"control_url": control_url, "token_file": None},
-        "sampling": {"nvml_interval": "50ms", "torch_interval": "50ms"},
-        "canary": {"interval": "100ms", "timeout": "1s"},
-        "restart": {"strategy": "none"},
-        "server": {"host": "127.0.0.1", "port": 0},
-    })
 
 
 async def test_garbage_from_control_api_and_nvml_never_restarts(garbage_server: tuple[str, dict[str, int]]) -> None:

@@ -26,10 +26,10 @@ from gpu_watchdog.watchdog.core.timing import EXIT_TRIES
 from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter
 from gpu_watchdog.watchdog.runtime.app import Watchdog
-from tests.helpers import ROOT, spawn_python, wait_for, wait_http
-from tests.integration.test_agent_workers import async_wait, memory
-from tests.integration.test_restart_metrics import NoNvml
-from tests.unit.test_driver_word import history, settings, worker_canary
+from tests.helpers import ROOT, async_wait, spawn_python, wait_for, wait_http
+from tests.integration.sidecar_stand_ins import NoNvml
+from tests.integration.workers import memory
+from tests.unit.histories import history, settings, worker_canary
 
 TOKEN = "wedged-token"
 APP = str(ROOT / "tests/integration/hostile_agent_app.py")

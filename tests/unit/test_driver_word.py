@@ -37,22 +37,8 @@ from gpu_watchdog.watchdog.core.samples import (
 )
 from gpu_watchdog.watchdog.core.state import RestartEnded, reduce
 from gpu_watchdog.watchdog.core.timing import FLEET_RETRY_S, RESTART_RETRY_S
-from gpu_watchdog.watchdog.edge.config import PolicySettings, Settings
 from gpu_watchdog.watchdog.edge.samplers.device_health import device_health
-
-UUID, OTHER = "GPU-aaaa", "GPU-bbbb"
-
-
-def settings() -> PolicySettings:
-    return Settings().policy
-
-
-def history(**kw: Any) -> History:
-    """A target that has served, on our one GPU (the inference process names it)."""
-    h = History(started_at=0.0, epoch=0.0, served_at=0.0, **kw)
-    h.torch.append(TorchSample(at=1, reachable=True, device="cuda", uuid=UUID, instance_id="i1"))
-    h.canaries.append(CanarySample(at=1, ok=True, latency_s=0.05, error_class=None, instance_id="i1"))
-    return h
+from tests.unit.histories import OTHER, UUID, history, settings, worker_canary
 
 
 def gpu(at: float, recovery: int | None, uuid: str = UUID, lost: bool = False) -> GpuSample:
@@ -338,11 +324,6 @@ def test_worker_restarts_that_do_not_cure_climb_to_the_container() -> None:
                                    rung=RUNG_WORKER))
     d = restart(decide(s, poisoned(h, 20), 20))
     assert d is not None and d.rung == RUNG_CONTAINER
-
-
-def worker_canary(at: float, ok: bool, instance: str = "w1") -> CanarySample:
-    return CanarySample(at=at, ok=ok, latency_s=0.05 if ok else 5.0, error_class=None if ok else "timeout",
-                        instance_id=instance)
 
 
 def test_another_worker_whose_own_canaries_time_out_after_it_served_is_that_worker_s_hang() -> None:

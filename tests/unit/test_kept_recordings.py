@@ -19,7 +19,7 @@ from gpu_watchdog.watchdog.core.names import (
     STARTUP_TIMEOUT,
 )
 from gpu_watchdog.watchdog.core.timing import FLEET_RETRY_S
-from tests.unit.test_replay import FIXTURES, decisions
+from tests.unit.replaying import FIXTURES, decisions
 
 # The query of death's fingerprint (the test's marked request), as the sidecar recorded it in flight.
 CULPRIT = "e60f16451040c8ca"

@@ -11,15 +11,7 @@ import pytest
 from gpu_watchdog.contract import MemoryReport, record_schema
 from gpu_watchdog.inference.agent import Agent, AgentSettings
 from gpu_watchdog.watchdog.edge.samplers.allocator import parse_memory
-
-
-def check_against_the_record(report: dict[str, Any]) -> MemoryReport:
-    schema = record_schema(MemoryReport)
-    assert set(schema["required"]) <= set(report) <= set(schema["properties"]), \
-        (set(schema["required"]) - set(report), set(report) - set(schema["properties"]))
-    parsed = MemoryReport.parse(report)
-    assert parsed.to_json() == report  # read back whole: nothing the producer sends is lost or changed
-    return parsed
+from tests.unit.memory_record import check_against_the_record
 
 
 def test_the_agents_report_is_the_record_and_the_sidecar_reads_it() -> None:

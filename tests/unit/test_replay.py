@@ -14,8 +14,7 @@ from gpu_watchdog.watchdog.core.samples import CanarySample, ServerSample
 from gpu_watchdog.watchdog.core.settings import RestartBudgetSettings, Settings
 from gpu_watchdog.watchdog.core.state import RestartBegun, RestartEnded
 from tests.traces import Trace, with_policy
-
-FIXTURES = Path(__file__).resolve().parent.parent / "fixtures" / "recordings"
+from tests.unit.replaying import FIXTURES, decisions
 
 
 def ok(at: float) -> CanarySample:
@@ -51,10 +50,6 @@ def replay(tmp_path: Path, lines: list[dict[str, Any]] | str, *args: str) -> tup
     out, err = io.StringIO(), io.StringIO()
     code = replay_main([str(path)], None, sets, out=out, err=err)
     return code, [json.loads(line) for line in out.getvalue().splitlines()], err.getvalue()
-
-
-def decisions(printed: list[dict[str, Any]]) -> list[tuple[str, str]]:
-    return [(p["action"], p["reason"]) for p in printed if p["kind"] == "decision"]
 
 
 def test_a_recording_replays_to_the_decisions_the_core_took_there(tmp_path: Path) -> None:
