@@ -67,3 +67,17 @@ def test_the_layout_reader_reads_names_on_continued_lines_and_folders() -> None:
     assert {"xid_catalog", "idle_memory", "correctness", "config_schema"} <= docs["core"]
     assert "policy" in docs["core"] and "samplers/" in docs["edge"] and "run" in docs["cli"]
     assert "commands" in docs["cli"] and "app" in docs["runtime"]
+
+
+def test_the_tests_keep_to_their_folders() -> None:
+    """What docs/development.md says of the test folders holds: a unit test starts no process (those
+    that need one live in tests/cli or tests/integration), and no test module imports another (shared
+    helpers live in modules of their own)."""
+    starts = re.compile(r"^\s*(import subprocess|from subprocess|import multiprocessing|from multiprocessing)"
+                        r"|create_subprocess_(exec|shell)|Popen\(", re.M)
+    unit = sorted(p.name for p in (ROOT / "tests" / "unit").glob("*.py") if starts.search(p.read_text()))
+    assert unit == [], f"unit tests that start a process: {unit}"
+    imports = re.compile(r"^\s*(from|import)\s+tests(\.\w+)*\.(test_\w+|conftest)\b", re.M)
+    crossing = sorted(str(p.relative_to(ROOT)) for p in (ROOT / "tests").rglob("*.py")
+                      if imports.search(p.read_text()))
+    assert crossing == [], f"modules that import a test module: {crossing}"

@@ -148,3 +148,33 @@ def test_a_worker_rung_ended_without_a_slot_holds_nothing() -> None:
     t = Trace(Settings()).fold(WorkerRestarted(2.0, 1, HANG, "w1", detail="told", recorded=True),
                                RestartEnded(3.0, HANG, True, False, rung=RUNG_WORKER))
     assert t.history.edge.in_place == () and not t.history.edge.slot_for_pod
+
+
+def test_a_new_process_gets_the_quarantine_at_once_and_the_same_one_at_the_sync() -> None:
+    from gpu_watchdog.watchdog.core.edges import QuarantinePushed
+
+    t = Trace(Settings())
+    e = t.history.edge
+    assert edges.push_due(e, 0, True, "p1") and edges.push_due(e, 2, True, "w2")
+    assert not edges.push_due(e, 0, False, "p1")  # it did not answer: nothing reached yet
+    assert not edges.push_due(e, 0, True, None)  # a process that names none waits for the sync
+    t.fold(QuarantinePushed(0, "p1", ()), QuarantinePushed(2, "w2", ()))
+    e = t.history.edge
+    assert not edges.push_due(e, 0, True, "p1") and not edges.push_due(e, 2, True, "w2")
+    assert edges.push_due(e, 0, True, "p2") and edges.push_due(e, 2, True, "w3")
+    assert edges.push_due(e, 1, True, "w2")  # another worker's process is not the one pushed
+
+
+def test_a_hold_is_over_once_no_restart_is_under_way_or_wanted() -> None:
+    from gpu_watchdog.watchdog.core import policy
+    from gpu_watchdog.watchdog.core.samples import CanarySample
+    from gpu_watchdog.watchdog.core.state import RestartBegun
+
+    s = Settings().policy
+    t = ledgered()
+    assert not policy.hold_over(s, t.history, 10.0)  # nothing held
+    t.fold(Held(10.0, FLEET_UNAVAILABLE_LIMIT, HANG, {"restarting": ["p1"]}),
+           CanarySample(10.0, True, 0.05, None, instance_id="p1"))
+    assert policy.hold_over(s, t.history, 11.0)  # it serves: nothing wants a restart
+    t.fold(RestartBegun(11.0))
+    assert not policy.hold_over(s, t.history, 11.5)  # one under way keeps the hold

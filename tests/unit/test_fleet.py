@@ -588,3 +588,12 @@ def test_replicas_that_already_cannot_serve_go_one_at_a_time() -> None:
 def test_without_a_census_the_ledgers_slots_alone_count() -> None:
     ledger, _ = take(Ledger(), "a", 100.0, replicas=4, settings=ONE)
     assert take(ledger, "b", 101.0, replicas=4, settings=ONE)[1].outcome == UNAVAILABLE_LIMIT
+
+
+def test_the_view_after_a_read_names_the_slots_and_the_breaker_and_keeps_the_last_on_no_read() -> None:
+    view = fleet.FleetView(lease="gpu-watchdog-llm")
+    ledger, _ = take(Ledger(), "a", 100.0)
+    seen = fleet.view_of(view, S, 8, ledger)
+    assert seen.restarting == ("a",) and seen.max_unavailable == 2 and seen.breaker is None
+    unread = fleet.view_of(seen, S, 8, None, error="timeout")
+    assert unread.restarting == ("a",) and unread.error == "timeout"

@@ -315,3 +315,10 @@ def test_a_canary_answered_before_the_restart_was_decided_says_nothing_of_a_new_
     decided = Decision("restart", CONTEXT_LOSS, {"evidence": "canary"}, drain=False, instance_id="p1",
                        rung=RUNG_CONTAINER)
     assert procedure.served_anew(trace.history, decided, since=10.0) is None
+
+
+@pytest.mark.parametrize(("rung", "strategy", "unready"), [
+    (RUNG_POD, "evict", True), (RUNG_POD, "delete", True), (RUNG_POD, "container", True),
+    (RUNG_CONTAINER, "container", False), (RUNG_POD, "none", False), (RUNG_WORKER, "evict", False)])
+def test_only_a_pod_going_away_keeps_its_sidecar_unready(rung: str, strategy: str, unready: bool) -> None:
+    assert procedure.keeps_unready(rung, strategy) is unready

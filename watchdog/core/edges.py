@@ -490,6 +490,15 @@ def in_place_served(e: EdgeFacts, worker: int, instance_id: str | None) -> bool:
     return p is not None and (p.instance_id is None or instance_id != p.instance_id)
 
 
+def push_due(e: EdgeFacts, worker: int, ok: bool, instance_id: str | None) -> bool:
+    """Whether `worker` (0: the watched target), whose canary answered (`ok`) from process
+    `instance_id`, gets the workload's quarantine now rather than at the next sync: a new process must
+    not serve a request that killed the one before it. An unnamed process is pushed at the sync."""
+    if not ok or instance_id is None:
+        return False
+    return instance_id != (e.pushed_to if worker == 0 else e.worker_pushed_to.get(worker))
+
+
 def slot_back_due(e: EdgeFacts) -> bool:
     """Every worker restarted in place serves again and no restart of ours is under way: our slot goes
     back (one for our pod's replacement is given back by that pod)."""

@@ -482,3 +482,12 @@ def reset_breaker(ledger: Ledger, now: float) -> Ledger:
     """An operator's reset: restarts may go on, and what came before it is no longer evidence (the
     breaker opens again if the fault is still there: two lineages come back failing again)."""
     return replace(ledger, breaker=None, reset_at=now)
+
+
+def view_of(view: FleetView, settings: FleetSettings, replicas: int | None, ledger: Ledger | None,
+            error: str | None = None) -> FleetView:
+    """The view after a read or write of the ledger (None: not read; the last figures stand)."""
+    out = replace(view, replicas=replicas, max_unavailable=unavailable_slots(settings, replicas), error=error)
+    if ledger is not None:
+        out = replace(out, restarting=tuple(sorted(sl.pod for sl in ledger.slots)), breaker=breaker_open(ledger))
+    return out

@@ -92,6 +92,13 @@ class History:
     # What the edges said (the API, the ledger, the kubelet, the control API): `watchdog.core.edges`.
     edge: EdgeFacts = field(default_factory=EdgeFacts)
 
+    @property
+    def restart_acting(self) -> bool:
+        """A restart under way past its waiting (drained, acting): what the server answers now says
+        nothing of the process to come, so no canary is taken and no state is read from it. While a
+        restart waits, the server serves as before and is watched as before."""
+        return self.restart_in_progress and not self.restart_waiting
+
     def canaries_since_epoch(self) -> list[CanarySample]:
         # `_gone` inlined: every rule reads this at every decision, over up to 256 canaries.
         epoch, gone = self.epoch, self.gone_instance

@@ -269,6 +269,14 @@ def worker_restart_wanted(settings: PolicySettings, h: History, now: float, budg
     return False
 
 
+def hold_over(settings: PolicySettings, h: History, now: float, budget_from_events: bool = False) -> bool:
+    """A fleet hold (of the watched target's restart or another worker's) is over: no restart is under
+    way and neither the target nor any other worker still wants one that could be carried out."""
+    return h.edge.fleet.held is not None and not h.restart_in_progress \
+        and wanted_restart(settings, h, now) is None \
+        and not worker_restart_wanted(settings, h, now, budget_from_events)
+
+
 def wanted_restart(settings: PolicySettings, history: History, now: float) -> Decision | None:
     """The restart the evidence calls for now, whether or not it is held back or budgeted."""
     return _restart_rule(settings, history, now)
@@ -493,7 +501,7 @@ def serviceable(h: History, settings: PolicySettings, now: float) -> bool:
     with its canary, as a saturated server's does), for at most `hang.no_evidence_after`: missing
     evidence is no reason to act, in either direction, until it has been missing that long.
     """
-    return (not h.restart_in_progress or h.restart_waiting) and target_state(h, settings, now) in (
+    return not h.restart_acting and target_state(h, settings, now) in (
         HEALTHY, SATURATED, PROGRESS_UNKNOWN)
 
 

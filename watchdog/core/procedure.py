@@ -247,6 +247,12 @@ def fallback(s: PolicySettings, h: History, decision: Decision, untold: Untold, 
                                        "exit_error": untold.error[:200]})
 
 
+def keeps_unready(rung: str, strategy: str) -> bool:
+    """Whether a restart done on `rung` under `strategy` leaves the sidecar unready: a pod evicted or
+    deleted is going away, and stays out of the Service until it has gone."""
+    return rung == RUNG_POD and strategy in ("evict", "delete", "container")
+
+
 def slot_rung(decision: Decision, strategy: str) -> str:
     """The rung a slot for this restart is taken for: only `container` restarts in place; evict and
     delete always replace the pod; a worker's restart is the worker's whatever the strategy."""

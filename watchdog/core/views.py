@@ -46,7 +46,7 @@ def states(settings: Settings, h: History, now: float) -> frozenset[str]:
     out: set[str] = set()
     e = h.edge
     target = policy.target_state(h, settings.policy, now)
-    if target is not None and (not h.restart_in_progress or h.restart_waiting):
+    if target is not None and not h.restart_acting:
         out.add(target)
     last_canary = h.canaries[-1] if h.canaries else None
     last_torch = h.torch[-1] if h.torch else None
@@ -85,7 +85,7 @@ def ready(settings: Settings, h: History, now: float) -> tuple[bool, dict[str, A
     if ok:
         return True, {"ready": True, "reason": None, "state": policy.target_state(h, settings.policy, now)}
     last = h.canaries[-1] if h.canaries else None
-    if h.restart_in_progress and not h.restart_waiting:
+    if h.restart_acting:
         reason = "restarting"
     elif last is not None and last.ok and last.draining:
         reason = "draining: the server admits nothing"

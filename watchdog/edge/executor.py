@@ -509,8 +509,7 @@ class Executor:
                 await self._mark(None)
             if done:
                 self.metrics.restarts.labels(reason=decision.reason, rung=rung).inc()
-                # An evicted or deleted pod is going away: it stays unready until it has.
-                keep_unready = rung == RUNG_POD and self.restarter.strategy in ("evict", "delete", "container")
+                keep_unready = procedure.keeps_unready(rung, self.restarter.strategy)
                 record = "done"
             elif reported_only:
                 record = "reported"
@@ -669,7 +668,7 @@ class Executor:
             return await asyncio.to_thread(self.ledger.update, decide)
 
     def _seen(self, replicas: int | None, ledger: Ledger | None, error: str | None = None) -> None:
-        self.fold(edges.FleetSeen(fleet_view(self.fleet, self.settings, replicas, ledger, error)))
+        self.fold(edges.FleetSeen(fleet.view_of(self.fleet, self.settings.policy.fleet, replicas, ledger, error)))
 
     async def read_fleet(self) -> None:
         """The replicas (kept from the last read when this one fails: a count that is briefly unreadable
@@ -1028,14 +1027,3 @@ def _take(s: Any, ledger: Ledger, replicas: int | None, pod: str, reason: str, r
     new, verdict = fleet.take(s, ledger, replicas, pod, reason, rung, now, template=template, marks=True,
                               census=census)
     return new, (new, verdict)
-
-
-def fleet_view(view: FleetView, settings: Settings, replicas: int | None, ledger: Ledger | None,
-               error: str | None = None) -> FleetView:
-    """The view after a read or write of the ledger (None: not read; the last figures stand)."""
-    out = dataclasses.replace(view, replicas=replicas,
-                              max_unavailable=fleet.unavailable_slots(settings.policy.fleet, replicas), error=error)
-    if ledger is not None:
-        out = dataclasses.replace(out, restarting=tuple(sorted(sl.pod for sl in ledger.slots)),
-                                  breaker=fleet.breaker_open(ledger))
-    return out

@@ -191,10 +191,7 @@ class Watchdog:
             for decision in decisions:
                 self._act(decision, now)
             # Held for the watched target or for another worker: over once neither wants a restart.
-            if self.history.edge.fleet.held is not None and not self.history.restart_in_progress \
-                    and policy.wanted_restart(self.settings.policy, self.history, now) is None \
-                    and not policy.worker_restart_wanted(self.settings.policy, self.history, now,
-                                                         self.restart_events is not None):
+            if policy.hold_over(self.settings.policy, self.history, now, self.restart_events is not None):
                 self.spawn(self.executor.end_hold())
 
     def record_decision(self, decision: Decision, outcome: str, now: float) -> None:

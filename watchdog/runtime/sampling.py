@@ -10,7 +10,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from gpu_watchdog import logs
-from gpu_watchdog.watchdog.core import policy
+from gpu_watchdog.watchdog.core import edges, policy
 from gpu_watchdog.watchdog.core.edges import CanaryDescribed
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.samples import XidEvent
@@ -132,7 +132,7 @@ class Sampling:
 
     async def canary(self) -> None:
         samplers = self.samplers
-        if self.history().restart_in_progress and not self.history().restart_waiting:
+        if self.history().restart_acting:
             return
         sample = await samplers.canary.sample()
         described = samplers.canary.describe()
@@ -144,10 +144,8 @@ class Sampling:
             samplers.control.set_token(self.read_token() or self.token)
         served_before = self.history().served_at is not None
         executor = self.executor
-        if sample.ok and sample.instance_id is not None and sample.instance_id != executor.edge.pushed_to:
-            # A new server process gets the workload's quarantine before this pod reads ready again,
-            # not at the next sync.
-            await executor.push_quarantine(sample.instance_id)
+        if edges.push_due(executor.edge, 0, sample.ok, sample.instance_id):
+            await executor.push_quarantine(sample.instance_id)  # before this pod reads ready again
         self.fold(sample)
         # A drained server's answer is no cure: the verdict stays until a new process serves.
         if sample.served:

@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from gpu_watchdog.watchdog.core import policy
+from gpu_watchdog.watchdog.core import edges, policy
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.core.settings import Settings
@@ -40,8 +40,7 @@ class WorkerRung:
             newest = canaries[-1] if canaries else None
             if newest is None or not newest.ok:
                 continue
-            if newest.instance_id is not None and newest.instance_id != ex.edge.worker_pushed_to.get(k):
-                # A new process of that worker gets the workload's quarantine now, not at the next sync.
+            if edges.push_due(ex.edge, k, newest.ok, newest.instance_id):
                 await ex.push_quarantine_to(k, newest.instance_id)
             if newest.served and k in ex.restarting_workers():
                 await ex.served(k, newest.instance_id)
