@@ -322,3 +322,34 @@ def test_a_canary_answered_before_the_restart_was_decided_says_nothing_of_a_new_
     (RUNG_CONTAINER, "container", False), (RUNG_POD, "none", False), (RUNG_WORKER, "evict", False)])
 def test_only_a_pod_going_away_keeps_its_sidecar_unready(rung: str, strategy: str, unready: bool) -> None:
     assert procedure.keeps_unready(rung, strategy) is unready
+
+
+def test_a_card_that_poisons_every_new_process_gets_the_pods_rung_after_the_in_place_bound() -> None:
+    """Each new process serves a moment and is poisoned again: the container came back in place each
+    time (not needed, nothing of ours restarted), which counts toward `in_place.max_restarts` as a cure
+    that did not last. Past it the decision's rung is the pod's, which a new process never cancels:
+    never a pod left on a card that poisons every process, waiting for a restart that is always
+    cancelled."""
+    trace = Trace(S)
+    rungs: list[str] = []
+    t = 10.0
+    for n in range(S.policy.in_place.max_restarts + 1):
+        trace.run([(t, CanarySample(t, False, 0.1, "fatal_cuda", "CUDA error: an illegal memory access",
+                                    instance_id=f"p{n}"))])
+        decided = trace.decided[-1][1]
+        rungs.append(decided.rung)
+        trace.fold(RestartBegun(t))
+        p = _to_slot_wait(trace, procedure.begin(S.policy, trace.history, 0, decided, t, from_events=False), t)
+        trace.fold(CanarySample(t + 2, True, 0.05, None, instance_id=f"p{n + 1}"))
+        later = Facts(now=t + SLOT_WAIT_S, strategy="delete", slot_held=True, slot_taken_at=t)
+        step = procedure.next_step(S.policy, trace.history, p, later)
+        assert step is not None
+        if step.kind == RESTART:
+            break
+        assert step.kind == NOT_NEEDED
+        served = procedure.served_anew(trace.history, step.decision, p.begun_at)
+        assert served is not None
+        trace.fold(RestartCancelled(later.now, renewed_at=served.started_at, reason=decided.reason))
+        t += 60.0
+    assert rungs == [RUNG_CONTAINER] * S.policy.in_place.max_restarts + [RUNG_POD]
+    assert step.kind == RESTART

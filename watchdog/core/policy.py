@@ -44,6 +44,7 @@ from gpu_watchdog.watchdog.core.names import (
 from gpu_watchdog.watchdog.core.samples import (
     RESTART_FAILED,
     RESTART_HELD,
+    RESTART_NOT_NEEDED,
     RESTART_REPORTED,
     ActionRecord,
     CanarySample,
@@ -296,7 +297,9 @@ def rung_for(settings: PolicySettings, h: History, decision: Decision, now: floa
     window = settings.in_place.window
 
     def spent(rung: str) -> bool:
-        done = [a for a in h.actions if a.action == "restart" and a.rung == rung
+        # A container that came back in place by itself before our act was an in-place restart too.
+        kinds = ("restart", RESTART_NOT_NEEDED) if rung == RUNG_CONTAINER else ("restart",)
+        done = [a for a in h.actions if a.action in kinds and a.rung == rung
                 and a.reason == decision.reason and now - a.at < window]
         return len(done) >= settings.in_place.max_restarts
 

@@ -215,12 +215,16 @@ class ServerSample:
 # A restart that was decided and not carried out: reported only (strategy none), or it failed; or
 # held by the workload's ledger (`why`: which of names.FLEET_HOLDS), to be asked again shortly.
 RESTART_REPORTED, RESTART_FAILED, RESTART_HELD = "restart_reported", "restart_failed", "restart_held"
+# A restart decided and not needed: the target's container came back in place by itself (a new process
+# served before the act). Nothing of ours was restarted, but the container was: it counts toward the
+# in-place restarts that did not cure (`policy.rung_for`), never toward the restart budget.
+RESTART_NOT_NEEDED = "restart_not_needed"
 
 
 @dataclass(frozen=True)
 class ActionRecord:
     at: float
-    action: str  # empty_cache | restart | restart_reported | restart_failed
+    action: str  # empty_cache | restart | restart_reported | restart_failed | restart_held | restart_not_needed
     reason: str
     rung: str = ""  # restarts: container | pod | process
     why: str = ""  # held restarts: the hold

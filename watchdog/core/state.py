@@ -13,10 +13,11 @@ from typing import Any
 from gpu_watchdog.watchdog.core import edges, idle_memory, ladder
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.ladder_state import FailedLimit, Ladder
-from gpu_watchdog.watchdog.core.names import BLOCKED_BY_BUDGET, RUNG_POD, RUNG_WORKER, WOULD
+from gpu_watchdog.watchdog.core.names import BLOCKED_BY_BUDGET, RUNG_CONTAINER, RUNG_POD, RUNG_WORKER, WOULD
 from gpu_watchdog.watchdog.core.samples import (
     RESTART_FAILED,
     RESTART_HELD,
+    RESTART_NOT_NEEDED,
     RESTART_REPORTED,
     ActionRecord,
     CanarySample,
@@ -86,6 +87,7 @@ class RestartCancelled:
 
     at: float
     renewed_at: float | None = None
+    reason: str | None = None  # renewed: the restart's reason
 
 
 @dataclass(frozen=True)
@@ -234,6 +236,7 @@ def reduce(h: History, outcome: Outcome, admission: AdmissionSettings = Admissio
         h.restart_in_progress, h.restart_waiting = False, False
         if outcome.renewed_at is not None:
             h.epoch = max(h.epoch, outcome.renewed_at)
+            h.actions.append(ActionRecord(outcome.at, RESTART_NOT_NEEDED, outcome.reason or "", RUNG_CONTAINER))
     elif isinstance(outcome, RestartHeld):
         h.restart_in_progress, h.restart_waiting = False, False
         # Only the latest hold matters: a long wait for a slot must not push real restarts out of the log.

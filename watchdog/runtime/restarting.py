@@ -175,7 +175,7 @@ class Restarts:
             served = procedure.served_anew(self.history(), d, p.begun_at)
             assert served is not None
             await ex.release_slot(k, "not needed: a new process serves")
-            self.fold(RestartCancelled(now, renewed_at=served.started_at))
+            self.fold(RestartCancelled(now, renewed_at=served.started_at, reason=d.reason))
             self.record_decision(d, procedure.NOT_NEEDED, now)
             log.warning("restart_not_needed", reason=d.reason, rung=d.rung, instance_id=d.instance_id,
                         served_by=served.instance_id, served_after_s=round(served.at - p.begun_at, 3),
