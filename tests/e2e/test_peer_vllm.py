@@ -50,8 +50,8 @@ def status_of(url: str) -> dict[str, Any]:
 @pytest.mark.parametrize("run", range(3))
 def test_a_saturated_vllm_is_never_restarted_and_stays_ready(vllm: peer_vllm.Vllm, tmp_path: Path, run: int) -> None:
     """96 clients on 8 sequence slots, canary every 2 s with a 1 s timeout, 3 timeouts make a hang:
-    the settings stay short, three runs in a row (the benchmark `peer_vllm` runs more). vLLM's own /metrics answers late under this load
-    too; missing evidence must not pass for a flat counter."""
+    the settings stay short, three runs in a row (the benchmark `peer_vllm` runs more). vLLM's own
+    /metrics answers late under this load too; missing evidence must not pass for a flat counter."""
     r = peer_vllm.saturation(vllm, tmp_path, clients=96, seconds=20.0)
     print(f"run {run}: {r}")
     assert r["canary_timeouts"] >= N, f"the flood must have made canaries time out: {r}"

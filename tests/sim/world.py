@@ -603,6 +603,14 @@ class World:
             car.held, car.proc = car.proc.held, None
         elif step.kind == procedure.SLOT_WAIT:
             pass  # asked again at its next step, as the procedure's performer sleeps until then
+        elif step.kind == procedure.RECOUNT:  # as `Executor.recount`: the pods listed, the Lease read
+            version, ledger, _ = self._read()
+            verdict = fleet.recount(self.fleet_settings, ledger, self.census(), pod.name)
+            held = None if verdict.granted else verdict.outcome
+            if held is not None:  # the slot back, as `release_slot` (a write lost leaves it to lapse)
+                self._write(version, ledger=fleet.give_back(ledger, pod.name, restarted=False))
+                car.slot = False
+            car.proc = procedure.advance(car.proc, step, held=held)
         elif step.kind == procedure.RESTART:
             self._evict(car, pod)
         else:

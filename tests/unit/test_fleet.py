@@ -597,3 +597,18 @@ def test_the_view_after_a_read_names_the_slots_and_the_breaker_and_keeps_the_las
     assert seen.restarting == ("a",) and seen.max_unavailable == 2 and seen.breaker is None
     unread = fleet.view_of(seen, S, 8, None, error="timeout")
     assert unread.restarting == ("a",) and unread.error == "timeout"
+
+
+def test_a_slot_granted_is_counted_again_at_the_act_and_a_drain_since_then_holds_it() -> None:
+    """The simulation's trace: 4 replicas, max_unavailable 1. a's replacement (e) still loads when b
+    hangs; c, d and f serve, so b's slot is granted (3 of 4 serve once b goes). In b's wait before the
+    act, c is drained by someone else and its stand-in (g) loads: b going now would leave 2 of 4
+    serving with two out because of restarts. Counted again at the act, b is held."""
+    ledger, granted = ask(Ledger(), "b", census(4, ready="cdf", unready="be", terminating="a"))
+    assert granted.granted
+    assert fleet.recount(ONE, ledger, census(4, ready="cdf", unready="be", terminating="a"), "b").granted
+    drained = fleet.recount(ONE, ledger, census(4, ready="df", unready="beg", terminating="ac"), "b")
+    assert drained.outcome == UNAVAILABLE_LIMIT and drained.detail["unavailable"] == 2
+    assert drained.detail["serving"] == 2 and drained.detail["recounted"] is True
+    # g serves: b may go.
+    assert fleet.recount(ONE, ledger, census(4, ready="dfg", unready="be", terminating="ac"), "b").granted

@@ -33,6 +33,7 @@ from gpu_watchdog.watchdog.core.procedure import (
     KEEP_OUT,
     NOT_NEEDED,
     READ_BUDGET,
+    RECOUNT,
     REPORTED,
     RESTART,
     SLOT_WAIT,
@@ -170,7 +171,7 @@ def test_a_worker_s_fallback_to_the_pod_swaps_its_slot_for_the_pod_s_and_keeps_t
     p = procedure.begin(S.policy, trace.history, 1, worker(), 40.0, from_events=False)
     kinds, _, steps = walk(trace, p, Facts(now=40.0, strategy="evict", slot_held=True, keep_out=True),
                            {EXIT: untold(40.0)})
-    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, KEEP_OUT, RESTART]
+    assert kinds == [STACKS, EVIDENCE, TAKE_SLOT, EXIT, FALL_BACK, SWAP_SLOT, TAKE_SLOT, KEEP_OUT, RECOUNT, RESTART]
     # The second slot is the pod's: under evict, the container's rung replaces the pod.
     assert steps[5].decision.rung == RUNG_CONTAINER and procedure.slot_rung(steps[5].decision, "evict") == RUNG_POD
     # The pod's slot refused: held, nothing restarted.
@@ -257,7 +258,15 @@ def test_the_pod_is_replaced_once_its_slot_is_slot_wait_s_old_and_never_waits_in
     assert procedure.slot_wait_left(step.decision, held) == pytest.approx(SLOT_WAIT_S - 1.0)
     later = Facts(now=40.0 + SLOT_WAIT_S, strategy="evict", slot_held=True, slot_taken_at=40.0)
     step = procedure.next_step(S.policy, trace.history, p, later)
+    assert step is not None and step.kind == RECOUNT  # the workload counted again right before the act
+    counted = procedure.advance(p, step)
+    step = procedure.next_step(S.policy, trace.history, counted, later)
     assert step is not None and step.kind == RESTART
+    # Too many out since the slot was granted (a drain, a scale-down): held, nothing restarted.
+    recounted = procedure.advance(p, procedure.Step(RECOUNT, p.decision), held=FLEET_UNAVAILABLE_LIMIT)
+    step = procedure.next_step(S.policy, trace.history, recounted, later)
+    assert step is not None and step.kind == HELD
+    assert procedure.next_step(S.policy, trace.history, procedure.advance(recounted, step), later) is None
     # A restart in place, or one under no slot, replaces no pod: nothing to wait for.
     for facts in (Facts(now=41.0, strategy="container", slot_held=True, slot_taken_at=40.0),
                   Facts(now=41.0, strategy="evict", slot_held=False, slot_taken_at=40.0)):
@@ -276,10 +285,10 @@ def _to_slot_wait(trace: Trace, p: Procedure, at: float) -> Procedure:
 
 @pytest.mark.parametrize(("ours", "theirs", "went_away", "rung", "expected"), [
     ("p1", "p2", False, RUNG_CONTAINER, NOT_NEEDED),  # another process served: the cure came by itself
-    ("p1", "p1", True, RUNG_CONTAINER, RESTART),  # the poisoned process still answers: no cure
+    ("p1", "p1", True, RUNG_CONTAINER, RECOUNT),  # the poisoned process still answers: the act goes on
     (None, None, True, RUNG_CONTAINER, NOT_NEEDED),  # no names: the port refused, then it served
-    (None, None, False, RUNG_CONTAINER, RESTART),  # no names and never away: maybe the same process
-    ("p1", "p2", True, RUNG_POD, RESTART),  # the card needs more than a new process
+    (None, None, False, RUNG_CONTAINER, RECOUNT),  # no names and never away: maybe the same process
+    ("p1", "p2", True, RUNG_POD, RECOUNT),  # the card needs more than a new process
 ], ids=["new-instance", "same-instance", "unnamed-after-away", "unnamed-never-away", "pod-rung"])
 def test_a_restart_whose_target_came_back_as_a_new_process_before_the_act_is_not_needed(
         ours: str | None, theirs: str | None, went_away: bool, rung: str, expected: str) -> None:
@@ -344,7 +353,7 @@ def test_a_card_that_poisons_every_new_process_gets_the_pods_rung_after_the_in_p
         later = Facts(now=t + SLOT_WAIT_S, strategy="delete", slot_held=True, slot_taken_at=t)
         step = procedure.next_step(S.policy, trace.history, p, later)
         assert step is not None
-        if step.kind == RESTART:
+        if step.kind == RECOUNT:  # the act goes on
             break
         assert step.kind == NOT_NEEDED
         served = procedure.served_anew(trace.history, step.decision, p.begun_at)
@@ -352,4 +361,4 @@ def test_a_card_that_poisons_every_new_process_gets_the_pods_rung_after_the_in_p
         trace.fold(RestartCancelled(later.now, renewed_at=served.started_at, reason=decided.reason))
         t += 60.0
     assert rungs == [RUNG_CONTAINER] * S.policy.in_place.max_restarts + [RUNG_POD]
-    assert step.kind == RESTART
+    assert step.kind == RECOUNT

@@ -396,6 +396,18 @@ def take(settings: FleetSettings, ledger: Ledger, replicas: int | None, pod: str
                                      "comeback": comeback})
 
 
+def recount(settings: FleetSettings, ledger: Ledger, census: Census, pod: str) -> Verdict:
+    """Right before `pod` goes, its slot held and its wait over: the replicas out once it goes,
+    counted again from what the cluster shows now. Others may have gone since the slot was granted (a
+    node drain, a scale-down, another pod's eviction): a slot granted seconds ago is no licence for
+    what the cluster shows at the act. Granted, or held for want of a slot."""
+    limit = unavailable_slots(settings, census.desired)
+    out, counted = out_after(census, ledger, pod)
+    figures = {"replicas": census.desired, "max_unavailable": limit, "unavailable": out, **counted,
+               "recounted": True}
+    return Verdict(GRANTED if out <= limit else UNAVAILABLE_LIMIT, figures)
+
+
 def _breaker_detail(b: Breaker) -> dict[str, Any]:
     return {"breaker_reason": b.reason, "breaker_opened_at": b.opened_at, "breaker_failed": list(b.restarted),
             "breaker_replicas": b.replicas, "breaker_opened_by": b.opened_by}

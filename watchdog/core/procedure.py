@@ -47,6 +47,10 @@ SWAP_SLOT = "swap_slot"  # the worker's slot given back: the pod's rung needs th
 # The pod's replacement must be created after our slot by either clock (`fleet.replaced`): the act
 # waits until the slot is SLOT_WAIT_S old (asked again until then).
 SLOT_WAIT = "slot_wait"
+# Right before the pod goes, its wait over: the workload counted again as the cluster shows it now
+# (`fleet.recount`); too many out since the slot was granted (a drain, a scale-down): the slot goes
+# back and the restart is held (then HELD), asked again as any hold is.
+RECOUNT = "recount"
 # The watched target's new process served since the restart was decided (its container restarted in
 # place: the process left on its poisoned context, the kubelet's probe): the cure came by itself, our
 # slot goes back and nothing is done (ends). Never for a pod's rung: a new process was not the cure.
@@ -166,6 +170,8 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
         return Step(KEEP_OUT, d)
     if slot_wait_left(d, f) > 0:
         return Step(SLOT_WAIT, d)
+    if _replaces_pod(d, f) and not p.did(RECOUNT):
+        return Step(RECOUNT, d)
     return Step(RESTART, d)
 
 
@@ -191,10 +197,14 @@ def served_anew(h: History, d: Decision, since: float) -> CanarySample | None:
 def slot_wait_left(d: Decision, f: Facts) -> float:
     """How long the act still waits for our slot to be SLOT_WAIT_S old: only where it replaces the pod
     (evict, delete) under a slot of the ledger."""
-    if not f.slot_held or f.slot_taken_at is None or f.strategy not in ("evict", "delete") \
-            or d.rung == RUNG_WORKER:
+    if not _replaces_pod(d, f) or f.slot_taken_at is None:
         return 0.0
     return max(0.0, SLOT_WAIT_S - (f.now - f.slot_taken_at))
+
+
+def _replaces_pod(d: Decision, f: Facts) -> bool:
+    """The act replaces the pod (evict, delete) under a slot of the ledger."""
+    return f.slot_held and f.strategy in ("evict", "delete") and d.rung != RUNG_WORKER
 
 
 def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, held: str | None = None,
@@ -202,7 +212,7 @@ def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, h
             stacks: dict[str, Any] | None = None) -> Procedure:
     """`p` once `step` was performed: `stacks`, what the restart's Event says of the stacks taken;
     `inflight`, the fingerprints its evidence read (None: none);
-    `held`, why the ledger said not now (None: a slot was granted); `exit`, what the worker's exit
+    `held`, why the ledger (or the recount) said not now (None: a slot was granted); `exit`, what the worker's exit
     answered (one of EXIT_ANSWERS) and why."""
     d = step.decision
     if step.kind == STACKS and stacks is not None:
@@ -210,7 +220,7 @@ def advance(p: Procedure, step: Step, inflight: tuple[str, ...] | None = None, h
     if step.kind == EVIDENCE and inflight is not None:
         d = dataclasses.replace(d, detail={**d.detail, "inflight": list(inflight)})
     out = dataclasses.replace(p, decision=d, done=(*p.done, step.kind))
-    if step.kind == TAKE_SLOT:
+    if step.kind in (TAKE_SLOT, RECOUNT):
         out = dataclasses.replace(out, held=held)
     if step.kind == EXIT:
         if exit not in EXIT_ANSWERS:

@@ -743,6 +743,26 @@ class Executor:
         self._held(decision, verdict.outcome, verdict.detail)
         return verdict.outcome
 
+    async def recount(self, decision: Decision) -> str | None:
+        """The workload counted again right before our pod goes (`fleet.recount`); None: it may go, else
+        why not (said as a hold is). Pods that cannot be listed hold it: the count is the licence."""
+        if not self.fleet_on or self.ledger is None:
+            return None
+        pod = self.settings.kubernetes.pod_name
+        try:
+            census = await asyncio.to_thread(self.ledger.census)
+            if census is None:
+                return None  # no workload to count (as when the slot was taken): the slot alone stands
+            ledger = await asyncio.to_thread(self.ledger.read)
+        except Exception as exc:
+            self._held(decision, FLEET_LEDGER_UNKNOWN, {"error": str(exc)[:300], "recounted": True})
+            return FLEET_LEDGER_UNKNOWN
+        verdict = fleet.recount(self.settings.policy.fleet, ledger, census, pod)
+        if verdict.granted:
+            return None
+        self._held(decision, verdict.outcome, verdict.detail)
+        return verdict.outcome
+
     def fleet_episode(self, why: str | None) -> bool:
         """Whether the hold just returned began a new episode (a new why or reason), to be recorded once."""
         return why is not None and self.edge.held_anew

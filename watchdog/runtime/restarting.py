@@ -180,6 +180,11 @@ class Restarts:
             log.warning("restart_not_needed", reason=d.reason, rung=d.rung, instance_id=d.instance_id,
                         served_by=served.instance_id, served_after_s=round(served.at - p.begun_at, 3),
                         action="the target's new process serves: nothing restarted, the slot given back")
+        elif kind == procedure.RECOUNT:
+            held = await ex.recount(d)
+            if held is not None:
+                await ex.release_slot(k, f"recounted before the act: {held}")
+            return procedure.advance(p, step, held=held)
         elif kind == procedure.SLOT_WAIT:
             await asyncio.sleep(procedure.slot_wait_left(d, self.facts()))
         elif kind == procedure.RESTART:
