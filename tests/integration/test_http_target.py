@@ -23,6 +23,7 @@ from gpu_watchdog.watchdog.edge.config import from_mapping
 from gpu_watchdog.watchdog.edge.samplers.canary import EMBEDDINGS, OpenAICanary
 from gpu_watchdog.watchdog.edge.samplers.http_canary import HttpCanary
 from gpu_watchdog.watchdog.runtime.app import Watchdog
+from tests.integration.loopback import serve_everything
 from tests.integration.sidecar_stand_ins import RecordingRestarter
 
 
@@ -186,23 +187,13 @@ async def test_an_openai_server_with_only_embedding_models_is_canaried_by_embedd
             return web.json_response({"data": [{"embedding": [0.1, 0.2], "index": 0}]})
         return web.json_response({"error": {"message": "The model does not support this API"}}, status=400)
 
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
-    try:
-        async with aiohttp.ClientSession() as session:
-            canary = OpenAICanary(f"http://127.0.0.1:{port}/v1", None, None, session, time.monotonic, 2.0)
-            first = await canary.sample()
-            assert first.ok and canary.route == EMBEDDINGS
-            assert seen == ["/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
-            second = await canary.sample()
-            assert second.ok and second.route == EMBEDDINGS and seen[-1] == "/v1/embeddings" and len(seen) == 5
-    finally:
-        await runner.cleanup()
+    async with serve_everything(handler) as url, aiohttp.ClientSession() as session:
+        canary = OpenAICanary(f"{url}/v1", None, None, session, time.monotonic, 2.0)
+        first = await canary.sample()
+        assert first.ok and canary.route == EMBEDDINGS
+        assert seen == ["/v1/models", "/v1/completions", "/v1/chat/completions", "/v1/embeddings"]
+        second = await canary.sample()
+        assert second.ok and second.route == EMBEDDINGS and seen[-1] == "/v1/embeddings" and len(seen) == 5
 
 
 async def test_the_api_key_is_sent_from_the_request_or_the_target(service: tuple[str, Predict], tmp_path: Any,
