@@ -21,7 +21,7 @@ from tests.integration.sidecar_stand_ins import NoNvml
 from tests.unit.fake_nvml import FakeNvml
 
 
-class RecordingRestarter:
+class ProcessRestarter:
     """Restarts the process it owns (as `up` does): every decision it was handed, in order."""
 
     strategy = "local"
@@ -57,7 +57,7 @@ async def test_one_recovery_action_fault_gives_one_node_event_at_once(kmock: Any
     gpu.visible = [OURS]
     gpu.used = {OURS: 2**30}
     gpu.recovery[OURS] = 1  # NVML_GPU_RECOVERY_ACTION_GPU_RESET
-    restarter = RecordingRestarter()
+    restarter = ProcessRestarter()
     wd = Watchdog(settings(), restarter, nvml_backend=gpu, pod_gpus=lambda: (OURS,),  # type: ignore[arg-type]
                   node=NodeReporter(api, NS, NODE, 5.0, node_condition=False))
     await wd.start(serve_http=False)
@@ -109,7 +109,7 @@ def pod_with_gpu(health: str | None) -> dict[str, Any]:
 async def test_a_gpu_our_pods_status_reports_unhealthy_restarts_the_pod(kmock: Any, api: client.ApiClient,
                                                                        tmp_path: Path, health: str | None) -> None:
     kmock.objects["v1/pods", NS, POD] = pod_with_gpu(health)
-    restarter = RecordingRestarter()
+    restarter = ProcessRestarter()
     wd = Watchdog(settings(kubeconfig=kubeconfig(tmp_path, str(kmock.url).rstrip("/"))), restarter,
                   nvml_backend=NoNvml(), pod_gpus=lambda: (OURS,))  # type: ignore[arg-type]
     await wd.start(serve_http=False)
