@@ -319,6 +319,9 @@ STEPS = (
          note=("the counter advancing: saturated,", "ready, no restart")),
     Step("decision: hang", ("no drain: a hung kernel never finishes;",
                             "the rung: the pod, with restart.strategy evict"), WATCHDOG),
+    Step("take the stacks of every thread", ("POST /control/stacks: where it is stuck, kept in",
+                                              "the termination log and the flight recording"), INFERENCE,
+         note=("never holds the restart",)),
     Step("record what was in flight (query of death)",
          ("GET /control/requests; the failure added to the Lease's", "records, waited for 5 s at most"),
          INFERENCE, note=("never holds the restart",)),
@@ -328,6 +331,9 @@ STEPS = (
     Step("take a slot in the Lease", ("at most max_unavailable (25 %) restarting at once,",
                                       "written with resourceVersion: never two for the last"), CLUSTER,
          hold=("no slot: held, asked again in 2 s;", "breaker open, ledger unknown: held")),
+    Step("count the workload again, 3.5 s on", ("its pods listed right before it goes: a drain or",
+                                                "a scale-down since the slot was granted counts"), CLUSTER,
+         hold=("too many out now: the slot back,", "held, asked again in 2 s")),
     Step("ask: a dry-run eviction", ("the API server answers from the PodDisruptionBudget",), CLUSTER,
          hold=("429: nothing drained, the pod", "serves on; retried with backoff")),
     Step("write the restart Event (Warning Hang)", ("on the pod: reason, workload, node, GPUs,",
@@ -346,7 +352,7 @@ STEPS = (
 )
 
 # The phases of the axis: (first step, last step, what, how long).
-PHASES = ((0, 1, "evidence", f"{APPROX} 60 s"), (2, 8, "the restart", "seconds"), (9, 11, "the new pod", "minutes"))
+PHASES = ((0, 1, "evidence", f"{APPROX} 60 s"), (2, 10, "the restart", "seconds"), (11, 13, "the new pod", "minutes"))
 
 
 def timeline() -> Svg:
@@ -363,12 +369,13 @@ def timeline() -> Svg:
     legend_y = y + 14
     svg = Svg("restart-timeline", 800, int(legend_y + 34), "One restart of a pod for a hang, step by step",
               "Time runs down. Evidence: three canary timeouts in a row with the server's token counter flat. "
-              "The decision: hang, with no drain. The sidecar records what was in flight, reads the restart "
-              "budget from the workload's Events, takes a slot in the fleet's Lease, asks with a dry-run "
+              "The decision: hang, with no drain. The sidecar takes the stacks of every thread, records what "
+              "was in flight, reads the restart budget from the workload's Events, takes a slot in the "
+              "fleet's Lease, counts the workload's pods again right before the act, asks with a dry-run "
               "eviction, writes the restart Event, and evicts (a drain, at most restart.drain_timeout, is not "
               "done for hang or context_loss). The replacement pod starts, is not restarted before "
               "policy.startup_timeout, serves its first canary, and its sidecar gives the slot back. "
-              "The restart can be held at the budget, the slot, the dry run and the Event.")
+              "The restart can be held at the budget, the slot, the recount, the dry run and the Event.")
     svg.text(20, 28, "One pod restart for a hang (restart.strategy evict), as the sidecar does it", STYLES["b"])
     svg.text(20, 48, "Time runs down. In red: where the restart can be held, and what then happens.", STYLES["s"])
     svg.text(hx, 76, "can hold it", Style(12, "bold", HOLD[1]))
