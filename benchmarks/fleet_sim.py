@@ -1,7 +1,8 @@
 """The fleet's simulation at length: many more runs than CI's fixed seeds, each checked after every
 move against the invariants (`tests/sim/invariants.py`), and the figures: runs (seeds) explored,
 simulated seconds (one a tick) and how many a second of real time, the sidecars' steps and how many a
-second, the restarts the budget blocked, the node drains and Leases lost the runs went through, and
+second, the restarts the budget blocked, the node drains, Leases lost, API errors, answers lost and
+raced writes the runs went through, and
 F (the killer's failures in the records when it was refused) at 0, 4 and 8 decoys and at the bundled
 server's admission limit on a CPU (64 in one step: the killer, 61 decoys, the popular request and a
 one-off), the killer sending another sampler or spelling at each try, and how often the popular
@@ -16,6 +17,7 @@ invariant broke, after printing the shrunk moves that broke it.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import sys
@@ -38,13 +40,18 @@ CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, m
            Knobs(replicas=5, max_unavailable="1", decoys=8), Knobs(replicas=8, max_unavailable="2", decoys=8,
                                                                    api_error_rate=0.1),
            Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
+           # A rollout surging by 2 with 2 unavailable, evictions answered by a PodDisruptionBudget.
+           Knobs(replicas=8, max_unavailable="1", surge=2, rollout_unavailable=2, pdb=True),
+           # The API refusing, losing answers and racing writes; clocks up to a minute off.
+           Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
+                 skew_s=60, strategy="delete"),
            # The admission limit: `serve`'s default concurrency on a CPU (`cpu_default_concurrency`).
            Knobs(replicas=4, max_unavailable="1", decoys=ServeSettings().cpu_default_concurrency - 3))
 
 
 def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"runs": 0, "ticks": 0, "sidecar_steps": 0, "evictions": 0, "budget_blocks": 0,
-                               "killer_failures": 0, "lost_races": 0, "api_errors": 0, "drains": 0,
+                               "killer_failures": 0, "races": 0, "lost_answers": 0, "api_errors": 0, "drains": 0,
                                "leases_lost": 0, "killer_tries_refused": 0,
                                "popular_refused": 0, "F": Counter()}
     base = machine(knobs)
@@ -59,7 +66,8 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
             figures["evictions"] += sum(1 for r in w.removals if r.by_us)
             figures["budget_blocks"] += w.budget_blocks
             figures["killer_failures"] += w.killer_failures
-            figures["lost_races"] += w.lost_races
+            figures["races"] += w.races
+            figures["lost_answers"] += w.lost_answers
             figures["api_errors"] += w.api_errors
             figures["drains"] += w.drains
             figures["leases_lost"] += w.leases_lost
@@ -90,8 +98,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--runs and --steps must be at least 1")
     failed = False
     for knobs in CONFIGS:
-        name = f"{knobs.replicas}x max_unavailable={knobs.max_unavailable} decoys={knobs.decoys}" \
-               f" api_errors={knobs.api_error_rate} popular_every_tick={knobs.popular_every_tick}"
+        name = " ".join(f"{k}={v}" for k, v in dataclasses.asdict(knobs).items()
+                        if k in ("replicas", "max_unavailable", "decoys") or v != getattr(Knobs(), k))
         try:
             out = explore(knobs, args.runs, args.steps, args.seed)
         except AssertionError as exc:

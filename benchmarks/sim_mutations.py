@@ -1,7 +1,8 @@
 """Whether the simulation catches a broken rule: each mutation breaks one production function the
 simulated sidecars run (a slot never given back, any pod taken for a replacement, a budget never
 spent, ties never taken, lifts ignored, answered requests never cleared, the unavailable count
-zeroed), the seeded runs go again, and the first invariant that broke is named. A mutation nothing
+zeroed, the pod evicted before its restart Event is written), the seeded runs go again, and the
+first invariant that broke is named. A mutation nothing
 catches is a hole in the simulation or its invariants, printed as such (`survived`); one the
 simulation cannot reach at all (it performs that part itself) says so (`not reached`).
 
@@ -15,6 +16,7 @@ unmutated baseline, which must hold. Exits non-zero when the baseline breaks.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import dataclasses
 import json
 import logging
@@ -34,11 +36,15 @@ from hypothesis.stateful import run_state_machine_as_test
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from gpu_watchdog.watchdog.core import fleet, policy, quarantine
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, KubeRestarter, RestartOutcome
 from tests.sim.machine import machine
 from tests.sim.world import Knobs
 
 CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
-           Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False))
+           Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
+           Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
+                 skew_s=60, strategy="delete"))
 
 
 def _give_back_drops_every_slot(ledger: fleet.Ledger, pod: str, restarted: bool) -> fleet.Ledger:
@@ -60,6 +66,13 @@ def _nothing_out(census: fleet.Census, ledger: fleet.Ledger, pod: str) -> tuple[
     return 0, {}
 
 
+async def _evict_then_record(self: KubeRestarter, decision: Decision, drain: DrainHandle) -> RestartOutcome:
+    """The act first, its Event after: what I2 forbids."""
+    await asyncio.to_thread(self._act, None, False)
+    await self.record_event(decision, "Evict")
+    return RestartOutcome(True, f"{self.strategy} accepted", recorded=True)
+
+
 def _lift_ignored(records: quarantine.Records, fingerprint: str, now: float) -> tuple[quarantine.Records, bool]:
     return records, True
 
@@ -73,8 +86,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Any]] | str] = {
     "ties are never taken": [(quarantine, "MAX_TIED", 1)],
     "lifts are ignored": [(quarantine, "lift_records", _lift_ignored)],
     "the cleared set is dropped": [(quarantine, "cleared_in", lambda *a, **k: set())],
-    "evicting before the Event": "the simulation writes the Event and evicts itself (World._evict), not the "
-                                 "production restarter",
+    "evicting before the Event": [(KubeRestarter, "restart", _evict_then_record)],
     "placement's cap off": "the simulation places nothing: placement is not part of it",
 }
 

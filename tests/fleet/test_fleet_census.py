@@ -9,6 +9,7 @@ Each scenario prints one line of figures, read with `-s`.
 from __future__ import annotations
 
 import asyncio
+import time
 from pathlib import Path
 from typing import Any
 
@@ -18,11 +19,13 @@ from gpu_watchdog.watchdog.core import fleet
 from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION
 from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, LedgerUnavailable
+from gpu_watchdog.watchdog.edge.kube.kube_api import parse_time
 from tests.fleet import cluster as k8s
 from tests.fleet.clients import NS, api_of
 from tests.fleet.harness import Fleet, FleetPod
 from tests.fleet.readouts import figures, held_lines
 from tests.fleet.workload import LEASE, stored_ledger
+from tests.integration.kmock_api import events
 from tests.tooling import faketime_env
 
 ONE = {"policy": {"fleet": {"max_unavailable": "1"}}}
@@ -100,12 +103,13 @@ async def test_the_census_is_the_workloads_pods_by_its_selector_ready_and_termin
         raise AssertionError("a census was counted without the pods")
 
 
-async def test_a_node_whose_clock_runs_30s_fast_never_holds_the_fleet_for_slot_timeout(
+async def test_a_node_whose_clock_runs_30s_fast_stamps_the_workloads_records_on_the_servers_clock(
         kmock: Any, tmp_path: Path) -> None:
-    """A's sidecar runs with its clock 30 s ahead (libfaketime): its slot is stamped after its own
-    replacement's creation, so no pod ever gives it back by the old rule of which pod replaced which.
-    B hangs once that replacement serves: it is restarted at once, not after `slot_timeout` (30 min),
-    since a slot whose pod the cluster no longer lists holds nobody."""
+    """A's sidecar runs with its clock 30 s ahead (libfaketime). What it writes for the workload is
+    stamped on the API server's clock, learned from its answers' `Date` (`KubeApi.now`), not its own:
+    its restart Event says when the restart happened, and its slot is given back by its replacement
+    as on any node (stamped 30 s ahead, no pod would ever have been created after it). B hangs once
+    that replacement serves: it is restarted at once, not after `slot_timeout` (30 min)."""
     skewed: list[str] = []
 
     def env(pod: FleetPod) -> dict[str, str]:
@@ -118,10 +122,13 @@ async def test_a_node_whose_clock_runs_30s_fast_never_holds_the_fleet_for_slot_t
         b = next(p for p in f.pods() if p is not a)
         await f.hang(a)
         await f.wait_until(lambda: len(f.deletions()) == 1, 30, "A restarted")
+        restart = next(e for e in events(kmock) if (e.get("regarding") or {}).get("name") == a.name
+                       and e.get("type") == "Warning")
+        stamped = parse_time(restart.get("eventTime"))
+        assert stamped is not None and abs(stamped - time.time()) < 10, restart.get("eventTime")
         replacement = next(p for p in f.pods() if p.replaces == a.name)
         await f.wait_until(lambda: replacement.ready_at is not None, 60, "A's replacement serving")
-        await asyncio.sleep(1.0)  # its sidecar has told the ledger it serves
-        assert [s.pod for s in stored_ledger(kmock).slots] == [a.name]  # stamped 30 s ahead: never given back
+        await f.wait_until(lambda: stored_ledger(kmock).slots == (), 10, "A's slot given back by its replacement")
         await f.hang(b)
         await f.wait_until(lambda: len(f.deletions()) == 2, 30, "B restarted without waiting for slot_timeout")
         assert f.max_restarting() == 1, f.restarting_series()

@@ -284,3 +284,24 @@ def test_a_client_certificate_inline_or_from_files(tmp_path: Path) -> None:
                      {"client-certificate-data": inline("client.pem"), "client-key-data": inline("client.key")}):
             api = kube_api.from_kubeconfig(str(kubeconfig(tmp_path / "config", user, cluster)), 5.0)
             assert api.get("/api/v1/nodes/n") == {"kind": "Node"} and api.token() is None
+
+
+def test_its_clock_is_the_api_servers_learned_from_each_answers_date() -> None:
+    """A node whose clock runs 5 minutes slow: after one answer, `now()` is the server's (its `Date`
+    header, whole seconds), which the workload's records are stamped by."""
+    with serving(lambda req, body: (200, b"{}")) as (url, _):
+        api = KubeApi(url, wall_clock=lambda: time.time() - 300)
+        assert abs(api.now() - (time.time() - 300)) < 1  # nothing learned yet: its own
+        api.get("/api/v1/namespaces/ns/pods/p")
+        assert abs(api.now() - time.time()) < 1.5
+
+
+def test_a_date_it_cannot_read_changes_nothing_and_one_within_the_second_moves_nothing() -> None:
+    api = KubeApi("http://127.0.0.1:1", wall_clock=lambda: 1_000_000.0)
+    for garbage in (None, "", "yesterday", "Mon, 32 Foo 2026 99:99:99 GMT", "Mon, 07 Dec 2026 02:00:00"):
+        api.learn_time(garbage)
+        assert api.now() == 1_000_000.0, garbage
+    api.learn_time("Mon, 12 Jan 1970 14:00:00 GMT")  # 1_000_800 s: 800.5 s ahead, the middle of its second
+    assert api.now() == 1_000_800.5
+    api.learn_time("Mon, 12 Jan 1970 14:00:01 GMT")  # the next second: within the steady bound
+    assert api.now() == 1_000_800.5

@@ -3,10 +3,12 @@ broke. Checked after every step of every run (`test_invariants.py`) and of the b
 
 from __future__ import annotations
 
+import bisect
+
 from gpu_watchdog.watchdog.core import fleet, quarantine
 from gpu_watchdog.watchdog.core.names import FLEET_HOLDS
 from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S
-from tests.sim.world import STEP_S, SYNC_S, Sidecar, World
+from tests.sim.world import STEP_S, Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
 KILLER_FAILURES = 3
@@ -33,21 +35,25 @@ def i1_max_unavailable(world: World) -> None:
 
 
 def i2_event_first(world: World) -> None:
-    """I2: no restart without its recorded Event: every pod a sidecar removed has its restart Event,
-    written before the removal."""
+    """I2: no restart without its recorded Event: every pod its sidecar evicted had a restart Event
+    (a Warning regarding it) in the API server when the eviction was accepted (in the server's own
+    order of writes: both may fall in one second)."""
+    events = world.restart_events()
     for r in world.removals:
-        if r.by_us and not any(e.pod == r.pod and e.at <= r.at for e in world.events):
-            raise Broken(f"I2: {r.pod} removed by its sidecar at {r.at:.0f} with no restart Event before it")
+        if r.by_us and not any(e["regarding"].get("name") == r.pod
+                               and int(e["metadata"]["resourceVersion"]) <= r.version for e in events):
+            raise Broken(f"I2: {r.pod} evicted by its sidecar at {r.at:.0f} with no restart Event before it")
 
 
 def i5_lineage_bounded(world: World) -> None:
-    """I5: the restarts of one lineage (here a node: a pod we restarted is replaced on its node) within
-    `restart_budget.window` are at most `max_restarts`, however many generations of pods took part."""
+    """I5: the pods of one lineage (here a node: a pod we restarted is replaced on its node) that their
+    sidecars evicted within `restart_budget.window` are at most `max_restarts`, however many
+    generations of pods took part."""
     b = world.policy.restart_budget
     recent: dict[str, int] = {}
-    for e in world.events:
-        if world.now - e.at < b.window:
-            recent[e.node] = recent.get(e.node, 0) + 1
+    for r in world.removals:
+        if r.by_us and world.now - r.at < b.window:
+            recent[r.node] = recent.get(r.node, 0) + 1
     for node, n in recent.items():
         if n > b.max_restarts:
             raise Broken(f"I5: {n} restarts on node {node} within {b.window:g}s (max_restarts {b.max_restarts})")
@@ -69,26 +75,37 @@ def i4_no_zombie(world: World) -> None:
     for pod in world.alive():
         car = world.sidecars.get(pod.name)
         # One its sidecar never saw serve is still starting (`policy.startup_timeout` bounds that).
-        hung = pod.server.hung_since is not None and pod.served_once
+        hung = pod.server.hung_since is not None and world.seen_serving(pod)
         held = car is not None and (car.held in FLEET_HOLDS or car.slot or budget_holds(car, world.now))
         if hung and not held:
             raise Broken(f"I4: {pod.name} hung since {pod.server.hung_since:.0f}, neither restarted nor held"
                          f" ({None if car is None else car.held})")
 
 
-# How long a success takes to reach every server at most: its replica's sidecar clears it in the
-# records at its next sync, and every sidecar pushes the list at its next.
-I6_REACH_S = 2 * SYNC_S + 2 * STEP_S
-
-
 def i6_answered_is_never_refused(world: World) -> None:
-    """I6, on what happened: a request answered by any replica of the fleet is refused by no server
-    from I6_REACH_S after that answer until the quarantine's window has passed since it."""
+    """I6, on what happened: a request a replica answered is refused by no server whose sidecar has
+    synced since the answering replica's sidecar said so, within the quarantine's window of the
+    answer. A sidecar says what its server answered at its first sync after both the answer and the
+    request falling under suspicion (a failure it was in flight at standing in the Lease, within the
+    window), or as it stops, into the Lease; a Lease lost since loses what it said (until it says it
+    again). So the reach is two syncs (5 s each) at the sidecars' cadence, however long a starved
+    sidecar takes to make them; a replica that left before anything suspected the request took its
+    answer along. Order is the world's (syncs counted), not seconds, which many moves share."""
     window = world.q_settings.window
-    for at, pod in world.popular_refused:
-        answered = [a for a in world.popular_answers if at - window <= a <= at - I6_REACH_S]
-        if answered:
-            raise Broken(f"I6: {pod} refused the popular request at {at:.0f}, answered at {answered[-1]:.0f}")
+    start, world.i6_checked = world.i6_checked, len(world.popular_refused)
+    for at, pod, after in world.popular_refused[start:]:  # each refusal judged once, as it happened
+        suspected = min((n for when, n in world.popular_suspected.values() if at - window <= when <= at), default=None)
+        pushed = max((seq for seq, _ in world.syncs.get(pod, []) if seq <= after), default=0)
+        first = bisect.bisect_left(world.popular_answers, at - window, key=lambda a: a[0])
+        for answered, by, n in world.popular_answers[first:]:
+            if answered > at:
+                break
+            since = n if suspected is None else max(n, suspected)
+            for seq, when in world.syncs.get(by, []):
+                if not since < seq < pushed or any(when <= lost <= at for lost in world.leases_lost_at):
+                    continue
+                raise Broken(f"I6: {pod} refused the popular request at {at:.0f}, answered at {answered:.0f}"
+                             f" by {by}, whose sidecar said so at {when:.0f}")
 
 
 def i6_settled(world: World) -> None:
@@ -103,9 +120,12 @@ def i6_settled(world: World) -> None:
 
 def i7_killer_refused(world: World) -> None:
     """I7: a request in flight at KILLER_FAILURES failures (on as many processes) of the workload, that
-    no replica ever answered, is in force (or lifted since), whatever decoys came with it."""
+    no replica ever answered, is in force (or lifted since), whatever decoys came with it. Failures
+    within a window after the Lease was lost do not count: nothing new is quarantined then (the
+    successes lost with it may have been any suspect's, and refusing an innocent request is the
+    worse mistake)."""
     records = world.records()
-    at = world.killer_failures_recorded(records)
+    at = {k for k in world.killer_failures_recorded(records) if not world.forgetting(world.crashed_at[k])}
     if len(at) >= KILLER_FAILURES and not world.killer_prints & {q.fingerprint
                                                                   for q in quarantine.active(records, world.now)}:
         raise Broken(f"I7: the killer was in flight at {len(at)} recorded failures with {len(world.decoys)}"

@@ -73,6 +73,12 @@ class FleetMachine(RuleBasedStateMachine):
         if pods:
             self.world.drain(pods[which % len(pods)])
 
+    @rule(which=st.integers(0, 63), seconds=st.integers(-60, 60))
+    def a_nodes_clock_steps(self, which: int, seconds: int) -> None:
+        pods = self.world.alive()
+        if pods:
+            self.world.clock_steps(pods[which % len(pods)], float(seconds))
+
     @rule()
     def the_lease_is_lost(self) -> None:
         self.world.lease_lost()
@@ -84,6 +90,12 @@ class FleetMachine(RuleBasedStateMachine):
     @rule()
     def popular_traffic(self) -> None:
         self.world.popular_traffic()
+
+    @rule(which=st.integers(0, 63))
+    def the_popular_request_sent_to_one_replica(self, which: int) -> None:
+        pods = self.world.alive()
+        if pods:
+            self.world.popular_traffic(only=pods[which % len(pods)])
 
     @rule()
     def the_killer_tries(self) -> None:
@@ -105,6 +117,6 @@ class FleetMachine(RuleBasedStateMachine):
 
 
 def machine(knobs: Knobs) -> type[FleetMachine]:
-    """A machine for these knobs (decoys, replicas, max_unavailable, API errors)."""
+    """A machine for these knobs (decoys, replicas, max_unavailable, the API's faults, clocks, surge)."""
     return type(f"FleetMachine_{knobs.replicas}_{knobs.max_unavailable}_{knobs.decoys}", (FleetMachine,),
                 {"knobs": knobs})

@@ -7,13 +7,13 @@ import dataclasses
 
 import pytest
 
-from gpu_watchdog.watchdog.core.settings import HangSettings
+from gpu_watchdog.watchdog.core.settings import HangSettings, PolicySettings
 from tests.sim.world import CANARY_S, Knobs, World
 
 
 def steps_until_restart_begins(timeouts: int) -> int:
-    w = World(Knobs(replicas=4, max_unavailable="1"), seed=0)
-    w.policy = dataclasses.replace(w.policy, hang=HangSettings(consecutive_timeouts=timeouts))
+    w = World(Knobs(replicas=4, max_unavailable="1"), seed=0,
+              policy_settings=dataclasses.replace(PolicySettings(), hang=HangSettings(consecutive_timeouts=timeouts)))
     pod = w.alive()[0]
     car = w.sidecars[pod.name]
     w.hang(pod)
@@ -42,4 +42,4 @@ def test_a_server_that_serves_again_is_never_restarted() -> None:
         w.tick()
         for name in list(w.sidecars):
             w.sidecar_step(name)
-    assert pod.alive and w.sidecars[pod.name].proc is None and not w.events
+    assert pod.alive and w.sidecars[pod.name].proc is None and not w.restart_events()

@@ -1,37 +1,39 @@
 """A deterministic simulation of one workload: its Deployment and ReplicaSet controller, its pods
-with their servers, its Lease with `resourceVersion` compare-and-swap, Events, a request mix and a
-simulated clock; each pod's sidecar restarts through the real restart procedure
-(`watchdog.core.procedure`: its evidence, the budget read from the Events, a slot, the act) and decides
-with the real fleet, quarantine and budget rules (`watchdog.core.fleet`, `watchdog.core.quarantine`,
-`watchdog.core.policy`): the same functions the sidecar folds its Lease and its history through.
+with their servers, a request mix and a simulated clock; each pod's sidecar is the production core
+*and* edge: the real fold (`state.reduce`), policy (`policy.decide`), restart procedure and its
+performer (`watchdog.runtime.restarting.Restarts`), the executor (`watchdog.edge.executor`) with
+the real Kubernetes clients (`LeaseLedger`, `PodActions` and `KubeRestarter`, `NodeReporter`'s read
+of the restart Events) and the readiness view (`views.ready`, what `/readyz` answers).
 
-The world is advanced by its scheduler (Hypothesis's stateful testing picks the steps and shrinks a
-failing run to the shortest one). A sidecar's read and its write of the Lease are two steps, so other
-sidecars' writes come in between and are lost races (409), decided again on what the winner wrote,
-as the real `LeaseLedger.update` does. Every invariant is a function of the world (`invariants.py`).
+What is simulated is only what lies outside the sidecar's process:
+- the Kubernetes API server (`tests/sim/api.py`): `resourceVersion` compare-and-swap, creation times
+  stamped by the server, a Lease that vanishes, writes refused or applied with their answer lost,
+  Events that expire, a PodDisruptionBudget;
+- each server's HTTP: its canary's answer (served, timed out on a hung server, refused by one down or
+  loading) and its control API (`SimControl`: the answers of `inference.http_control`'s routes, from
+  the server's real request record and quarantine list, `inference.screen`);
+- each sidecar's clocks: the world's time, its wall clock skewed by `Knobs.skew_s` at most;
+- the kubelet and the scheduler (a pod we restarted is replaced on its node: the lineage a restart
+  loop is bounded in), and the Deployment controller.
 
-The servers keep the real request record and screen (`inference.screen`: `RequestBook`, the
-quarantine list, the fingerprints of real request bodies); the sidecars read a failure's evidence
-from the record's report as they read `GET /control/requests` (`quarantine.failure_from`) and push
-the list as `PUT /control/quarantine` takes it. The killer's client varies what does not matter to
-the bug between tries (its sampler, its spelling), as a hostile client does.
-
-What is simulated, not run: the canary's answer (each sidecar's canary, once a second, times out
-on a hung server, is refused by one down or loading, and served otherwise), the drain, the kubelet,
-the scheduler (a pod we restarted is replaced on its node: the lineage a restart loop is bounded
-in). What is real: the fold of those canaries and of the budget's Events into each sidecar's
-history (`state.reduce`), the decision to restart (`policy.decide`: the hang rule, the budget),
-the order of a restart's steps, which restart takes a slot, when a slot goes back, when the breaker
-opens, what counts as evidence, what is quarantined and when it clears.
+The world is advanced by its scheduler (Hypothesis's stateful testing picks the moves and shrinks a
+failing run to the shortest one). A sidecar's move is one step of its loop (a restart's next step,
+its ledger's bookkeeping after a canary served, a quarantine sync, a budget read, or an evaluation);
+its blocking API calls run inline, in order, so that a seed replays exactly. Every invariant is a
+function of the world's own log (`invariants.py`): which pods served when, who removed which pod,
+which Events the API server held, what was answered and refused.
 """
 
 from __future__ import annotations
 
+import asyncio
+import concurrent.futures
 import dataclasses
 import json
 import random
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.inference.screen import (
@@ -42,13 +44,31 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog.core import edges, fleet, policy, procedure, quarantine, state
+from gpu_watchdog.watchdog.core import edges, fleet, policy, quarantine, state, views
 from gpu_watchdog.watchdog.core.history import History
-from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS, FLEET_LEDGER_UNKNOWN, HANG, RUNG_POD
-from gpu_watchdog.watchdog.core.procedure import Facts, Procedure, Step
-from gpu_watchdog.watchdog.core.samples import CanarySample, PastRestart
-from gpu_watchdog.watchdog.core.settings import FleetSettings, PolicySettings, QuarantineSettings
-from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S
+from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
+from gpu_watchdog.watchdog.core.policy import Decision
+from gpu_watchdog.watchdog.core.procedure import Procedure
+from gpu_watchdog.watchdog.core.samples import CanarySample, DecisionRecord
+from gpu_watchdog.watchdog.core.settings import (
+    FleetSettings,
+    KubernetesSettings,
+    PolicySettings,
+    QuarantineSettings,
+    RestartSettings,
+    Settings,
+)
+from gpu_watchdog.watchdog.core.state import Outcome, RestartBegun
+from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S, QUARANTINE_SYNC_S
+from gpu_watchdog.watchdog.edge.control_client import ControlError
+from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, lease_name
+from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
+from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter
+from gpu_watchdog.watchdog.edge.executor import Executor
+from gpu_watchdog.watchdog.edge.kube.kube import PodActions
+from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.runtime.restarting import Restarts
+from tests.sim.api import NS, WORKLOAD, Cluster, SimApi
 
 STEP_S = 1.0  # the clock advances this much per tick
 CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it times out after this long
@@ -56,15 +76,52 @@ CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it ti
 DETECT_S = PolicySettings().hang.consecutive_timeouts * CANARY_S
 LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (seeded, per pod)
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
-SYNC_S = 5.0  # each sidecar reads the quarantine and pushes it to its server this often
+SYNC_S = QUARANTINE_SYNC_S  # each sidecar reads the quarantine and pushes it to its server this often
 # A new server process waits this long at most for its sidecar's list before it serves without it
 # (`serve --quarantine-wait`, as the chart starts it).
 QUARANTINE_WAIT_S = 60.0
-MODEL = "sim-model"  # every replica's: one fingerprint key for the workload
+MODEL = WORKLOAD  # every replica's: one fingerprint key for the workload
 KILLER_PROMPT = "compute the shape that wedges the kernel"
+LEASE = lease_name(WORKLOAD)
+TIMEOUT_S = 5.0  # each API call's deadline (never reached: the simulated server answers at once)
 
 
 Prints = tuple[str | None, str | None]  # a request's fingerprint and input fingerprint (`Screen.prints`)
+
+
+class Inline(concurrent.futures.ThreadPoolExecutor):
+    """The loop's executor for `asyncio.to_thread`: the blocking API call runs at once, on the loop's
+    thread, so that the calls of every sidecar happen in one order a seed replays (no thread is
+    ever started)."""
+
+    def submit(self, fn: Callable[..., Any], /, *args: Any, **kwargs: Any) -> concurrent.futures.Future[Any]:
+        done: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        try:
+            done.set_result(fn(*args, **kwargs))
+        except BaseException as exc:  # handed to the awaiting coroutine, as a thread's would be
+            done.set_exception(exc)
+        return done
+
+
+def new_loop() -> asyncio.AbstractEventLoop:
+    loop = asyncio.new_event_loop()
+    loop.set_default_executor(Inline())
+    return loop
+
+
+LOOP = new_loop()  # every world's: a world's tasks end with each move (`World.run`)
+
+
+async def _nothing(*_: Any) -> None:
+    return None
+
+
+def _spawn(work: Awaitable[Any]) -> None:
+    """As `Watchdog.spawn`: beside the step that asked, ended before the move ends (`World.run`)."""
+    async def run() -> None:
+        await work
+
+    LOOP.create_task(run())
 
 
 @dataclass
@@ -77,6 +134,7 @@ class Server:
     screen: Screen
     hung_since: float | None = None
     down_until: float | None = None  # crashed: started again in place at this time
+    drained: bool = False  # its sidecar drained it before a restart (`POST /control/drain`)
 
     def serving(self, now: float) -> bool:
         """Its model answers (the control canary too)."""
@@ -85,7 +143,8 @@ class Server:
     def admits(self, now: float) -> bool:
         """It takes clients' requests: serving, and its sidecar's quarantine list in force (or the
         wait for it over)."""
-        return self.serving(now) and (self.screen.quarantine.received or now - self.started_at >= QUARANTINE_WAIT_S)
+        return self.serving(now) and not self.drained and (
+            self.screen.quarantine.received or now - self.started_at >= QUARANTINE_WAIT_S)
 
     def refuses(self, prints: Prints) -> bool:
         try:
@@ -140,7 +199,6 @@ class Pod:
     ready_at: float  # its model serves from then
     server: Server
     starts: int = 1
-    served_once: bool = False  # its sidecar saw it serve (and told the ledger, `fleet.replaced`)
     removed_at: float | None = None
     replaces: str | None = None  # ground truth: the pod removed by us that this one stands in for
     growth: bool = False  # ground truth: created by a scale-up or a rollout's surge, not a replacement
@@ -154,63 +212,59 @@ class Pod:
         return self.alive and now >= self.ready_at and self.server.serving(now)
 
 
-@dataclass
-class Lease:
-    annotations: dict[str, str] = field(default_factory=dict)
-    version: int = 1
+class SimControl:
+    """A pod's control API as its server answers it: each route `inference.http_control` serves, answered
+    from the server's real screen; a server that is down (or a pod gone) refuses the connection."""
 
+    def __init__(self, world: World, pod: str) -> None:
+        self.world = world
+        self.pod = pod
 
-@dataclass
-class Pending:
-    """A sidecar's read of the Lease, to be written back if no one wrote in between."""
+    def _server(self, path: str) -> Server:
+        pod = self.world.pods[self.pod]
+        if not pod.alive or pod.server.down_until is not None:
+            raise ControlError(f"{path}: connection refused", "unreachable")
+        return pod.server
 
-    what: str  # "take" | "replaced" | "give_back" | "record" | "clear"
-    version: int
-    ledger: fleet.Ledger | None = None
-    records: quarantine.Records | None = None
-    verdict: fleet.Verdict | None = None
-    reason: str = HANG
-    failure: quarantine.Failure | None = None
-    new_quarantine: list[quarantine.Quarantined] = field(default_factory=list)
+    async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
+        return self._server("GET /control/requests").screen.book.report()
 
+    async def quarantine(self, timeout: float = 3.0) -> dict[str, Any]:
+        return self._server("GET /control/quarantine").screen.describe()
 
-@dataclass
-class Sidecar:
-    pod: str
-    history: History  # what the budget is counted from: our pod, its node, the Events as read
-    pending: Pending | None = None
-    proc: Procedure | None = None  # the restart under way
-    step: Step | None = None  # its step whose write waits for its commit
-    slot: bool = False  # holds a slot (granted, the eviction not yet done)
-    slot_at: float = 0.0
-    held: str | None = None  # why its restart is held (a FLEET_HOLDS name)
-    held_since: float | None = None
-    event_written: bool = False  # its restart's Event (written once, before anything is done)
-    blocked: bool = False  # its restart is blocked by the budget (said; read again every BUDGET_READ_S)
-    synced_at: float = -1e9
-    recorded: set[tuple[str, str]] = field(default_factory=set)  # (process, reason) recorded
-    unrecorded: list[quarantine.Failure] = field(default_factory=list)  # a write the API refused
+    async def set_quarantine(self, entries: list[dict[str, Any]], timeout: float = 3.0) -> dict[str, Any]:
+        server = self._server("PUT /control/quarantine")
+        server.screen.quarantine.replace([parse_entry(e, f"entries[{i}].") for i, e in enumerate(entries)])
+        return server.screen.describe()
+
+    async def stacks(self, reason: str, timeout: float = 5.0) -> dict[str, Any]:
+        self._server("POST /control/stacks")
+        frame = {"file": "engine.py", "line": 1, "function": "forward"}
+        return {"threads": [{"name": "MainThread", "frames": [frame]}], "stuck": {**frame, "thread": "MainThread"},
+                "termination_log": None}
+
+    async def drain(self, timeout: float, deadline: float | None = None) -> dict[str, Any]:
+        self._server("POST /control/drain").drained = True
+        return {"drained": True, "inflight": 0, "queued": 0}
+
+    async def undrain(self, timeout: float = 10.0) -> dict[str, Any]:
+        self._server("DELETE /control/drain").drained = False
+        return {"drained": False}
 
 
 @dataclass
 class Removal:
     pod: str
+    node: str
     at: float
     reason: str
-    by_us: bool
+    by_us: bool  # its own sidecar removed it (the API server's log: who evicted it)
     # Ground truth as the pod left: the desired replicas, the pods that serve once it is gone, and the
     # replicas out because of us with it (restarted, their stand-in not serving yet).
     desired: int = 0
     serving_after: int = 0
     out_after: int = 0
-
-
-@dataclass
-class Event:
-    pod: str
-    at: float
-    reason: str
-    node: str
+    version: int = 0  # the API server's resourceVersion as it went: every write before it has one no greater
 
 
 @dataclass(frozen=True)
@@ -218,35 +272,79 @@ class Knobs:
     replicas: int = 4
     max_unavailable: str = "1"
     decoys: int = 0
-    api_error_rate: float = 0.0
+    api_error_rate: float = 0.0  # of the API's answers: refused (500), nothing done
+    lost_rate: float = 0.0  # of the API's writes: done, their answer lost (a timeout)
+    race_rate: float = 0.0  # of the Lease's writes: another writer's lands first (409, decided again)
+    skew_s: float = 0.0  # each sidecar's wall clock is off by up to this much, either way (seeded)
+    pdb: bool = False  # a PodDisruptionBudget with the fleet's max_unavailable guards evictions
+    strategy: str = "evict"  # `restart.strategy`: evict (the budget answers) or delete (nothing but our rules)
+    surge: int = 1  # the Deployment's RollingUpdate maxSurge
+    rollout_unavailable: int = 0  # and its maxUnavailable
     popular_every_tick: bool = True  # False: the popular request only when a move sends it
 
 
+@dataclass
+class Sidecar:
+    """One pod's sidecar: its history (the fold) and the production edge that acts on it."""
+
+    pod: str
+    history: History
+    settings: Settings
+    skew: float  # its wall clock less the world's time
+    executor: Executor = field(init=False)
+    restarts: Restarts = field(init=False)
+    proc: Procedure | None = None  # the restart under way
+    blocked: bool = False  # its restart is blocked by the budget (said; decided again after the next read)
+    synced_at: float = -1e9
+    served_news: bool = False  # a canary served since its ledger's bookkeeping last ran
+
+    def fold(self, outcome: Outcome) -> None:
+        """As the loop folds (`Watchdog.fold`)."""
+        state.reduce(self.history, outcome, self.settings.policy.admission)
+
+    @property
+    def held(self) -> str | None:
+        return self.history.edge.fleet.held
+
+    @property
+    def slot(self) -> bool:
+        return self.history.edge.fleet.slot_held
+
+
 class World:
-    def __init__(self, knobs: Knobs, seed: int = 0) -> None:
+    def __init__(self, knobs: Knobs, seed: int = 0, policy_settings: PolicySettings | None = None) -> None:
         self.knobs = knobs
         self.random = random.Random(seed)
         self.now = 1000.0
         self.fleet_settings = FleetSettings(max_unavailable=knobs.max_unavailable)
         self.q_settings = QuarantineSettings()
-        self.policy = dataclasses.replace(PolicySettings(), fleet=self.fleet_settings, quarantine=self.q_settings)
-        self.lease = Lease()
-        self._parsed: tuple[int, fleet.Ledger, quarantine.Records] | None = None
+        self.policy = dataclasses.replace(policy_settings or PolicySettings(), fleet=self.fleet_settings,
+                                          quarantine=self.q_settings)
+        self.settings = Settings(policy=self.policy, restart=RestartSettings(strategy=knobs.strategy),
+                                 kubernetes=KubernetesSettings(pod_name="", namespace=NS, node_name="",
+                                                               workload=WORKLOAD, request_timeout=TIMEOUT_S))
+        self.cluster = Cluster(self, faults=self._fault, evicted=self._evicted,
+                               pdb_max_unavailable=fleet.unavailable_slots(self.fleet_settings, knobs.replicas)
+                               if knobs.pdb else None)
+        self.operator = LeaseLedger(SimApi(self.cluster, "operator", self.clock), NS, LEASE, WORKLOAD, "operator",
+                                    TIMEOUT_S, wall_clock=self.clock, sleep=lambda s: None)
+        self.metrics = WatchdogMetrics(lambda: views.snapshot(self.settings, History(started_at=self.now), self.now))
         self.desired = knobs.replicas
         self.template = "t1"
         self.rs: dict[str, int] = {"t1": knobs.replicas}  # each template's ReplicaSet's replicas
         self.pods: dict[str, Pod] = {}
         self.sidecars: dict[str, Sidecar] = {}
         self.removals: list[Removal] = []
-        self.events: list[Event] = []
         self.steps = 0
         self.sidecar_steps = 0  # sidecar moves taken (each a step of a sidecar's loop)
         self.budget_blocks = 0  # restarts the budget blocked (a sick node's restart loop bounded)
         self.names = 0
-        self.lost_races = 0
         self.api_errors = 0
+        self.lost_answers = 0
+        self.races = 0
         self.drains = 0  # pods removed by someone else (a node drain)
-        self.leases_lost = 0  # the Lease's annotations lost (an operator's cleanup, an etcd restore)
+        self.leases_lost = 0  # the Lease deleted (an operator's cleanup, an etcd restore)
+        self.leases_lost_at: list[float] = []
         # The request mix's ground truth: real bodies, fingerprinted as every server does.
         self.key = workload_key(MODEL)
         self._prints: dict[str, Prints] = {}
@@ -259,24 +357,53 @@ class World:
         self.decoys = tuple({"prompt": f"decoy {i}", "max_tokens": 8} for i in range(knobs.decoys))
         self.popular_body = {"prompt": "the popular question", "max_tokens": 8}
         self.popular = fingerprint(self.key, self.popular_body)
-        self.popular_refused: list[tuple[float, str]] = []  # ground truth: (when, by which pod) it was refused
-        self.popular_answers: list[float] = []  # ground truth: when it was answered (anywhere)
+        # Ground truth: (when, by which pod, after how many syncs of the fleet's sidecars) it was refused.
+        self.popular_refused: list[tuple[float, str, int]] = []
+        self.i6_checked = 0  # the refusals I6 has judged (each once, right after the move it happened in)
+        # Ground truth: when it was answered, by which pod, after how many syncs of the fleet's sidecars.
+        self.popular_answers: list[tuple[float, str, int]] = []
         self.tries = 0
         self.killer_refused = 0  # tries refused (ground truth: what the servers answered)
         self.killer_failures = 0  # failures the killer caused
-        # F: the killer's failures in the records when it was quarantined (each time, lifts between).
+        # F: the killer's failures in the Lease's records when it came in force there (each time, lifts
+        # between).
         self.killer_f: list[int] = []
+        self._killer_in_force = False
+        # When each failure with the popular request in flight first stood in the Lease (ground truth of
+        # the API server's store): from then on the records hold against it, and a sync can clear it.
+        self.popular_suspected: dict[tuple[str, str], tuple[float, int]] = {}
+        self._records: tuple[str | None, quarantine.Records] = (None, quarantine.Records())
         self.answered_at: dict[str, float] = {}  # fingerprint -> last success anywhere
         self.lifted: dict[str, float] = {}  # an operator's lifts
         self.crashes: list[tuple[str, str]] = []  # ground truth: each (pod, process) the killer crashed, in order
+        self.crashed_at: dict[tuple[str, str], float] = {}
         self.lifted_after: dict[str, int] = {}  # a lifted fingerprint: how many crashes came before its lift
         self.trace: list[str] = []
+        # Ground truth of the sidecars' cadence: each pod's syncs (and its leaving, which says what its
+        # server answered as a sync does), in the order they happened, as (order, time).
+        self.syncs: dict[str, list[tuple[int, float]]] = {}
+        self.synced_count = 0
         self.sick: set[str] = set()  # nodes whose servers hang once they served
         for _ in range(knobs.replicas):
             pod = self._create(growth=False, ready_now=True)
-            pod.served_once, pod.first_served_at = True, self.now
+            pod.first_served_at = self.now
             pod.server.screen.quarantine.replace([])  # its sidecar's first list, before the run
         self.canaries()  # the pods there before the run served: their sidecars saw it
+        for name in list(self.sidecars):
+            self.sidecar_step(name)  # and told their ledger so
+
+    # -- the loop the sidecars' coroutines run on ---------------------------------------------------
+
+    def run(self, coro: Coroutine[Any, Any, Any]) -> Any:
+        """A coroutine of the sidecars' edge, to its end, and every task it spawned to theirs (a write
+        beside a restart, an Event reported beside the loop): a move leaves nothing in flight."""
+        if LOOP.is_running():  # a removal while a sidecar's step runs (its eviction): beside that step
+            LOOP.create_task(coro)
+            return None
+        result = LOOP.run_until_complete(coro)
+        while pending := asyncio.all_tasks(LOOP):
+            LOOP.run_until_complete(asyncio.gather(*pending, return_exceptions=True))
+        return result
 
     # -- the cluster -------------------------------------------------------------------------------
 
@@ -289,12 +416,55 @@ class World:
         pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
                   replaces=replaces, growth=growth)
         self.pods[name] = pod
-        self.sidecars[name] = Sidecar(name, History(started_at=self.now, epoch=self.now, pod=name, node=pod.node,
-                                                    strategy="evict", budget_from_events=True))
+        self.sidecars[name] = self._sidecar(pod)
         return pod
+
+    def _sidecar(self, pod: Pod) -> Sidecar:
+        """Its sidecar as `watchdog.runtime.wiring` builds one, on the simulated API and clocks."""
+        skew = self.random.uniform(-self.knobs.skew_s, self.knobs.skew_s) if self.knobs.skew_s else 0.0
+        settings = dataclasses.replace(self.settings, kubernetes=dataclasses.replace(
+            self.settings.kubernetes, pod_name=pod.name, node_name=pod.node))
+        car = Sidecar(pod.name, History(started_at=self.now, epoch=self.now, pod=pod.name, node=pod.node,
+                                        strategy=self.knobs.strategy, budget_from_events=True), settings, skew)
+
+        def local() -> float:
+            return self.now + car.skew  # its node's clock (a test may set it off later, as a node's may step)
+
+        # As `gpu-watchdog run` wires it: one client, and the API server's clock it learns (`KubeApi.now`)
+        # is what the workload's records are stamped by.
+        api = SimApi(self.cluster, pod.name, local)
+        wall = api.now
+        ledger = LeaseLedger(api, NS, LEASE, WORKLOAD, pod.name, TIMEOUT_S, wall_clock=wall, sleep=lambda s: None)
+        restarter = KubeRestarter(PodActions(api, pod.name, NS, TIMEOUT_S, wall_clock=wall), settings.restart,
+                                  sleep=_nothing, workload=WORKLOAD, node=pod.node, wall_clock=wall)
+        control = SimControl(self, pod.name)
+        history = lambda: car.history  # noqa: E731 - the fold as it stands at each read
+        ex = car.executor = Executor(
+            settings=settings, restarter=restarter, metrics=self.metrics, clock=self.clock, wall_clock=wall,
+            control=control, history=history, fold=car.fold,  # type: ignore[arg-type]
+            restart_events=NodeReporter(api, NS, pod.node, TIMEOUT_S, node_condition=False, node_event=False),
+            workload=WORKLOAD, ledger=ledger)
+
+        async def read_budget() -> None:
+            car.fold(await ex.read_budget())
+
+        def record_decision(d: Decision, outcome: str, now: float) -> None:
+            car.fold(DecisionRecord(round(now - car.history.started_at, 3), d.action, d.reason, outcome, d.detail))
+
+        car.restarts = Restarts(
+            settings=settings, executor=ex, metrics=self.metrics, fold=car.fold, record_decision=record_decision,
+            clock=self.clock, history=history, read_budget=read_budget, keep_out=None,
+            worker_control=lambda k: control if k == 0 else None,  # type: ignore[arg-type, return-value]
+            spawn=_spawn, restarted=lambda ended: None, escalate=_nothing,
+            sleep=_nothing)
+        return car
 
     def clock(self) -> float:
         return self.now
+
+    def _synced(self, pod: str) -> None:
+        self.synced_count += 1
+        self.syncs.setdefault(pod, []).append((self.synced_count, self.now))
 
     def prints(self, body: dict[str, object]) -> Prints:
         """`Screen.prints` of a body, as every server computes it (one key for the workload), once per
@@ -309,19 +479,35 @@ class World:
         return [p for p in self.pods.values() if p.alive]
 
     def _controller(self) -> None:
-        """The Deployment and its ReplicaSets: each template's ReplicaSet keeps its count of pods (a
-        removed one is replaced at once, of its own template); a rollout moves one replica at a time
-        to the new template, surge 1: a new pod first, an old one removed once every new pod serves;
-        on a scale-down, pods not serving go first."""
+        """The Deployment and its ReplicaSets, RollingUpdate with `Knobs.surge` (maxSurge) and
+        `Knobs.rollout_unavailable` (maxUnavailable): each template's ReplicaSet keeps its count of pods
+        (a removed one is replaced at once, of its own template); a rollout grows the new template's
+        while all pods stay within the replicas wanted plus the surge, and shrinks the old ones while
+        the Ready pods stay at the replicas wanted less maxUnavailable, unready ones first; on a
+        scale-down, unready pods go first."""
         old = [t for t, n in self.rs.items() if t != self.template and n > 0]
-        total = sum(self.rs.values())
-        if old:
-            if total <= self.desired:
-                self._set_rs(self.template, self.rs.get(self.template, 0) + 1, growth=True)
-            elif all(p.serves(self.now) for p in self.alive() if p.template == self.template):
-                self._set_rs(old[0], self.rs[old[0]] - 1, growth=True)
-        else:
+        if not old:
             self._set_rs(self.template, self.desired, growth=True)
+            return
+        k = self.knobs
+        new = self.rs.get(self.template, 0)
+        room = self.desired + k.surge - sum(self.rs.values())
+        if room > 0 and new < self.desired:
+            self._set_rs(self.template, min(self.desired, new + room), growth=True)
+        # As the Deployment controller scales old ReplicaSets down: at most all pods less the minimum
+        # available less the new ones not available, unready pods first, a Ready one only while the
+        # Ready pods stay at the minimum.
+        floor = self.desired - k.rollout_unavailable
+        alive = self.alive()
+        budget = len(alive) - floor - sum(1 for p in alive if p.template == self.template and not self.ready(p))
+        for t in old:
+            while self.rs[t] > 0 and budget > 0:
+                mine = sorted((p for p in self.alive() if p.template == t),
+                              key=lambda p: (self.ready(p), -p.created_at))
+                if mine and self.ready(mine[0]) and sum(1 for p in self.alive() if self.ready(p)) - 1 < floor:
+                    break
+                self._set_rs(t, self.rs[t] - 1, growth=True)
+                budget -= 1
 
     def _set_rs(self, template: str, count: int, growth: bool) -> None:
         self.rs[template] = count
@@ -329,33 +515,36 @@ class World:
         for _ in range(count - len(mine)):
             self._create(growth=growth, template=template)
         if len(mine) > count:
-            for victim in sorted(mine, key=lambda p: (p.serves(self.now), -p.created_at))[:len(mine) - count]:
+            for victim in sorted(mine, key=lambda p: (self.ready(p), -p.created_at))[:len(mine) - count]:
                 self._remove(victim, "scaled down", by_us=False)
 
+    def _evicted(self, name: str, caller: str) -> None:
+        """The API server accepted an eviction (or deletion) of this pod: it goes now."""
+        self._remove(self.pods[name], "evicted", by_us=caller == name)
+        self.trace.append(f"{self.now:.0f} evict {name} by {caller}")
+
     def _remove(self, pod: Pod, reason: str, by_us: bool) -> None:
-        car = self.sidecars.get(pod.name)
+        car = self.sidecars.pop(pod.name, None)
         if car is not None:
-            self._leaving(car, pod)
+            # A stopping sidecar says what its server answered (`run_until_signal`: `Executor.leaving`).
+            self._synced(pod.name)
+            self.run(car.executor.leaving())
         pod.removed_at = self.now
         out = len({p.replaces for p in self.alive() if p.replaces is not None and p.first_served_at is None})
-        self.removals.append(Removal(pod.name, self.now, reason, by_us, self.desired,
-                                     sum(1 for p in self.alive() if p.serves(self.now)), out + int(by_us)))
-        self.sidecars.pop(pod.name, None)
+        self.removals.append(Removal(pod.name, pod.node, self.now, reason, by_us, self.desired,
+                                     sum(1 for p in self.alive() if p.serves(self.now)), out + int(by_us),
+                                     self.cluster.version))
         if len([p for p in self.alive() if p.template == pod.template]) < self.rs.get(pod.template, 0):
             # Where the pod's GPU frees, its replacement goes: a restart loop stays on one node.
             self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template,
                          node=pod.node if by_us else None)
 
     def ready(self, pod: Pod) -> bool:
-        """The pod's Ready condition: what its sidecar's readiness (`policy.serviceable`, the real
-        rule behind `/readyz`) says of its history, as the kubelet probes it."""
+        """The pod's Ready condition: what its sidecar's `/readyz` answers (`views.ready`) and its server
+        admitting, as the kubelet probes both."""
         car = self.sidecars.get(pod.name)
-        return pod.alive and car is not None and policy.serviceable(car.history, self.policy, self.now) \
+        return pod.alive and car is not None and views.ready(car.settings, car.history, self.now)[0] \
             and pod.server.admits(self.now)
-
-    def census(self) -> fleet.Census:
-        """What a LIST of the workload's pods and a GET of its Deployment answer now."""
-        return fleet.Census(self.desired, tuple(fleet.PodSeen(p.name, self.ready(p)) for p in self.alive()))
 
     def drain(self, pod: Pod) -> None:
         """Someone else removes a pod (a node drain): its ReplicaSet makes a stand-in elsewhere."""
@@ -364,12 +553,21 @@ class World:
         self.trace.append(f"{self.now:.0f} drain {pod.name}")
 
     def lease_lost(self) -> None:
-        """An operator's cleanup or an etcd restore: the Lease's annotations are gone."""
-        self.lease = Lease(version=self.lease.version + 1)
-        self.leases_lost += 1
+        """An operator's cleanup or an etcd restore: the Lease is deleted, and everything it recorded."""
+        if self.cluster.leases.pop(LEASE, None) is not None:
+            self.leases_lost += 1
+            self.leases_lost_at.append(self.now)
         # The operator's lifts were records of that Lease: gone with it (I8 holds for recorded lifts).
         self.lifted_after.clear()
         self.trace.append(f"{self.now:.0f} lease lost")
+        self._observe_killer()
+
+    def clock_steps(self, pod: Pod, seconds: float) -> None:
+        """Its node's clock steps to `seconds` off the world's (NTP gone, then back, or a VM resumed)."""
+        car = self.sidecars.get(pod.name)
+        if car is not None:
+            car.skew = seconds
+            self.trace.append(f"{self.now:.0f} clock of {pod.node} {seconds:+.0f}s")
 
     def scale(self, replicas: int) -> None:
         self.desired = replicas
@@ -380,42 +578,44 @@ class World:
         self.template = f"t{int(self.template[1:]) + 1}"
         self.trace.append(f"{self.now:.0f} rollout {self.template}")
 
-    # -- the Lease, compare-and-swap ---------------------------------------------------------------
-
-    def _read(self) -> tuple[int, fleet.Ledger, quarantine.Records]:
-        """What a GET returns: parsed from the stored text, as the sidecar parses it (once per version)."""
-        if self._parsed is None or self._parsed[0] != self.lease.version:
-            self._parsed = (self.lease.version, fleet.parse(self.lease.annotations.get(fleet.LEDGER_ANNOTATION)),
-                            quarantine.parse(self.lease.annotations.get(quarantine.ANNOTATION)))
-        return self._parsed
-
-    def _write(self, version: int, ledger: fleet.Ledger | None = None,
-               records: quarantine.Records | None = None) -> str:
-        """"ok", "conflict" (409: someone wrote since `version`), or "error" (the API refused)."""
-        if self.random.random() < self.knobs.api_error_rate:
+    def _fault(self, caller: str, method: str, path: str) -> str | None:
+        """What befalls a sidecar's request (an operator's always gets through)."""
+        if caller == "operator":
+            return None
+        k, r = self.knobs, self.random.random()
+        if r < k.api_error_rate:
             self.api_errors += 1
-            return "error"
-        if version != self.lease.version:
-            self.lost_races += 1
-            return "conflict"
-        same = (ledger is None or fleet.dump(ledger) == self.lease.annotations.get(fleet.LEDGER_ANNOTATION,
-                                                                                    fleet.dump(fleet.Ledger())))
-        same = same and (records is None or quarantine.dump(records) == self.lease.annotations.get(
-            quarantine.ANNOTATION, quarantine.dump(quarantine.Records())))
-        if same:
-            return "ok"  # nothing changed: nothing written (as LeaseLedger.update)
-        if ledger is not None:
-            self.lease.annotations[fleet.LEDGER_ANNOTATION] = fleet.dump(ledger)
-        if records is not None:
-            self.lease.annotations[quarantine.ANNOTATION] = quarantine.dump(records)
-        self.lease.version += 1
-        return "ok"
+            return "refused"
+        if method != "GET" and r < k.api_error_rate + k.lost_rate:
+            self.lost_answers += 1
+            return "lost"
+        if method == "PUT" and "/leases/" in path and r < k.api_error_rate + k.lost_rate + k.race_rate:
+            self.races += 1
+            return "raced"
+        return None
+
+    # -- the Lease as the API server holds it (ground truth) ------------------------------------------
+
+    def _lease_annotation(self, key: str) -> tuple[str | None, str | None]:
+        lease = self.cluster.leases.get(LEASE)
+        if lease is None:
+            return None, None
+        meta = lease["metadata"]
+        return meta["resourceVersion"], (meta.get("annotations") or {}).get(key)
 
     def ledger(self) -> fleet.Ledger:
-        return self._read()[1]
+        return fleet.parse(self._lease_annotation(fleet.LEDGER_ANNOTATION)[1])
 
     def records(self) -> quarantine.Records:
-        return self._read()[2]
+        version, text = self._lease_annotation(quarantine.ANNOTATION)
+        if version is None or version != self._records[0]:
+            self._records = (version, quarantine.parse(text))
+        return self._records[1]
+
+    def restart_events(self) -> list[dict[str, Any]]:
+        """Every restart Event the API server ever held (expired ones too), with its server time `_at`."""
+        return [e for e in self.cluster.posted if (e.get("regarding") or {}).get("kind") == "Pod"
+                and e.get("type") == "Warning"]
 
     # -- faults and requests -----------------------------------------------------------------------
 
@@ -430,23 +630,25 @@ class World:
         self.sick.add(node)
         self.trace.append(f"{self.now:.0f} sick {node}")
 
-    def popular_traffic(self) -> None:
-        """The popular request answered by every replica that takes requests and does not refuse it."""
-        for pod in self.alive():
+    def popular_traffic(self, only: Pod | None = None) -> None:
+        """The popular request answered by every replica that takes requests and does not refuse it
+        (`only`: sent once, to that replica)."""
+        for pod in [only] if only is not None else self.alive():
             if not (pod.serves(self.now) and pod.server.admits(self.now)):
                 continue
             if pod.server.refuses(self.prints(self.popular_body)):
-                self.popular_refused.append((self.now, pod.name))
+                self.popular_refused.append((self.now, pod.name, self.synced_count))
                 continue
             pod.server.run([self.prints(self.popular_body)], ok=True)
             self.answered_at[self.popular] = self.now
-            if not self.popular_answers or self.popular_answers[-1] != self.now:
-                self.popular_answers.append(self.now)
+            self.popular_answers.append((self.now, pod.name, self.synced_count))
 
     def killer_try(self) -> None:
         """The killer's client: the killer (its sampler or spelling new each try), its decoys in flight
         beside it, the popular request, a fresh one-off after it, in one step of one replica that takes
-        requests; the step crashes that replica's server unless the killer is refused."""
+        requests; the step poisons that replica's context unless the killer is refused. Its sidecar
+        reads what was in flight from the poisoned server (`Executor.record_failure`, as its restart's
+        evidence step does) before the process leaves and is started again in place."""
         serving = [p for p in self.alive() if p.serves(self.now) and p.server.admits(self.now)]
         if not serving:
             return
@@ -463,246 +665,145 @@ class World:
         ran = server.run([prints, *(self.prints(d) for d in self.decoys), self.prints(self.popular_body),
                           self.prints(one_off)], ok=False)
         server.screen.book.failed(ran)
-        server.down_until = self.now + RESTART_IN_PLACE_S
         self.killer_failures += 1
         self.crashes.append((pod.name, server.process))
-        # What the sidecar reads from `GET /control/requests` and records.
-        failure = quarantine.failure_from(server.screen.book.report(), pod.name, CONTEXT_LOSS, self.now)
+        self.crashed_at[(pod.name, server.process)] = self.now
         self.trace.append(f"{self.now:.0f} killer crashes {pod.name} ({self.killer_failures})")
-        self._begin_record(self.sidecars[pod.name], failure)
+        car = self.sidecars[pod.name]
+        self.run(car.executor.record_failure(Decision("restart", CONTEXT_LOSS, instance_id=server.process)))
+        server.down_until = self.now + RESTART_IN_PLACE_S
+        self._observe_killer()
 
     def lift_killer(self) -> None:
         """An operator lifts what refuses the killer (`gpu-watchdog quarantine lift FP`, each entry)."""
-        version, _, records = self._read()
-        new, lifted = records, []
-        for q in quarantine.active(records, self.now):
-            if q.fingerprint in self.killer_prints:
-                new, was = quarantine.lift_records(new, q.fingerprint, self.now)
-                if was:
-                    lifted.append(q.fingerprint)
-        if lifted and self._write(version, records=new) == "ok":
+        lifted: list[str] = []
+        for q in quarantine.active(self.records(), self.now):
+            if q.fingerprint not in self.killer_prints:
+                continue
+
+            def lift(records: quarantine.Records, now: float, fp: str = q.fingerprint
+                     ) -> tuple[quarantine.Records, bool]:
+                return quarantine.lift_records(records, fp, now)
+
+            if self.operator.update_records(lift):
+                lifted.append(q.fingerprint)
+        if lifted:
             for fp in {*lifted, self.killer}:
                 self.lifted[fp] = self.now
                 self.lifted_after[fp] = len(self.crashes)
             self.trace.append(f"{self.now:.0f} lift {', '.join(lifted)}")
+        self._observe_killer()
+
+    def forgetting(self, at: float) -> bool:
+        """Within a window after the Lease was lost at `at`: the successes it held, gone with it, may
+        have cleared any suspect, and the records quarantine nothing new meanwhile (`quarantine.lost`)."""
+        return any(lost <= at < lost + self.q_settings.window + STEP_S for lost in self.leases_lost_at)
+
+    def _observe_killer(self) -> None:
+        """F, when the killer comes in force in the Lease's records: its failures recorded there then;
+        and when a failure that holds the popular request first stood there."""
+        records = self.records()
+        popular = self.prints(self.popular_body)
+        for f in records.failures:
+            held = popular[0] in f.inflight or popular[1] in f.inputs
+            if held and (f.pod, f.process) not in self.popular_suspected:
+                self.popular_suspected[(f.pod, f.process)] = (self.now, self.synced_count)
+        in_force = bool(self.killer_prints & {q.fingerprint for q in quarantine.active(records, self.now)})
+        if in_force and not self._killer_in_force:
+            self.killer_f.append(len(self.killer_failures_recorded(records)))
+        self._killer_in_force = in_force
+
+    def killer_failures_recorded(self, records: quarantine.Records) -> set[tuple[str, str]]:
+        """The (pod, process) of each recorded failure the killer was in flight at, of the crashes after
+        its last lift (in the world's order: the records' stamps are the sidecars' clocks)."""
+        since = set(self.crashes[self.lifted_after.get(self.killer, 0):])
+        return {(f.pod, f.process) for f in records.failures
+                if (f.pod, f.process) in since and self.killer_prints & {*f.inflight, *f.inputs}}
 
     # -- the sidecars ------------------------------------------------------------------------------
 
-    def _begin_record(self, car: Sidecar, failure: quarantine.Failure) -> None:
-        if (failure.process, failure.reason) in car.recorded:
-            return
-        version, _, records = self._read()
-        new, quarantined = quarantine.record(self.q_settings, records, failure, self.now)
-        car.pending = Pending("record", version, records=new, failure=failure, new_quarantine=quarantined)
-
     def sidecar_step(self, name: str) -> None:
-        """One sidecar does its next thing: write what it decided (if nothing was written since it
-        read), else look at its target and decide."""
+        """One sidecar does its next thing, as its loop's tasks would: its restart's next step, its
+        ledger's bookkeeping after a canary served, its quarantine's sync, its budget's read, or an
+        evaluation of the policy on what it folded."""
         car = self.sidecars.get(name)
         pod = self.pods[name]
         if car is None or not pod.alive:
             return
         self.sidecar_steps += 1
-        if car.pending is not None:
-            self._commit(car, pod)
-            return
-        if car.unrecorded:
-            self._begin_record(car, car.unrecorded.pop(0))
-            return
         server = pod.server
         if server.down_until is not None and self.now >= server.down_until:
+            # The kubelet starts the container again: a new process, which awaits its sidecar's list.
             pod.starts += 1
-            pod.server = new_server(f"{name}-{pod.starts}", self.now, self.clock)  # awaits its sidecar's list
-            car.synced_at = -1e9  # which pushes it at its next sync
-        if pod.serves(self.now):
-            car.blocked = False  # no restart wanted: nothing held back any more
-            if not pod.served_once:
-                version, ledger, _ = self._read()
-                new, _slot = fleet.replaced(ledger, name, pod.created_at, template=pod.template,
-                                            replicas=self.desired)
-                car.pending = Pending("replaced", version, ledger=new)
-                return
-            if car.held is not None:
-                version, ledger, _ = self._read()
-                car.pending = Pending("give_back", version, ledger=fleet.leave_waiting(ledger, name))
-                return
-        if self.now - car.synced_at >= SYNC_S:
-            self._sync(car, pod)
-            return
+            pod.server = new_server(f"{name}-{pod.starts}", self.now, self.clock)
+        step = self._next(car)
+        if step is not None:
+            self.run(step)
+            self._observe_killer()
+
+    def _next(self, car: Sidecar) -> Coroutine[Any, Any, None] | None:
+        """The sidecar's next move as its loop's tasks would make it, None where it has nothing to do."""
+        ex, h = car.executor, car.history
         if car.proc is not None:
-            self._restart_step(car, pod)
-            return
-        read_at = car.history.workload_read_at
+            return self._restart_step(car)
+        if car.served_news:
+            # `Sampling.canary`: a canary served with no restart in progress, the ledger told beside it.
+            car.served_news = False
+            car.blocked = False  # no restart wanted: nothing held back any more
+            return ex.target_served()
+        if policy.hold_over(self.policy, h, self.now, True):
+            return ex.end_hold()  # as `Watchdog.evaluate` spawns it
+        if self.now - car.synced_at >= SYNC_S:
+            car.synced_at = self.now
+            self._synced(car.pod)
+            return ex.sync_quarantine()
+        read_at = h.workload_read_at
         if read_at is None or self.now - read_at >= BUDGET_READ_S:
-            self._read_budget(car)  # as the loop reads the Events again every BUDGET_READ_S
-            return
-        # The loop's evaluation: the real policy on what this sidecar folded.
-        restart = next((d for d in policy.decide(self.policy, car.history, self.now, True) if d.action == "restart"),
-                       None)
-        if restart is None or not pod.served_once:
-            return
+            return self._read_budget(car)  # as the loop reads the Events again every BUDGET_READ_S
+        # `Watchdog.evaluate`: the real policy on what this sidecar folded.
+        restart = next((d for d in policy.decide(self.policy, h, self.now, True) if d.action == "restart"), None)
+        if restart is None:
+            return None
         if not restart.allowed:  # blocked by the budget: said once, decided again after the next read
             if not car.blocked:
                 self.budget_blocks += 1
             car.blocked = True
-            return
-        # `restart.strategy: evict` replaces the pod, whatever rung the policy names.
-        decision = dataclasses.replace(restart, rung=RUNG_POD)
-        car.proc = procedure.begin(self.policy, car.history, 0, decision, self.now, from_events=True,
-                                   asked_again=car.held is not None)
-        self._restart_step(car, pod)
+            return None
+        if not ex.begin(0):
+            return None
+        car.fold(RestartBegun(self.now))
+        car.proc = car.restarts.begin(0, restart, asked_again=h.edge.fleet.held is not None)
+        return self._restart_step(car)
+
+    @staticmethod
+    async def _restart_step(car: Sidecar) -> None:
+        assert car.proc is not None
+        car.proc = await car.restarts.step(car.proc)
+
+    @staticmethod
+    async def _read_budget(car: Sidecar) -> None:
+        car.fold(await car.executor.read_budget())
 
     def canaries(self) -> None:
         """Each sidecar's canary, folded into its history as `Sampling.canary` folds it."""
         for pod in self.alive():
             car = self.sidecars.get(pod.name)
-            if car is None:
+            if car is None or car.history.restart_acting:
                 continue
             server = pod.server
             if pod.serves(self.now):
-                sample = CanarySample(self.now, True, 0.05, None, instance_id=server.process)
+                sample = CanarySample(self.now, True, 0.05, None, instance_id=server.process, draining=server.drained)
             elif server.hung_since is not None:
                 sample = CanarySample(self.now, False, CANARY_S, "timeout", "canary timed out",
                                       instance_id=server.process)
             else:  # down after a crash, or still loading its model
                 sample = CanarySample(self.now, False, 0.0, "unreachable", "connection refused",
                                       instance_id=server.process)
-            state.reduce(car.history, sample)
-
-    def _restart_step(self, car: Sidecar, pod: Pod) -> None:
-        """The next step of its restart, through the real procedure."""
-        assert car.proc is not None
-        step = procedure.next_step(self.policy, car.history, car.proc,
-                                   Facts(self.now, "evict", slot_held=car.slot, slot_taken_at=car.slot_at))
-        assert step is not None
-        server = pod.server
-        if step.kind == procedure.STACKS:  # a hung process's stacks, as `Executor.take_stacks` folds them
-            st = edges.Stacks(0, server.process, HANG, self.now, "control", stuck="engine.py:1 in forward (MainThread)")
-            state.reduce(car.history, edges.StacksTaken(st))
-            car.proc = procedure.advance(car.proc, step, stacks=edges.stacks_detail(st))
-        elif step.kind == procedure.EVIDENCE:
-            server.screen.book.stalled()
-            failure = quarantine.failure_from(server.screen.book.report(), pod.name, HANG, self.now)
-            self._begin_record(car, failure)  # written beside the restart: committed at its next step
-            car.proc = procedure.advance(car.proc, step, inflight=failure.inflight)
-        elif step.kind == procedure.READ_BUDGET:
-            self._read_budget(car)
-            car.proc = procedure.advance(car.proc, step)
-        elif step.kind == procedure.BLOCKED:
-            if not car.blocked:
-                self.budget_blocks += 1
-            car.blocked, car.proc = True, None
-        elif step.kind == procedure.TAKE_SLOT:
-            version, ledger, _ = self._read()
-            new, verdict = fleet.take(self.fleet_settings, ledger, self.desired, pod.name, HANG, RUNG_POD, self.now,
-                                      template=pod.template, marks=True, census=self.census())
-            car.pending, car.step = Pending("take", version, ledger=new, verdict=verdict), step
-        elif step.kind == procedure.HELD:
-            if car.held is None:
-                car.held_since = self.now
-            car.held, car.proc = car.proc.held, None
-        elif step.kind == procedure.SLOT_WAIT:
-            pass  # asked again at its next step, as the procedure's performer sleeps until then
-        elif step.kind == procedure.RECOUNT:  # as `Executor.recount`: the pods listed, the Lease read
-            version, ledger, _ = self._read()
-            verdict = fleet.recount(self.fleet_settings, ledger, self.census(), pod.name)
-            held = None if verdict.granted else verdict.outcome
-            if held is not None:  # the slot back, as `release_slot` (a write lost leaves it to lapse)
-                self._write(version, ledger=fleet.give_back(ledger, pod.name, restarted=False))
-                car.slot = False
-            car.proc = procedure.advance(car.proc, step, held=held)
-        elif step.kind == procedure.RESTART:
-            self._evict(car, pod)
-        else:
-            raise AssertionError(f"a step the pod's restart never takes: {step.kind}")
-
-    def _read_budget(self, car: Sidecar) -> None:
-        """The workload's restart Events, as `Executor.read_budget` folds them (unreadable: None)."""
-        restarts: tuple[PastRestart, ...] | None
-        if self.random.random() < self.knobs.api_error_rate:
-            self.api_errors += 1
-            restarts = None
-        else:
-            restarts = tuple(PastRestart(e.at, e.pod, e.node) for e in self.events)
-        state.reduce(car.history, state.WorkloadRestarts(self.now, self.now, restarts, self.desired))
-
-    def _sync(self, car: Sidecar, pod: Pod) -> None:
-        version, _, records = self._read()
-        car.synced_at = self.now
-        self._push(pod, records)
-        answered = quarantine.answered_in(pod.server.screen.book.report())
-        new, _removed = quarantine.clear(self.q_settings, records, answered, pod.name, self.now)
-        if new != records:
-            car.pending = Pending("clear", version, records=new)
-
-    def _push(self, pod: Pod, records: quarantine.Records) -> None:
-        """`PUT /control/quarantine`, as the server's control API parses it."""
-        pod.server.screen.quarantine.replace([parse_entry(e) for e in quarantine.server_entries(records, self.now)])
-
-    def killer_failures_recorded(self, records: quarantine.Records) -> set[tuple[str, str]]:
-        """The (pod, process) of each recorded failure the killer was in flight at, after its last lift."""
-        lifted = self.lifted.get(self.killer, -1e18)
-        return {(f.pod, f.process) for f in records.failures
-                if f.at > lifted and self.killer_prints & {*f.inflight, *f.inputs}}
-
-    def _leaving(self, car: Sidecar, pod: Pod) -> None:
-        """A stopping sidecar clears what its server answered (`Executor.leaving`): one read and one
-        write, lost to a race or an API error like any other."""
-        version, _, records = self._read()
-        answered = quarantine.answered_in(pod.server.screen.book.report())
-        new, _removed = quarantine.clear(self.q_settings, records, answered, pod.name, self.now)
-        if new != records:
-            self._write(version, records=new)
-
-    def _commit(self, car: Sidecar, pod: Pod) -> None:
-        p = car.pending
-        assert p is not None
-        car.pending = None
-        result = self._write(p.version, ledger=p.ledger, records=p.records)
-        if result == "conflict" and p.what == "record":
-            assert p.failure is not None
-            self._begin_record(car, p.failure)  # decided again on what the winner wrote
-            return
-        if result == "error" and p.what == "take" and car.proc is not None and car.step is not None:
-            car.proc = procedure.advance(car.proc, car.step, held=FLEET_LEDGER_UNKNOWN)  # as `take_slot`
-            return
-        if result != "ok":
-            if p.what == "record":
-                assert p.failure is not None
-                car.unrecorded.append(p.failure)  # tried again at its next step
-            return  # the others are decided again at its next step, on what the winner wrote
-        if p.what == "record":
-            assert p.failure is not None
-            car.recorded.add((p.failure.process, p.failure.reason))
-            killer = any(q.fingerprint in self.killer_prints for q in p.new_quarantine)
-            if p.failure.reason == CONTEXT_LOSS or killer:
-                self._push(pod, self.records())
-            if killer:
-                self.killer_f.append(len(self.killer_failures_recorded(self.records())))
-        elif p.what == "replaced":
-            pod.served_once = True
-        elif p.what == "give_back":
-            car.held, car.held_since, car.proc = None, None, None
-        elif p.what == "take":
-            assert p.verdict is not None and car.proc is not None and car.step is not None
-            if p.verdict.granted:
-                car.slot, car.slot_at, car.held, car.held_since, car.blocked = True, self.now, None, None, False
-            car.proc = procedure.advance(car.proc, car.step, held=None if p.verdict.granted else p.verdict.outcome)
-
-    def _evict(self, car: Sidecar, pod: Pod) -> None:
-        """As `KubeRestarter.restart`: the Event first (refused: tried again at its next step), then the
-        ledger told when the pod goes (`fleet.acted`; refused, the pod goes all the same and its
-        marked slot lapses at `slot_timeout`), then the eviction."""
-        if not car.event_written:
-            if self.random.random() < self.knobs.api_error_rate:
-                self.api_errors += 1
-                return  # the Event refused: nothing done, tried again
-            self.events.append(Event(pod.name, self.now, HANG, pod.node))
-            car.event_written = True
-        version, ledger, _ = self._read()
-        self._write(version, ledger=fleet.acted(ledger, pod.name, self.now))
-        self._remove(pod, HANG, by_us=True)
-        self.trace.append(f"{self.now:.0f} evict {pod.name}")
+            if edges.push_due(car.executor.edge, 0, sample.ok, sample.instance_id):
+                self.run(car.executor.push_quarantine(sample.instance_id))  # before this pod reads ready again
+            car.fold(sample)
+            if sample.served and not car.history.restart_in_progress:
+                car.served_news = True
 
     # -- time --------------------------------------------------------------------------------------
 
@@ -713,7 +814,7 @@ class World:
         for n in range(rounds):
             # Past the first 30 s (every sidecar has synced a few times), until none is left hung but
             # those the budget blocks (for the rest of its window).
-            if n >= 30 and not any(p.server.hung_since is not None and p.served_once
+            if n >= 30 and not any(p.server.hung_since is not None and self.seen_serving(p)
                                    and not (self.sidecars[p.name].blocked
                                             and self.sidecars[p.name].history.workload_restarts is not None)
                                    for p in self.alive()):
@@ -723,6 +824,11 @@ class World:
             for _ in range(3):
                 for name in list(self.sidecars):
                     self.sidecar_step(name)
+
+    def seen_serving(self, pod: Pod) -> bool:
+        """Its sidecar saw it serve (one that never did is still starting: `policy.startup_timeout`)."""
+        car = self.sidecars.get(pod.name)
+        return car is not None and car.history.served_at is not None
 
     def tick(self) -> None:
         """A second passes: the controllers act, and the popular request is answered by every replica
@@ -735,6 +841,6 @@ class World:
         for pod in self.alive():
             if pod.first_served_at is None and pod.serves(self.now):
                 pod.first_served_at = self.now
-            if pod.node in self.sick and pod.served_once:
+            if pod.node in self.sick and self.seen_serving(pod):
                 self.hang(pod)
         self.canaries()

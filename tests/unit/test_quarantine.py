@@ -27,11 +27,13 @@ from gpu_watchdog.watchdog.core.quarantine import (
     held_against,
     lift,
     lift_records,
+    lost,
     parse,
     record,
     server_entries,
     suspects,
 )
+from gpu_watchdog.watchdog.core.timing import FUTURE_S
 from gpu_watchdog.watchdog.edge.config import QuarantineSettings
 
 S = QuarantineSettings()
@@ -223,9 +225,10 @@ def test_a_lift_holds_past_the_entrys_ttl_until_new_evidence_after_it() -> None:
     assert [x.fingerprint for x in new] == ["qod"]
     [back] = active(records, later + 21)
     assert [f.at for f in back.failures] == [later + 10, later + 20]  # only the evidence after the lift
-    # Once the covered failures have left the window, the lift is no longer kept.
-    gone = 200.0 + SHORT_TTL.window
-    assert decide(SHORT_TTL, fs, lifted, gone) == []
+    # Once the covered failures have left the window (and the 60 s a stamp may lie ahead), the lift is
+    # no longer kept.
+    gone = 200.0 + SHORT_TTL.window + FUTURE_S
+    assert decide(SHORT_TTL, fs, lifted, gone - 1) != [] and decide(SHORT_TTL, fs, lifted, gone) == []
 
 
 def test_lifts_kept_past_their_ttl_are_bounded_and_carry_no_evidence() -> None:
@@ -406,3 +409,41 @@ def test_a_failure_carries_the_servers_inputs_and_what_it_had_forgotten() -> Non
         failure_from({**report, "at_failure": {**report["at_failure"], "inputs": ["Q"]}}, "pod-a", "hang", 2.0)
     records = Records((f,), forgot_until=3.0)
     assert parse(dump(records)) == records
+
+
+def test_a_lift_forgives_the_failures_on_record_whatever_their_stamps() -> None:
+    """Two failures recorded by a node whose clock ran 30 s ahead, lifted by an operator whose clock is
+    right: stamped after the lift, they are still the evidence it forgave (the Lease's order decides),
+    and one new failure after it is not enough to quarantine the request again."""
+    ahead = [failure(130, "a", ("qod",), "qod"), failure(131, "b", ("qod",), "qod")]
+    records, new = Records(), []
+    for f in ahead:
+        records, new = record(S, records, f, f.at)
+    assert [q.fingerprint for q in new] == ["qod"]
+    records, was = lift_records(records, "qod", 105.0)
+    assert was and parse(dump(records)) == records
+    [q] = records.quarantined
+    assert q.lifted_over == ("a/p1", "b/p1")
+    records, new = record(S, records, failure(110, "c", ("qod",), "qod"), 110.0)
+    assert new == [] and active(records, 110.0) == []
+    records, new = record(S, records, failure(112, "d", ("qod",), "qod"), 112.0)
+    assert [q.fingerprint for q in new] == ["qod"]  # two failures after the lift: new evidence
+
+
+def test_an_entry_is_in_force_at_once_whatever_its_writers_clock_said() -> None:
+    fs = [failure(100, "a", ("qod",), "qod"), failure(101, "b", ("qod",), "qod")]
+    [q] = decide(S, fs, [], 160.0)  # written by a node 60 s ahead
+    assert q.since == 160.0 and q.active(100.0)
+
+
+def test_records_lost_with_their_lease_quarantine_nothing_new_for_a_window() -> None:
+    """The Lease deleted: the answers it held are gone. Two failures of a request then quarantine it
+    only once a window has passed since the loss (until then it may be one that was answered)."""
+    records = lost(1000.0)
+    assert records.forgot_until == 1000.0 and parse(dump(records)) == records
+    for at, pod in ((1001.0, "a"), (1002.0, "b")):
+        records, new = record(S, records, failure(at, pod, ("qod",), "qod"), at)
+        assert new == []
+    after = 1000.0 + S.window + 1
+    records, new = record(S, records, failure(after - 2, "c", ("qod",), "qod"), after)
+    assert [q.fingerprint for q in new] == ["qod"]

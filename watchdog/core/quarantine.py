@@ -111,13 +111,19 @@ class Quarantined:
     failures: tuple[Failure, ...]  # the evidence
     lifted_at: float | None = None  # an operator's lift
     input: bool = False  # an input fingerprint: every request with that input is refused
+    # The failures on record at the lift (`pod/process`): the evidence it forgave, by identity, so a
+    # failure stamped by a node whose clock runs ahead does not pass for one after the lift. None
+    # (records written before this was kept): the stamps decide.
+    lifted_over: tuple[str, ...] | None = None
 
     @property
     def pods(self) -> list[str]:
         return sorted({f.pod for f in self.failures})
 
     def active(self, now: float) -> bool:
-        return self.lifted_at is None and self.since <= now < self.until
+        # In force from the moment it is written, whatever its writer's clock said: `since` from a node
+        # whose clock runs ahead would hold it back on every other node until theirs caught up.
+        return self.lifted_at is None and now < self.until
 
 
 def _distinct(failures: Iterable[Failure]) -> int:
@@ -225,12 +231,23 @@ def clear(settings: QuarantineSettings, records: Records, answered: Iterable[str
     return _fit(Records(records.failures, quarantined, cleared, records.forgot_until)), removed
 
 
-def _after_lifts(failures: list[Failure], lifted: dict[str, float]) -> list[Failure]:
+def _key(f: Failure) -> str:
+    return f"{f.pod}/{f.process}"
+
+
+def _before(f: Failure, q: Quarantined) -> bool:
+    """`f` was on record when `q` was lifted: the Lease's order decides, not two nodes' clocks."""
+    if q.lifted_over is not None:
+        return _key(f) in q.lifted_over
+    return q.lifted_at is not None and f.at <= q.lifted_at
+
+
+def _after_lifts(failures: list[Failure], lifted: dict[str, Quarantined]) -> list[Failure]:
     """A lifted fingerprint's failures before its lift are no longer evidence against it (nor against
     the requests of a lifted input, nor the input of a lifted request)."""
     out = []
     for f in failures:
-        gone = {fp for fp, at in lifted.items() if f.at <= at}
+        gone = {fp for fp, q in lifted.items() if _before(f, q)}
         keep = [i for i, pair in enumerate(f.requests()) if not gone & set(pair)]
         if len(keep) == len(f.inflight):
             out.append(f)
@@ -242,9 +259,11 @@ def _after_lifts(failures: list[Failure], lifted: dict[str, float]) -> list[Fail
 
 def _kept(settings: QuarantineSettings, current: list[Quarantined], now: float) -> list[Quarantined]:
     """The entries until their TTL; a lifted one after it too, for as long as a failure its lift
-    covers can count (`window` after the lift), without its evidence and the newest LIFTS_KEPT of them."""
+    covers can count (`window` after the lift, and FUTURE_S more: a failure may be stamped that far
+    ahead), without its evidence and the newest LIFTS_KEPT of them."""
     lifts = sorted((q for q in current if q.until <= now and q.lifted_at is not None
-                    and now < q.lifted_at + settings.window), key=lambda q: q.lifted_at or 0.0)[-LIFTS_KEPT:]
+                    and now < q.lifted_at + settings.window + FUTURE_S),
+                   key=lambda q: q.lifted_at or 0.0)[-LIFTS_KEPT:]
     kept_lifts = {id(q) for q in lifts}
     return [q if now < q.until else dataclasses.replace(q, failures=()) for q in current
             if now < q.until or id(q) in kept_lifts]
@@ -262,7 +281,7 @@ def decide(settings: QuarantineSettings, failures: list[Failure], current: list[
     answered = set(cleared) | {fp for f in _recent(settings, failures, now) for fp in f.completed}
     kept = [q for q in _kept(settings, current, now) if q.fingerprint not in answered or q.lifted_at is not None]
     known = {q.fingerprint: q for q in kept}
-    lifted = {q.fingerprint: q.lifted_at for q in kept if q.lifted_at is not None}
+    lifted = {q.fingerprint: q for q in kept if q.lifted_at is not None}
     out = list(kept)
     refused = {q.fingerprint for q in kept if q.active(now)}
     for fp, fs, of_input in _suspects(settings, _after_lifts(failures, lifted), now, cleared, refused, forgot_until):
@@ -276,9 +295,13 @@ def decide(settings: QuarantineSettings, failures: list[Failure], current: list[
     return out
 
 
-def lift(current: list[Quarantined], fingerprint: str, now: float) -> list[Quarantined]:
-    return [dataclasses.replace(q, lifted_at=now) if q.fingerprint == fingerprint and q.lifted_at is None else q
-            for q in current]
+def lift(current: list[Quarantined], fingerprint: str, now: float, over: Iterable[Failure] | None = None
+         ) -> list[Quarantined]:
+    """`fingerprint`'s entry lifted now, forgiving the failures `over` (those on record; None: those
+    stamped no later than now)."""
+    keys = None if over is None else tuple(sorted({_key(f) for f in over}))
+    return [dataclasses.replace(q, lifted_at=now, lifted_over=keys)
+            if q.fingerprint == fingerprint and q.lifted_at is None else q for q in current]
 
 
 def active(records: Records, now: float) -> list[Quarantined]:
@@ -330,12 +353,21 @@ def _fit(records: Records) -> Records:
     return out
 
 
+def lost(now: float) -> Records:
+    """The records after the Lease that held them was deleted (or their annotation removed): empty,
+    and remembered as forgotten from now (`Records.forgot_until`): a success they held may have been
+    any suspect's, so nothing new is quarantined for a window from now (no success they held is
+    older than that, and the replicas that answered say so again at their next syncs)."""
+    return Records(forgot_until=now)
+
+
 def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Records, bool]:
     """An operator's lift: the entry stays (lifted) until its TTL and, past it, for as long as the
     failures before the lift count (see `decide`), so the same evidence does not quarantine it again;
     True when it was active."""
     was = any(q.fingerprint == fingerprint and q.active(now) for q in records.quarantined)
-    return dataclasses.replace(records, quarantined=tuple(lift(list(records.quarantined), fingerprint, now))), was
+    return dataclasses.replace(records, quarantined=tuple(lift(list(records.quarantined), fingerprint, now,
+                                                               records.failures))), was
 
 
 # -- the Lease annotation ------------------------------------------------------------------------
@@ -365,6 +397,8 @@ def _quarantined_json(q: Quarantined) -> dict[str, Any]:
            "failures": [_failure_json(f) for f in q.failures]}
     if q.input:
         out["input"] = True
+    if q.lifted_over is not None:
+        out["lifted_over"] = list(q.lifted_over)
     return out
 
 
@@ -422,6 +456,10 @@ def _failure(d: Any) -> Failure:
                    _num(d, "forgot_until", optional=True))
 
 
+def _keys(q: Any) -> tuple[str, ...] | None:
+    return None if q.get("lifted_over") is None else _strs(q, "lifted_over")
+
+
 def _list(d: Any, key: str) -> list[Any]:
     v = d.get(key, [])
     if not isinstance(v, list):
@@ -443,7 +481,8 @@ def parse(text: str | None) -> Records:
             raise RecordsError("input: expected true or false")
         quarantined.append(Quarantined(_str(q, "fingerprint"), _num(q, "since"), _num(q, "until"),
                                        tuple(_failure(f) for f in _list(q, "failures")),
-                                       _num(q, "lifted_at", optional=True), q.get("input", False)))
+                                       _num(q, "lifted_at", optional=True), q.get("input", False),
+                                       _keys(q)))
     cleared = []
     for c in _list(data, "cleared"):
         if not isinstance(c, dict):

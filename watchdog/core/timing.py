@@ -72,6 +72,13 @@ CREATED_ROUNDING_S = 1.0
 # annotation): they would hold a slot or the breaker until they expired.
 FUTURE_S = 60.0
 
+# A read or write of the Lease the API server did not answer (a timeout, a 5xx, a 429) is tried this
+# many times in all, API_RETRY_S apart and more, within the one call: a flaky API must not leave a
+# success unrecorded until the next sync (a write whose answer was lost is safe to try again: its
+# compare-and-swap then answers 409, and the change is decided again on what was written).
+API_TRIES = 3
+API_RETRY_S = 0.2
+
 # -- Placement ---------------------------------------------------------------------------------------
 
 LIFT_SYNC_S = 60.0  # expired taints are looked for this often (a TTL is hours), or at a tenth of a shorter one

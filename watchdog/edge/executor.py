@@ -339,6 +339,13 @@ class Executor:
         keeps the list last read (refusing a request that killed replicas stays the safe side)."""
         if not self.settings.policy.quarantine.enabled:
             return
+        await self.read_records()
+        await self._clear_answered()
+        await self.push_quarantine()
+
+    async def read_records(self) -> None:
+        """The workload's quarantine records read from the Lease and folded (kept as last read where
+        they cannot be)."""
         ledger = self.ledger
         if ledger is not None:
             try:
@@ -354,8 +361,6 @@ class Executor:
                                 action="the list last read stays in force")
                 if self.edge.records_error != str(exc)[:300]:
                     self.fold(edges.RecordsSeen(None, str(exc)[:300]))
-        await self._clear_answered()
-        await self.push_quarantine()
 
     async def leaving(self) -> None:
         """The sidecar stops (its pod is removed): the suspects our server answered are cleared in the
@@ -410,10 +415,14 @@ class Executor:
                 self._report(functools.partial(self.ledger.report_quarantine, q, True), "quarantine_event_failed")
 
     async def push_quarantine(self, instance_id: str | None = None) -> None:
-        """The workload's active quarantine to our server (`instance_id`: the process it reached) and
-        to each of its other workers: a request that killed one must not reach the next."""
+        """The workload's active quarantine to our server (`instance_id`: the process it reached, read
+        afresh for it: the list last read may be a sync old, and a success recorded since must not be
+        refused by the new process) and to each of its other workers: a request that killed one must
+        not reach the next."""
         if self.control is None or not self.settings.policy.quarantine.enabled:
             return
+        if instance_id is not None:
+            await self.read_records()
         now = self.wall_clock()
         entries = self._entries(now)
         # What is refused: a shadow entry is served (gpu_watchdog_shadow_actions_total counts it).

@@ -58,7 +58,8 @@ class Watchdog:
                  token: str | None = None, pod_gpus: Callable[[], tuple[str, ...] | None] | None = None,
                  node: NodeReporter | None = None, wall_clock: Callable[[], float] = time.time,
                  restart_events: RestartEvents | None = None, workload: str | None = None,
-                 ledger: FleetLedger | None = None, placer: CardPlacer | None = None) -> None:
+                 ledger: FleetLedger | None = None, placer: CardPlacer | None = None,
+                 cluster_clock: Callable[[], float] | None = None) -> None:
         self.settings = settings
         self.restarter = restarter
         self.node = node
@@ -71,6 +72,10 @@ class Watchdog:
         # Where the evidence is about the card, it is tainted before the pod rung acts (policy.placement).
         self.placer = placer
         self.wall_clock = wall_clock
+        # What the workload's records (its Lease, its Events, placement) are stamped and read by: the
+        # API server's clock where there is one (`KubeApi.now`), so that nodes whose clocks disagree
+        # agree on them; this node's where there is none.
+        self.cluster_clock = cluster_clock or wall_clock
         self.server_metrics_url = metrics_url(settings.target)
         self.nvml_backend = nvml_backend or PynvmlBackend()
         self.given_token = token
@@ -284,4 +289,4 @@ class Watchdog:
         return views.ready(self.settings, self.history, self.clock())
 
     def status(self) -> dict[str, Any]:
-        return views.status(self.settings, self.history, self.clock(), self.wall_clock())
+        return views.status(self.settings, self.history, self.clock(), self.cluster_clock())

@@ -45,7 +45,8 @@ class Restarts:
                  worker_control: Callable[[int], ControlClient | None],
                  spawn: Callable[[Awaitable[Any]], None],
                  restarted: Callable[[RestartEnded], None],
-                 escalate: Callable[[str], Awaitable[None]]) -> None:
+                 escalate: Callable[[str], Awaitable[None]],
+                 sleep: Callable[[float], Awaitable[None]] = asyncio.sleep) -> None:
         self.settings = settings
         self.executor = executor
         self.metrics = metrics
@@ -60,6 +61,7 @@ class Restarts:
         self.spawn = spawn
         self.restarted = restarted  # a restart done: the target's canary is asked again
         self.escalate = escalate
+        self.sleep = sleep  # the slot's wait (a simulation passes its own time)
 
     def facts(self) -> Facts:
         ex = self.executor
@@ -67,37 +69,55 @@ class Restarts:
                      in_place=bool(ex.restarting_workers()), keep_out=self.keep_out is not None,
                      slot_taken_at=ex.edge.slot_taken_at)
 
-    async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
-        """`worker`'s restart, begun (`Executor.begin`) by the caller and ended here."""
-        ex = self.executor
+    def begin(self, worker: int, decision: Decision, asked_again: bool = False) -> Procedure:
+        """`worker`'s restart, begun (`Executor.begin`) by the caller: its procedure, no step taken yet."""
         p = procedure.begin(self.settings.policy, self.history(), worker, decision, self.clock(),
                             self.read_budget is not None, asked_again)
         if worker == 0 and decision.enforced:
             # The driver's word that the GPU needs a reset or the node a reboot: the Node hears of it
             # now, whether or not this restart goes ahead.
-            self.spawn(ex.report_driver_word(decision))
+            self.spawn(self.executor.report_driver_word(decision))
+        return p
+
+    async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
+        """`worker`'s restart, begun (`Executor.begin`) by the caller and ended here."""
+        p: Procedure | None = self.begin(worker, decision, asked_again)
+        try:
+            while p is not None:
+                p = await self.step(p)
+        finally:
+            self.executor.end(worker)
+
+    async def step(self, p: Procedure) -> Procedure | None:
+        """The procedure's next step, performed and answered: the procedure as it stands after it, or
+        None once the restart is over (ended: `Executor.end`)."""
+        ex, worker = self.executor, p.worker
         step: Step | None = None
         try:
-            while (step := procedure.next_step(self.settings.policy, self.history(), p, self.facts())) is not None:
-                p = await self._perform(p, step)
+            step = procedure.next_step(self.settings.policy, self.history(), p, self.facts())
+            if step is None:
+                ex.end(worker)
+                return None
+            return await self._perform(p, step)
         except asyncio.CancelledError:
+            ex.end(worker)
             raise
         except Exception as exc:
+            kind = None if step is None else step.kind
             # Refused by the API's own rules or anything unforeseen: said, and backed off.
             log.exception("restart_failed", reason=p.decision.reason, rung=p.decision.rung, worker=worker,
-                          error=repr(exc), step=None if step is None else step.kind)
-            if step is None or step.kind != procedure.RESTART:
+                          error=repr(exc), step=kind)
+            if kind != procedure.RESTART:
                 # Nothing was done: our slot back. After the act it may have been (the pod going), and
                 # the slot is given back by what follows it (its replacement serving, or its timeout).
                 await ex.release_slot(worker, "restart failed")
-            if worker and (step is None or step.kind != procedure.RESTART):
+            if worker and kind != procedure.RESTART:
                 self._ended(p.decision, worker, RESTART_FAILED, "failed")
-            if self.history().restart_in_progress and (worker == 0 or (step is not None
-                                                                       and step.kind == procedure.RESTART)):
+            if self.history().restart_in_progress and (worker == 0 or kind == procedure.RESTART):
                 self.fold(RestartEnded(self.clock(), p.decision.reason, False, False, False, p.decision.rung,
                                        p.decision.instance_id))
-        finally:
             ex.end(worker)
+            return None
 
     async def _perform(self, p: Procedure, step: Step) -> Procedure:
         ex, d, k, now = self.executor, step.decision, p.worker, self.clock()
@@ -186,7 +206,7 @@ class Restarts:
                 await ex.release_slot(k, f"recounted before the act: {held}")
             return procedure.advance(p, step, held=held)
         elif kind == procedure.SLOT_WAIT:
-            await asyncio.sleep(procedure.slot_wait_left(d, self.facts()))
+            await self.sleep(procedure.slot_wait_left(d, self.facts()))
         elif kind == procedure.RESTART:
             await self._restart(p, d)
         return procedure.advance(p, step)

@@ -57,7 +57,7 @@ async def build(wd: Watchdog, serve_http: bool) -> Running:
     samplers = build_samplers(s, session, wd.clock, token, wd.nvml_backend, wd.server_metrics_url)
     history = lambda: wd.history  # noqa: E731 - the fold as it stands at each read
     executor = Executor(
-        settings=s, restarter=wd.restarter, metrics=wd.metrics, clock=wd.clock, wall_clock=wd.wall_clock,
+        settings=s, restarter=wd.restarter, metrics=wd.metrics, clock=wd.clock, wall_clock=wd.cluster_clock,
         control=samplers.control, history=history, fold=wd.fold, node=wd.node, restart_events=wd.restart_events,
         workload=wd.workload, pod_gpus=wd.pod_gpus, ledger=wd.ledger,
         worker_controls={k: c for k, _, c in samplers.workers.clients} if samplers.workers is not None else None)
@@ -70,7 +70,7 @@ async def build(wd: Watchdog, serve_http: bool) -> Running:
         wall_clock=wd.wall_clock, read_token=wd.read_token, token=wd.given_token,
         server_metrics_url=wd.server_metrics_url)
     samplers.nvml.start_xid_watch(lambda ev: loop.call_soon_threadsafe(sampling.on_xid, ev))
-    keep_out = KeepOut(settings=s, placer=wd.placer, ledger=wd.ledger, metrics=wd.metrics, wall_clock=wd.wall_clock,
+    keep_out = KeepOut(settings=s, placer=wd.placer, ledger=wd.ledger, metrics=wd.metrics, wall_clock=wd.cluster_clock,
                        workload=wd.workload or "", history=history, fold=wd.fold, clock=wd.clock) \
         if wd.placer is not None and wd.ledger is not None and s.policy.placement.strategy != "off" else None
     restarts = Restarts(
@@ -103,7 +103,7 @@ def _answer_check(wd: Watchdog, samplers: Samplers, session: aiohttp.ClientSessi
                     action="target.http answers no probe: policy.correctness is off for this target")
         return None
     return AnswerCheck(settings=s, prober=prober, ledger=wd.ledger, metrics=wd.metrics, history=lambda: wd.history,
-                       fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, wall_clock=wd.wall_clock,
+                       fold=wd.fold, evaluate=wd.evaluate, clock=wd.clock, wall_clock=wd.cluster_clock,
                        template=executor.own_template,
                        pod=s.kubernetes.pod_name, node=s.kubernetes.node_name or None,
                        device_reported=isinstance(prober, ControlProber))

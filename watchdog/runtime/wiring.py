@@ -15,6 +15,7 @@ from gpu_watchdog.watchdog.edge.config import ConfigError, Settings, workload_of
 from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
 from gpu_watchdog.watchdog.edge.effects.restart import ReportOnlyRestarter, Restarter
 from gpu_watchdog.watchdog.edge.executor import FleetLedger
+from gpu_watchdog.watchdog.edge.kube.kube_api import KubeApi
 from gpu_watchdog.watchdog.runtime.app import Watchdog
 
 if TYPE_CHECKING:
@@ -32,6 +33,27 @@ def _kube_reachable(settings: Settings) -> bool:
     return settings.restart.strategy == "container" and bool(k.pod_name and k.namespace)
 
 
+
+
+def api_client(settings: Settings) -> KubeApi | None:
+    """The sidecar's one Kubernetes API client, where restarts go through Kubernetes (else None): every
+    part that talks to the cluster shares it, and with it the API server's clock its answers teach
+    (`KubeApi.now`), which the workload's records are stamped by."""
+    if not _kube_reachable(settings):
+        return None
+    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
+
+    k = settings.kubernetes
+    return load_api_client(k.kubeconfig, k.request_timeout)
+
+
+def _api(settings: Settings, api: KubeApi | None) -> KubeApi:
+    if api is not None:
+        return api
+    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
+
+    k = settings.kubernetes
+    return load_api_client(k.kubeconfig, k.request_timeout)
 
 
 def resolve_workload(settings: Settings) -> str:
@@ -59,9 +81,9 @@ def resolve_workload(settings: Settings) -> str:
     return fallback
 
 
-def build_restarter(settings: Settings, workload: str | None = None) -> Restarter:
+def build_restarter(settings: Settings, workload: str | None = None, api: KubeApi | None = None) -> Restarter:
     from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter, KubeRestarter
-    from gpu_watchdog.watchdog.edge.kube.kube import PodActions, load_api_client
+    from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 
     strategy = settings.restart.strategy
     if strategy == "none":
@@ -71,59 +93,54 @@ def build_restarter(settings: Settings, workload: str | None = None) -> Restarte
     k = settings.kubernetes
     pod: KubeRestarter | None = None
     if _kube_reachable(settings):
-        api = load_api_client(k.kubeconfig, k.request_timeout)
+        api = _api(settings, api)
         # The pod rung of `container` evicts, as `evict` does.
         pod_settings = dataclasses.replace(settings.restart, strategy="evict") if strategy == "container" \
             else settings.restart
-        pod = KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout), pod_settings,
-                            workload=workload if workload is not None else workload_of(settings),
-                            node=k.node_name or None)
+        pod = KubeRestarter(PodActions(api, k.pod_name, k.namespace, k.request_timeout, wall_clock=api.now),
+                            pod_settings, workload=workload if workload is not None else workload_of(settings),
+                            node=k.node_name or None, wall_clock=api.now)
     if strategy == "container":
         return ContainerRestarter(settings.restart.verdict_file, pod)
     assert pod is not None
     return pod
 
 
-def build_node_reporter(settings: Settings) -> NodeReporter | None:
+def build_node_reporter(settings: Settings, api: KubeApi | None = None) -> NodeReporter | None:
     """Only where restarts go through Kubernetes: the Events to read back are written there."""
     if not _kube_reachable(settings):
         return None
-    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
-
     k = settings.kubernetes
     e = settings.policy.escalation
-    return NodeReporter(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.node_name,
-                        k.request_timeout, e.node_condition, e.node_event)
+    return NodeReporter(_api(settings, api), k.namespace, k.node_name, k.request_timeout, e.node_condition,
+                        e.node_event)
 
 
-def build_ledger(settings: Settings, workload: str) -> FleetLedger | None:
+def build_ledger(settings: Settings, workload: str, api: KubeApi | None = None) -> FleetLedger | None:
     """The workload's Lease, where restarts go through Kubernetes: its replicas always, and its slots
     and breaker where `policy.fleet.enabled`."""
     if not _kube_reachable(settings):
         return None
     from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, lease_name
-    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
 
     k = settings.kubernetes
-    return LeaseLedger(load_api_client(k.kubeconfig, k.request_timeout), k.namespace,
-                       lease_name(workload, settings.policy.fleet.lease_name), workload, k.pod_name,
-                       k.request_timeout)
+    api = _api(settings, api)
+    return LeaseLedger(api, k.namespace, lease_name(workload, settings.policy.fleet.lease_name), workload, k.pod_name,
+                       k.request_timeout, wall_clock=api.now)
 
 
-def build_placer(settings: Settings, workload: str) -> Placer | None:
+def build_placer(settings: Settings, workload: str, api: KubeApi | None = None) -> Placer | None:
     """Where placement is on (policy.placement.strategy other than off) and restarts go through Kubernetes."""
     if settings.policy.placement.strategy == "off" or not _kube_reachable(settings):
         return None
-    return placer_for(settings, workload)
+    return placer_for(settings, workload, api)
 
 
-def placer_for(settings: Settings, workload: str) -> Placer:
+def placer_for(settings: Settings, workload: str, api: KubeApi | None = None) -> Placer:
     from gpu_watchdog.watchdog.edge.effects.placement import Placer
-    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
 
     k = settings.kubernetes
-    return Placer(load_api_client(k.kubeconfig, k.request_timeout), k.namespace, k.pod_name, k.node_name, workload,
-                  k.request_timeout)
+    return Placer(_api(settings, api), k.namespace, k.pod_name, k.node_name, workload, k.request_timeout)
 
 
 async def run_until_signal(watchdog: Watchdog) -> None:

@@ -14,9 +14,12 @@ import time
 from collections.abc import Callable
 from typing import Any, TypeVar
 
+import urllib3
+
 from gpu_watchdog import logs
 from gpu_watchdog.watchdog.core import correctness, fleet, placement, quarantine
 from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION, Ledger
+from gpu_watchdog.watchdog.core.timing import API_RETRY_S, API_TRIES
 from gpu_watchdog.watchdog.edge.kube.kube import event_body, event_name, events_path, pod_path
 from gpu_watchdog.watchdog.edge.kube.kube_api import ApiError, KubeApi, api_of, micro_time, parse_time, path
 
@@ -37,6 +40,16 @@ def lease_name(workload: str, configured: str = "") -> str:
         return configured
     name = re.sub(r"[^a-z0-9.-]+", "-", f"gpu-watchdog-{workload}".lower()).strip("-.")
     return name[:253].rstrip("-.")
+
+
+def transient(exc: BaseException) -> bool:
+    """The API server refused this call for now (a 5xx, a 429) or could not be reached: worth another
+    try at once; a 4xx it answered (403, 404, 422) is its word, and a call that timed out is not tried
+    again here (an API that hangs would hold the ledger API_TRIES times as long)."""
+    if isinstance(exc, (TimeoutError, urllib3.exceptions.TimeoutError)):
+        return False
+    status = getattr(exc, "status", None)
+    return status is None or status == 429 or (isinstance(status, int) and status >= 500)
 
 
 def _describe(exc: BaseException) -> str:
@@ -89,13 +102,18 @@ def census_of(workload: dict[str, Any] | None, pods: list[Any]) -> fleet.Census 
 
 class LeaseLedger:
     def __init__(self, api_client: KubeApi, namespace: str, name: str, workload: str, pod_name: str,
-                 request_timeout: float, wall_clock: Callable[[], float] = time.time) -> None:
+                 request_timeout: float, wall_clock: Callable[[], float] = time.time,
+                 sleep: Callable[[float], None] = time.sleep) -> None:
         self.namespace = namespace
         self.name = name
         self.workload = workload
         self.pod_name = pod_name
         self.timeout = request_timeout
         self.wall_clock = wall_clock
+        self.sleep = sleep
+        # The annotations this client has read with something in them, or written: one found gone
+        # since was deleted (an operator's cleanup, an etcd restore), not yet to be written.
+        self._had: set[str] = set()
         self.api = api_of(api_client)
 
     # -- the ledger --------------------------------------------------------------------------------
@@ -104,13 +122,20 @@ class LeaseLedger:
         return path("/apis/coordination.k8s.io/v1/namespaces", self.namespace, "leases", name)
 
     def _get(self) -> dict[str, Any] | None:
-        """The Lease (None: there is none yet); LedgerUnavailable when it cannot be read."""
-        try:
-            return self.api.get(self._leases(self.name), timeout=self.timeout)
-        except Exception as exc:
-            if getattr(exc, "status", None) == 404:
-                return None
-            raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+        """The Lease (None: there is none yet); LedgerUnavailable when it cannot be read (after API_TRIES
+        where the server did not answer)."""
+        for attempt in range(API_TRIES):
+            if attempt:
+                self.sleep(API_RETRY_S * attempt)
+            try:
+                return self.api.get(self._leases(self.name), timeout=self.timeout)
+            except Exception as exc:
+                if getattr(exc, "status", None) == 404:
+                    return None
+                if not transient(exc) or attempt + 1 == API_TRIES:
+                    raise LedgerUnavailable(f"cannot read Lease {self.namespace}/{self.name}: {_describe(exc)}"
+                                            ) from None
+        raise AssertionError("unreachable")  # pragma: no cover - the loop returns or raises
 
     def read(self) -> Ledger:
         return self._ledger(self._get())
@@ -121,6 +146,8 @@ class LeaseLedger:
     def _parsed(self, lease: dict[str, Any] | None, annotation: str, parse: Callable[[str | None], A],
                 what: str) -> A:
         annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
+        if annotations.get(annotation):
+            self._had.add(annotation)
         try:
             return parse(annotations.get(annotation))
         except ValueError as exc:  # LedgerError, RecordsError
@@ -136,7 +163,10 @@ class LeaseLedger:
         return self._parsed(self._get(), quarantine.ANNOTATION, quarantine.parse, "quarantine records")
 
     def update_records(self, decide: Callable[[quarantine.Records, float], tuple[quarantine.Records, T]]) -> T:
-        return self._update(quarantine.ANNOTATION, quarantine.parse, quarantine.dump, "quarantine records", decide)
+        """As `update`. Records this client read before and finds gone start again as forgotten
+        (`quarantine.lost`): the successes they held, which cleared suspects, are gone with them."""
+        return self._update(quarantine.ANNOTATION, quarantine.parse, quarantine.dump, "quarantine records", decide,
+                            quarantine.lost)
 
     # -- the cards kept out of placement (a third annotation) --------------------------------------------
 
@@ -157,14 +187,20 @@ class LeaseLedger:
                             decide)
 
     def _update(self, annotation: str, parse: Callable[[str | None], A], dump: Callable[[A], str], what: str,
-                decide: Callable[[A, float], tuple[A, T]]) -> T:
+                decide: Callable[[A, float], tuple[A, T]], lost: Callable[[float], A] | None = None) -> T:
+        unanswered = 0
         for attempt in range(CONFLICT_TRIES):
             if attempt:
                 # Writers that lost a race to the same version would collide again in step.
-                time.sleep(random.uniform(0.0, 0.05 * 2**min(attempt, 4)))
+                self.sleep(random.uniform(0.0, 0.05 * 2**min(attempt, 4)))
             lease = self._get()
+            had = annotation in self._had
             current = self._parsed(lease, annotation, parse, what)
-            new, result = decide(current, self.wall_clock())
+            now = self.wall_clock()
+            if lost is not None and had and not (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(
+                    annotation):
+                current = lost(now)
+            new, result = decide(current, now)
             if new == current:
                 return result
             try:
@@ -172,12 +208,17 @@ class LeaseLedger:
             except Exception as exc:
                 if getattr(exc, "status", None) == 409:
                     continue  # another replica wrote first: decide again on what it wrote
+                unanswered += 1
+                if transient(exc) and unanswered < API_TRIES:
+                    self.sleep(API_RETRY_S * unanswered)
+                    continue  # read and decided again: a write that was done answers 409 then
                 raise LedgerUnavailable(f"cannot write Lease {self.namespace}/{self.name}: {_describe(exc)}") from None
+            self._had.add(annotation)
             return result
         raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: {CONFLICT_TRIES} conflicting writes in a row")
 
     def _write(self, lease: dict[str, Any] | None, annotation: str, text: str) -> None:
-        now = micro_time()
+        now = micro_time(self.wall_clock())
         if lease is None:
             body = {"apiVersion": "coordination.k8s.io/v1", "kind": "Lease",
                     "metadata": {"name": self.name, "namespace": self.namespace, "annotations": {annotation: text},
@@ -250,7 +291,7 @@ class LeaseLedger:
         body = event_body(event_name(self.workload), self.namespace, self._regarding(),
                           "QuarantineLifted" if lifted else "RequestQuarantined", note,
                           "LiftQuarantine" if lifted else "Quarantine", "Normal" if lifted else "Warning",
-                          self.pod_name, {"gpu-watchdog.io/fingerprint": q.fingerprint})
+                          self.pod_name, {"gpu-watchdog.io/fingerprint": q.fingerprint}, self.wall_clock())
         self.api.post(events_path(self.namespace), body, timeout=self.timeout)
 
     def _regarding(self) -> dict[str, str]:
@@ -263,5 +304,6 @@ class LeaseLedger:
                 f" way (pods {', '.join(breaker.restarted)}). A restart does not cure this fault; reset with"
                 " `gpu-watchdog fleet reset-breaker` once it is fixed.")
         body = event_body(event_name(self.workload), self.namespace, self._regarding(), "FleetBreakerOpen", note,
-                          "StopRestarts", "Warning", self.pod_name, {"gpu-watchdog.io/reason": breaker.reason})
+                          "StopRestarts", "Warning", self.pod_name, {"gpu-watchdog.io/reason": breaker.reason},
+                          self.wall_clock())
         self.api.post(events_path(self.namespace), body, timeout=self.timeout)

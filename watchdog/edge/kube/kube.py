@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
+from collections.abc import Callable
 from typing import Any
 
 from gpu_watchdog import logs
@@ -47,12 +48,14 @@ def events_path(namespace: str) -> str:
 
 
 def event_body(name: str, namespace: str, regarding: dict[str, str], reason: str, note: str, action: str,
-               event_type: str, reporting_instance: str, annotations: dict[str, str] | None) -> dict[str, Any]:
-    """An `events.k8s.io/v1` Event, as the typed models wrote it (fields that are None left out)."""
+               event_type: str, reporting_instance: str, annotations: dict[str, str] | None,
+               at: float | None = None) -> dict[str, Any]:
+    """An `events.k8s.io/v1` Event, as the typed models wrote it (fields that are None left out);
+    `at`: its `eventTime`, the writer's wall clock (now where None)."""
     metadata: dict[str, Any] = {"name": name, "namespace": namespace}
     if annotations:
         metadata["annotations"] = annotations
-    return {"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": metadata, "eventTime": micro_time(),
+    return {"apiVersion": "events.k8s.io/v1", "kind": "Event", "metadata": metadata, "eventTime": micro_time(at),
             "reportingController": CONTROLLER, "reportingInstance": reporting_instance, "action": action,
             "reason": reason, "note": note[:1024], "type": event_type, "regarding": regarding}
 
@@ -83,7 +86,8 @@ def workload_from_pod(pod_name: str, labels: dict[str, str], owners: list[tuple[
 class PodActions:
     """Every call names the pod it acts on and is refused unless that pod is ours."""
 
-    def __init__(self, api_client: KubeApi, pod_name: str, namespace: str, request_timeout: float) -> None:
+    def __init__(self, api_client: KubeApi, pod_name: str, namespace: str, request_timeout: float,
+                 wall_clock: Callable[[], float] = time.time) -> None:
         if not pod_name or not namespace:
             raise RefusedError("the watchdog's own pod name and namespace are unknown; refusing to act")
         downward = os.environ.get("POD_NAME")
@@ -93,6 +97,7 @@ class PodActions:
         self.namespace = namespace
         self.api = api_of(api_client)
         self.timeout = request_timeout
+        self.wall_clock = wall_clock  # an Event's time is its writer's
 
     def _guard(self, name: str, namespace: str) -> None:
         if (name, namespace) != (self.pod_name, self.namespace):
@@ -132,5 +137,5 @@ class PodActions:
         self._guard(name, namespace)
         body = event_body(event_name(name), namespace, {"kind": "Pod", "apiVersion": "v1", "name": name,
                                                         "namespace": namespace},
-                          reason, note, action, event_type, name, annotations)
+                          reason, note, action, event_type, name, annotations, self.wall_clock())
         self.api.post(events_path(namespace), body, timeout=self.timeout)

@@ -13,13 +13,14 @@ from __future__ import annotations
 import base64
 import binascii
 import datetime as dt
+import email.utils
 import json
 import os
 import ssl
 import tempfile
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 from urllib.parse import quote, urlencode, urlsplit
@@ -35,6 +36,9 @@ SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 # Larger answers are refused rather than held: the sidecar's largest is a page of 500 Events.
 MAX_ANSWER = 32 * 2**20
 POOL_SIZE = 8  # concurrent calls (the loops' threads) without "pool is full" warnings
+# The server's clock as learned moves only when it differs by more than this: a `Date` header has
+# whole seconds, and each answer's would otherwise move the clock back and forth within one.
+CLOCK_STEADY_S = 1.0
 UNSUPPORTED = "not supported by the sidecar; use a token or client certificate"
 
 
@@ -80,8 +84,11 @@ def parse_time(value: Any) -> float | None:
     return (when if when.tzinfo is not None else when.replace(tzinfo=dt.UTC)).timestamp()
 
 
-def micro_time(when: dt.datetime | None = None) -> str:
-    """A `MicroTime` as the API server parses it (RFC 3339, always six fraction digits, UTC)."""
+def micro_time(when: dt.datetime | float | None = None) -> str:
+    """A `MicroTime` as the API server parses it (RFC 3339, always six fraction digits, UTC); `when` a
+    datetime or epoch seconds (the caller's wall clock), now where None."""
+    if isinstance(when, (int, float)):
+        when = dt.datetime.fromtimestamp(when, dt.UTC)
     return (when or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
@@ -119,18 +126,24 @@ class KubeApi:
     `verify` False to skip TLS verification (kubeconfig `insecure-skip-tls-verify`).
 
     Each call has a deadline (`timeout`, else the client's): connect and answer within it, or
-    TimeoutError / urllib3's timeout error. No retries here: every caller has its own policy."""
+    TimeoutError / urllib3's timeout error. No retries here: every caller has its own policy.
+
+    `now()` is the API server's clock, learned from its answers' `Date` header: what every record a
+    sidecar writes for the workload (the Lease's slots and failures, the restart Events, placement)
+    is stamped by, so that a node whose own clock is off stamps them as the others do."""
 
     def __init__(self, server: str, *, token: str | None = None, token_file: str | None = None,
                  ca_file: str | None = None, ca_data: str | None = None, verify: bool = True,
                  cert_file: str | None = None, key_file: str | None = None, cert_data: bytes | None = None,
                  key_data: bytes | None = None, tls_server_name: str | None = None, proxy: str | None = None,
-                 timeout: float = 10.0) -> None:
+                 timeout: float = 10.0, wall_clock: Callable[[], float] = time.time) -> None:
         parts = urlsplit(server)
         if parts.scheme not in ("http", "https") or not parts.netloc:
             raise KubeConfigError(f"server {server!r}: not an http(s) URL")
         self.server = server.rstrip("/")
         self.timeout = timeout
+        self.wall_clock = wall_clock
+        self.clock_offset = 0.0  # the server's clock less ours, as its last answers said
         self._token = token or None
         self._token_file = _TokenFile(token_file) if token_file else None
         options: dict[str, Any] = {"maxsize": POOL_SIZE, "retries": False}
@@ -145,6 +158,23 @@ class KubeApi:
 
     def token(self) -> str | None:
         return (self._token_file.read() or None) if self._token_file is not None else self._token
+
+    def now(self) -> float:
+        """The API server's time (ours until it first answered)."""
+        return self.wall_clock() + self.clock_offset
+
+    def learn_time(self, date: str | None) -> None:
+        """An answer's `Date` header (RFC 9110, whole seconds): the server's clock, taken as the middle
+        of that second; garbage or none changes nothing."""
+        try:
+            said = email.utils.parsedate_to_datetime(date) if date else None
+        except (TypeError, ValueError):
+            return
+        if said is None or said.tzinfo is None:
+            return
+        offset = said.timestamp() + 0.5 - self.wall_clock()
+        if abs(offset - self.clock_offset) > CLOCK_STEADY_S:
+            self.clock_offset = offset
 
     # -- the verbs ------------------------------------------------------------------------------------
 
@@ -189,6 +219,7 @@ class KubeApi:
             headers["Content-Type"] = content_type
         response = self.pool.request(method, url, body=data, headers=headers, timeout=urllib3.Timeout(total=limit),
                                      retries=False, redirect=False, preload_content=False)
+        self.learn_time(response.headers.get("Date"))
         ok = 200 <= response.status < 300
         try:
             raw = _read(response, deadline, limit, method, path)
