@@ -82,11 +82,8 @@ class Restarts:
     async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
         """`worker`'s restart, begun (`Executor.begin`) by the caller and ended here."""
         p: Procedure | None = self.begin(worker, decision, asked_again)
-        try:
-            while p is not None:
-                p = await self.step(p)
-        finally:
-            self.executor.end(worker)
+        while p is not None:  # `step` ends it (`Executor.end`) however the restart ends
+            p = await self.step(p)
 
     async def step(self, p: Procedure) -> Procedure | None:
         """The procedure's next step, performed and answered: the procedure as it stands after it, or

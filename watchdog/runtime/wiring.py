@@ -39,15 +39,11 @@ def api_client(settings: Settings) -> KubeApi | None:
     """The sidecar's one Kubernetes API client, where restarts go through Kubernetes (else None): every
     part that talks to the cluster shares it, and with it the API server's clock its answers teach
     (`KubeApi.now`), which the workload's records are stamped by."""
-    if not _kube_reachable(settings):
-        return None
-    from gpu_watchdog.watchdog.edge.kube.kube import load_api_client
-
-    k = settings.kubernetes
-    return load_api_client(k.kubeconfig, k.request_timeout)
+    return _api(settings, None) if _kube_reachable(settings) else None
 
 
 def _api(settings: Settings, api: KubeApi | None) -> KubeApi:
+    """`api` where the caller shares one, else a client of its own."""
     if api is not None:
         return api
     from gpu_watchdog.watchdog.edge.kube.kube import load_api_client

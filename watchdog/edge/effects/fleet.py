@@ -42,6 +42,11 @@ def lease_name(workload: str, configured: str = "") -> str:
     return name[:253].rstrip("-.")
 
 
+def _annotation(lease: dict[str, Any] | None, name: str) -> Any:
+    """The annotation as the Lease holds it (garbage too: its parser says it is not ours)."""
+    return (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(name)
+
+
 def transient(exc: BaseException) -> bool:
     """The API server refused this call for now (a 5xx, a 429) or could not be reached: worth another
     try at once; a 4xx it answered (403, 404, 422) is its word, and a call that timed out is not tried
@@ -145,11 +150,11 @@ class LeaseLedger:
 
     def _parsed(self, lease: dict[str, Any] | None, annotation: str, parse: Callable[[str | None], A],
                 what: str) -> A:
-        annotations = ((lease or {}).get("metadata") or {}).get("annotations") or {}
-        if annotations.get(annotation):
+        text = _annotation(lease, annotation)
+        if text:
             self._had.add(annotation)
         try:
-            return parse(annotations.get(annotation))
+            return parse(text)
         except ValueError as exc:  # LedgerError, RecordsError
             raise LedgerUnavailable(f"Lease {self.namespace}/{self.name}: its {what} is not ours ({exc})") from None
 
@@ -197,8 +202,7 @@ class LeaseLedger:
             had = annotation in self._had
             current = self._parsed(lease, annotation, parse, what)
             now = self.wall_clock()
-            if lost is not None and had and not (((lease or {}).get("metadata") or {}).get("annotations") or {}).get(
-                    annotation):
+            if lost is not None and had and not _annotation(lease, annotation):
                 current = lost(now)
             new, result = decide(current, now)
             if new == current:
