@@ -30,6 +30,10 @@ EXIT = "/control/exit"  # POST: the process exits (code 75) for its server to st
 # The query of death: the fingerprints in flight (and at the failure), and the quarantine list
 # (GET lists, POST adds one, PUT replaces all, DELETE lifts one).
 REQUESTS = "/control/requests"
+# `GET /control/requests?evidence=1`: the read that takes a failure's evidence (`at_failure`), the one a
+# poisoned process waits for before it exits. Other reads (what was answered lately) do not count:
+# the process must not leave before the restart's own read has its evidence.
+REQUESTS_EVIDENCE = "evidence"
 # POST: every thread's Python stack, into the termination log and the answer (before a hang's restart).
 STACKS = "/control/stacks"
 QUARANTINE = "/control/quarantine"

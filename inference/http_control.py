@@ -129,8 +129,13 @@ class ControlAPI:
     async def requests(self, request: web.Request) -> web.Response:
         """The fingerprints in flight, the newest admitted, those answered lately, and what was in
         flight when the context was lost (`at_failure`) or when the engine's loop stopped advancing
-        (`at_stall`); read by the sidecar before a restart."""
-        return web.json_response(self.service.guard.screen.book.report())
+        (`at_stall`); read by the sidecar before a restart, which asks with `?evidence=1`: a poisoned
+        process leaves only once that read has its evidence, not on a read made for what it answered."""
+        said = request.query.get(contract.REQUESTS_EVIDENCE, "0")
+        if said not in ("0", "1", "true", "false"):
+            return _bad(BadRequest(400, contract.REQUESTS_EVIDENCE,
+                                   f"{contract.REQUESTS_EVIDENCE}: must be 1 or 0 (true or false), got {said[:40]!r}"))
+        return web.json_response(self.service.guard.screen.book.report(evidence=said in ("1", "true")))
 
     async def quarantine(self, request: web.Request) -> web.Response:
         return web.json_response(self.service.guard.screen.describe())

@@ -406,10 +406,14 @@ def control_spec() -> dict[str, Any]:
                 "responses": {"200": _json(obj, "every thread's Python stack and where the process is stuck"
                                                 " (`stuck`), also written to the termination log"),
                               **_errors(400, 401)}}},
-            "/control/requests": {"get": {"operationId": "requests", "responses": {
+            "/control/requests": {"get": {"operationId": "requests", "parameters": [{
+                "name": "evidence", "in": "query", "required": False,
+                "schema": {"type": "string", "enum": ["0", "1", "false", "true"]},
+                "description": "1: this read takes the failure's evidence (the restart's): a poisoned process"
+                               " exits once it is taken (3 s at most), not on any other read"}], "responses": {
                 "200": _json(obj, "fingerprints in flight, the newest admitted, those answered lately, and those "
                                   "in flight when the context was lost (`at_failure`) or when the loop stopped "
-                                  "advancing (`at_stall`)"), **_errors(401)}}},
+                                  "advancing (`at_stall`)"), **_errors(400, 401)}}},
             "/control/quarantine": {
                 "get": {"operationId": "quarantine", "responses": {
                     "200": _json(obj, "the fingerprints refused (422) and until when"), **_errors(401)}},

@@ -169,15 +169,17 @@ class RequestBook:
             return had
 
     def wait_read(self) -> bool:
-        """Block until the watchdog read what was in flight at the failure (bounded); True if it did
-        or there was nothing to read."""
+        """Block until the watchdog took what was in flight at the failure (`report(evidence=True)`,
+        bounded); True if it did or there was nothing to take."""
         with self._lock:
             nothing = self._at_failure is None or not self._at_failure["inflight"]
         return nothing or self.failure_read.wait(FAILURE_READ_WAIT_S)
 
-    def report(self) -> dict[str, Any]:
+    def report(self, evidence: bool = False) -> dict[str, Any]:
+        """What is in flight, answered, and at the failure or stall. `evidence`: this read takes the
+        failure's evidence (`wait_read` is over); a read for anything else leaves it waiting."""
         with self._lock:
-            if self._at_failure is not None:
+            if evidence and self._at_failure is not None:
                 self.failure_read.set()
             return {"instance_id": self.instance_id, **self._snapshot(), "at_failure": self._at_failure,
                     "at_stall": self._at_stall}

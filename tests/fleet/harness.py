@@ -94,6 +94,25 @@ class Moment:
     detail: dict[str, Any] = field(default_factory=dict)
 
 
+# Said at every sample or canary while nothing changes: a failed test's account leaves them out.
+NOISE = frozenset({"canary_failed", "canary_ok", "server_metrics", "server_metrics_unavailable", "nvml_unavailable",
+                   "recorder_started", "workload", "watchdog_started", "target_unreachable"})
+SHOWN = ("reason", "process", "inflight", "fingerprint", "fingerprints", "why", "action", "error", "pod", "waited_s",
+         "workload_failures", "evidence", "instance_id", "outcome")
+
+
+def account(lines: list[dict[str, Any]]) -> list[str]:
+    """A sidecar's log as one short line per thing it decided or did (its time of day, event and
+    the fields that tell it)."""
+    out = []
+    for line in lines:
+        if line.get("event") in NOISE:
+            continue
+        fields = " ".join(f"{k}={json.dumps(line[k])[:80]}" for k in SHOWN if k in line)
+        out.append(f"  {str(line.get('timestamp', ''))[11:23]} {line.get('event')} {fields}"[:240])
+    return out
+
+
 @dataclass
 class FleetPod:
     """One pod: its processes, ports and life. `generation` 0 for the Deployment's first pods; a
@@ -316,14 +335,20 @@ class Fleet:
             assert code == 0 or "cut short" in err.getvalue(), (pod.name, err.getvalue())
             assert summary["identical"] and summary["ticks"] > 0, (pod.name, summary)
 
-    def print_logs(self, lines: int = 30) -> None:
-        """The tail of every sidecar's log and the timeline, for a failed test's report."""
-        out = [f"--- fleet timeline ({len(self.timeline)} moments) ---"]
+    def print_logs(self, lines: int = 10) -> None:
+        """A failed test's report: each sidecar's account (its decisions, records and restarts, the
+        repeated sampling noise left out) first, since a long report is cut in its middle, then the
+        timeline and each sidecar's raw last `lines`."""
+        out: list[str] = []
+        for pod in self.all_pods.values():
+            out.append(f"--- sidecar {pod.name} (node {pod.node}, generation {pod.generation},"
+                       f" {'alive' if pod.alive else 'gone'}): its account ---")
+            out += account(pod.log())
+        out.append(f"--- fleet timeline ({len(self.timeline)} moments) ---")
         out += [f"{m.at - self.started_at:8.3f}s {m.kind:<14} {m.pod} {m.detail or ''}" for m in self.timeline]
         for pod in self.all_pods.values():
             tail = pod.log_text().splitlines()[-lines:]
-            out.append(f"--- sidecar {pod.name} (node {pod.node}, generation {pod.generation},"
-                       f" {'alive' if pod.alive else 'gone'}) last {len(tail)} lines ---")
+            out.append(f"--- sidecar {pod.name} last {len(tail)} lines ---")
             out += tail
         print("\n".join(out), file=sys.stdout, flush=True)
 

@@ -62,7 +62,16 @@ def test_a_fault_for_one_prompt_kills_only_that_request_and_what_was_in_flight_i
         report = srv.ctl("GET", "/control/requests").json()
         assert report["at_failure"]["inflight"] == [culprit] and report["at_failure"]["newest"] == culprit
         assert innocent in report["completed"] and culprit not in report["completed"]
+        # A read for what was answered (the sidecar's sync) does not let it go: it waits for the read
+        # that takes the evidence (the restart's, which may come later on a loaded node).
+        time.sleep(1.0)
+        assert srv.proc.proc.poll() is None
+        wrong = srv.ctl("GET", "/control/requests?evidence=maybe")
+        assert wrong.status_code == 400 and wrong.json()["error"]["param"] == "evidence", wrong.text
+        taken = srv.ctl("GET", "/control/requests?evidence=1").json()
+        assert taken["at_failure"] == report["at_failure"]
         assert srv.proc.proc.wait(timeout=20) == 3
+        assert not [e for e in json_lines(srv.proc.log()) if e.get("event") == "inflight_not_read"]
         text = termination_log.read_text()
         assert "illegal memory access" in text and f"inflight: {culprit}" in text
     finally:

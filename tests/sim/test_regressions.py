@@ -88,6 +88,24 @@ def test_i7_decoys_refused_with_a_lifted_killer_do_not_hide_its_new_failures() -
     assert len(world.killer_f) == 2
 
 
+HOSTILE = Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
+                skew_s=60, strategy="delete")
+
+
+def test_i7_a_failure_recorded_by_a_node_whose_clock_stepped_counts() -> None:
+    """Broke I7 (seed 9643 of the API that refuses, loses answers and races, clocks a minute off): a
+    node's clock stepped 51 s ahead before its sidecar had heard the API server, so its killer's
+    failure was stamped 92 s ahead, past FUTURE_S, and counted toward nothing. A failure is now
+    stamped as it is written, on the server's clock learned from the read just before."""
+    world = replay(HOSTILE, 9643, [
+        ("an_operator_lifts_the_killer", {}), KILLER, KILLER, ("a_nodes_clock_steps", {"seconds": 51, "which": 46}),
+        ("a_node_is_drained", {"which": 0}), KILLER])
+    records = world.records()
+    assert len(world.crashes) == KILLER_FAILURES
+    assert all(abs(f.at - world.crashed_at[(f.pod, f.process)]) <= 1.0 for f in records.failures)
+    assert world.killer_prints & {q.fingerprint for q in quarantine.active(records, world.now)}
+
+
 def test_i6_a_popular_request_answered_before_the_suspicion_is_not_framed() -> None:
     """The popular request, sent once between the killer's failures, tied with the killer at the third."""
     world = replay(Knobs(replicas=4, max_unavailable="1", popular_every_tick=False), 0, [

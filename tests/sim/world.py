@@ -226,8 +226,8 @@ class SimControl:
             raise ControlError(f"{path}: connection refused", "unreachable")
         return pod.server
 
-    async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
-        return self._server("GET /control/requests").screen.book.report()
+    async def requests(self, timeout: float = 3.0, evidence: bool = False) -> dict[str, Any]:
+        return self._server("GET /control/requests").screen.book.report(evidence)
 
     async def quarantine(self, timeout: float = 3.0) -> dict[str, Any]:
         return self._server("GET /control/quarantine").screen.describe()

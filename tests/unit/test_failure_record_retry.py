@@ -15,7 +15,8 @@ from tests.traces import Trace
 
 
 class Control:
-    async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
+    async def requests(self, timeout: float = 3.0, evidence: bool = False) -> dict[str, Any]:
+        assert evidence  # the restart's read takes the failure's evidence
         return {"instance_id": "p1", "inflight": ["aaaaaaaaaaaaaaaa"], "newest": "aaaaaaaaaaaaaaaa", "completed": []}
 
 

@@ -56,6 +56,16 @@ def test_the_book_reports_in_flight_newest_first_and_freezes_at_the_failure() ->
     assert "after" not in book.report()["completed"] and frozen["completed"] == ["fa", "ia"]
 
 
+def test_only_the_read_that_takes_the_evidence_lets_a_failed_process_go() -> None:
+    book = RequestBook("i1")
+    book.begin("fa", "ia")
+    book.failed()
+    book.report()  # what was answered lately, read by the sync: the evidence is not taken
+    assert not book.failure_read.is_set()
+    assert book.report(evidence=True)["at_failure"]["inflight"] == ["fa"]
+    assert book.failure_read.is_set() and book.wait_read()
+
+
 def test_an_answer_is_kept_for_its_hour_however_many_come_after_it() -> None:
     now = [1000.0]
     book = RequestBook("i1", clock=lambda: now[0])

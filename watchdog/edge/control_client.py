@@ -30,11 +30,12 @@ class ControlClient:
         """Any control route: its JSON object, or ControlError (kind: unauthorized, timeout, ...)."""
         return await self._call(method, path, body, timeout)
 
-    async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float) -> dict[str, Any]:
+    async def _call(self, method: str, path: str, body: dict[str, Any] | None, timeout: float,
+                    query: dict[str, str] | None = None) -> dict[str, Any]:
         headers = {"Authorization": f"Bearer {self._token}"} if self._token else {}
         try:
             async with self._session.request(
-                method, self.base_url + path, json=body, headers=headers,
+                method, self.base_url + path, json=body, headers=headers, params=query,
                 timeout=aiohttp.ClientTimeout(total=timeout),
             ) as resp:
                 if resp.status == 401:
@@ -93,9 +94,11 @@ class ControlClient:
         """Every thread's stack and where the process is stuck, also written to its termination log."""
         return await self._call("POST", contract.STACKS, {"reason": reason}, timeout)
 
-    async def requests(self, timeout: float = 3.0) -> dict[str, Any]:
-        """The fingerprints in flight, and those in flight when the context was lost (`at_failure`)."""
-        return await self._call("GET", contract.REQUESTS, None, timeout)
+    async def requests(self, timeout: float = 3.0, evidence: bool = False) -> dict[str, Any]:
+        """The fingerprints in flight, and those in flight when the context was lost (`at_failure`).
+        `evidence`: this read takes the failure's evidence (a poisoned server waits for it to exit)."""
+        return await self._call("GET", contract.REQUESTS, None, timeout,
+                                {contract.REQUESTS_EVIDENCE: "1"} if evidence else None)
 
     async def quarantine(self, timeout: float = 3.0) -> dict[str, Any]:
         return await self._call("GET", contract.QUARANTINE, None, timeout)

@@ -255,7 +255,7 @@ class Executor:
         self._failures_pending[key] = read
         failure: quarantine.Failure | None = None
         try:
-            failure = quarantine.failure_from(await control.requests(), self.settings.kubernetes.pod_name
+            failure = quarantine.failure_from(await control.requests(evidence=True), self.settings.kubernetes.pod_name
                                               or "local", decision.reason, self.wall_clock())
         except (ControlError, quarantine.RecordsError) as exc:
             log.warning("failure_fingerprints_unknown", reason=decision.reason, error=str(exc)[:300],
@@ -285,7 +285,10 @@ class Executor:
 
         def add(records: quarantine.Records, now: float) -> tuple[quarantine.Records, tuple[
                 quarantine.Records, list[quarantine.Quarantined], list[quarantine.Quarantined]]]:
-            out, quarantined = quarantine.record(s, records, failure, now)
+            # Stamped as it is written, on the API server's clock learned from the read just before:
+            # read earlier, a node whose clock stepped (or a sidecar yet to hear the server) stamps it
+            # that far off, and a failure stamped past FUTURE_S counts toward nothing.
+            out, quarantined = quarantine.record(s, records, dataclasses.replace(failure, at=now), now)
             still = {q.fingerprint for q in quarantine.active(out, now)}
             return out, (out, quarantined, [q for q in quarantine.active(records, now) if q.fingerprint not in still])
 
