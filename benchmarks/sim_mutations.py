@@ -1,15 +1,17 @@
 """Whether the simulation catches a broken rule: each mutation breaks one production function the
 simulated sidecars run (a slot never given back, any pod taken for a replacement, a budget never
 spent, ties never taken, lifts ignored, answered requests never cleared, the unavailable count
-zeroed, the pod evicted before its restart Event is written), the seeded runs go again, and the
-first invariant that broke is named. A mutation nothing
+zeroed, the pod evicted before its restart Event is written), the seeded runs go again, then the
+regression traces (`tests/sim/test_regressions.py`, each a run that once broke an invariant), and
+the first invariant that broke is named with what broke it. A mutation nothing
 catches is a hole in the simulation or its invariants, printed as such (`survived`); one the
 simulation cannot reach at all (it performs that part itself) says so (`not reached`).
 
     python -m gpu_watchdog.benchmarks.sim_mutations [--runs N] [--steps N] [--only NAME ...]
 
 Run from the repository's root (it imports the simulation from tests/). Prints one JSON object:
-per mutation, `caught` with the invariant's message, `survived`, or `not reached` with why; and the
+per mutation, `caught` with the invariant's message and `by` (the seeds, or the regression trace),
+`survived`, or `not reached` with why; and the
 unmutated baseline, which must hold. Exits non-zero when the baseline breaks.
 """
 
@@ -24,11 +26,12 @@ import re
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import ExitStack, contextmanager, redirect_stdout
 from pathlib import Path
 from typing import Any
 from unittest import mock
 
+import pytest
 import structlog
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.stateful import run_state_machine_as_test
@@ -113,6 +116,40 @@ def run_seeds(runs: int, steps: int) -> str | None:
     return None
 
 
+REGRESSIONS = Path(__file__).resolve().parents[1] / "tests" / "sim" / "test_regressions.py"
+
+
+class _FirstFailure:
+    """A pytest plugin: the first test that failed, and the invariant's message (or its error)."""
+
+    def __init__(self) -> None:
+        self.broke: str | None = None
+
+    def pytest_runtest_logreport(self, report: pytest.TestReport) -> None:
+        if report.failed and self.broke is None:
+            # The error's own lines ("E   ..."), not the source the traceback quotes.
+            errors = [line[1:].strip() for line in str(report.longrepr).splitlines() if line.startswith("E ")]
+            found = next((m.group(0) for line in errors if (m := re.search(r"I\d+:.*", line))), None)
+            self.broke = f"{report.nodeid.split('::')[-1]}: {found or (errors[0] if errors else '?')}"[:300]
+
+
+def run_regressions() -> str | None:
+    """The first regression trace broken (its name and the invariant's message), or None."""
+    catch = _FirstFailure()
+    with redirect_stdout(sys.stderr):  # stdout carries the JSON alone
+        pytest.main(["-q", "-x", "-p", "no:cacheprovider", str(REGRESSIONS)], plugins=[catch])
+    return catch.broke
+
+
+def first_broken(runs: int, steps: int) -> str | None:
+    """What catches the rules as they are now: the seeds first, then the regression traces."""
+    broke = run_seeds(runs, steps)
+    if broke is not None:
+        return f"{broke} (by the seeds)"
+    broke = run_regressions()
+    return None if broke is None else f"{broke} (by the regression trace)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="sim_mutations", description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=80, help="seeded runs per config (default 80)")
@@ -125,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     started = time.perf_counter()
     out: dict[str, Any] = {"runs": args.runs, "steps": args.steps, "configs": len(CONFIGS)}
-    baseline = run_seeds(args.runs, args.steps)
+    baseline = first_broken(args.runs, args.steps)
     out["baseline"] = "holds" if baseline is None else f"broke: {baseline}"
     results: dict[str, str] = {}
     for name, how in MUTATIONS.items():
@@ -135,7 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             results[name] = f"not reached: {how}"
             continue
         with patched(how):
-            broke = run_seeds(args.runs, args.steps)
+            broke = first_broken(args.runs, args.steps)
         results[name] = "survived" if broke is None else f"caught: {broke}"
     out["mutations"] = results
     out["caught"] = sum(1 for v in results.values() if v.startswith("caught"))

@@ -25,6 +25,7 @@ from tests.chart.rendering import (
     watchdog_config,
 )
 from tests.chart.value_sets import ALL_ON, EXTERNAL, VLLM
+from tests.sim.world import PROBE_FAILURES, PROBE_PERIOD_S
 
 
 def lease(docs: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -210,3 +211,15 @@ def test_the_server_waits_for_the_quarantine_wherever_the_sidecar_keeps_one(valu
     args = containers(render(values))["inference"]["args"]
     settings = from_args(build_parser().parse_args(args))
     assert settings.quarantine_wait == (60.0 if waits else 0.0)
+
+
+def test_the_simulation_probes_readiness_as_the_chart_does() -> None:
+    """The fleet's rules are proven in a simulation whose kubelet sets each pod's Ready condition from
+    probes every PROBE_PERIOD_S, a container unready after its PROBE_FAILURES: the lag the census allows for is the
+    chart's, for both containers and every engine."""
+    for values in (None, VLLM, EXTERNAL):
+        for name, c in containers(render(values)).items():
+            probe = c.get("readinessProbe")
+            assert probe is not None, name
+            assert (probe["periodSeconds"], probe["failureThreshold"]) == (PROBE_PERIOD_S, PROBE_FAILURES[name]), name
+            assert probe.get("successThreshold", 1) == 1, name

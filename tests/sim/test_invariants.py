@@ -27,7 +27,8 @@ FLEETS: list[tuple[Knobs, int]] = [
     (Knobs(replicas=4, max_unavailable="1", decoys=0), RUNS),
     (Knobs(replicas=6, max_unavailable="2", decoys=4), RUNS),
     (Knobs(replicas=5, max_unavailable="1", decoys=8, api_error_rate=0.1), SLOW),
-    (Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False), RUNS),
+    # Readiness probed as Kubernetes defaults it (3 failures, 10 s apart): a Deployment written by hand.
+    (Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False, probes=(3, 10)), RUNS),
     # A rollout surging by 2 with 2 unavailable, evictions answered by a PodDisruptionBudget.
     (Knobs(replicas=8, max_unavailable="1", surge=2, rollout_unavailable=2, pdb=True), SLOW),
     # The API refusing, losing answers and racing writes, pods deleted (not evicted), clocks a minute off.
@@ -40,7 +41,7 @@ def name(k: Knobs) -> str:
     extra = [f"{label}{value}" for label, value in (("lost", k.lost_rate), ("race", k.race_rate), ("skew", k.skew_s),
                                                      ("surge", k.surge if k.surge != 1 else 0)) if value]
     return "-".join([f"{k.replicas}x", f"mu{k.max_unavailable}", f"d{k.decoys}", f"err{k.api_error_rate}", *extra,
-                     *(["pdb"] if k.pdb else []), *([] if k.strategy == "evict" else [k.strategy]),
+                     *(["pdb"] if k.pdb else []), *([f"probes{k.probes[0]}x{k.probes[1]}s"] if k.probes else []), *([] if k.strategy == "evict" else [k.strategy]),
                      *([] if k.popular_every_tick else ["popular-once"])])
 
 

@@ -75,6 +75,11 @@ CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it ti
 # A hang is decided by the real rule: its consecutive canary timeouts, one a tick.
 DETECT_S = PolicySettings().hang.consecutive_timeouts * CANARY_S
 LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (seeded, per pod)
+# The kubelet's readiness probes, as the chart sets them (periodSeconds 5, successThreshold 1; the
+# sidecar's failureThreshold 1, the model server's 2): the API's Ready condition follows what the pod
+# answers only at its probes, each pod at its own phase, so a failure shows there up to 10 s late.
+PROBE_PERIOD_S = 5
+PROBE_FAILURES = {"watchdog": 1, "inference": 2}
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
 SYNC_S = QUARANTINE_SYNC_S  # each sidecar reads the quarantine and pushes it to its server this often
 # A new server process waits this long at most for its sidecar's list before it serves without it
@@ -203,6 +208,11 @@ class Pod:
     replaces: str | None = None  # ground truth: the pod removed by us that this one stands in for
     growth: bool = False  # ground truth: created by a scale-up or a rollout's surge, not a replacement
     first_served_at: float | None = None  # ground truth: when it first could serve
+    probe_phase: int = 0  # its kubelet probes it at this second modulo the period: spread by name, not drawn
+    ready_seen: bool = False  # its Ready condition as the kubelet last set it
+    # Per container: Ready as the kubelet last set it, and its failed probes in a row.
+    containers_ready: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(PROBE_FAILURES, False))
+    probe_failures: dict[str, int] = field(default_factory=lambda: dict.fromkeys(PROBE_FAILURES, 0))
 
     @property
     def alive(self) -> bool:
@@ -281,6 +291,9 @@ class Knobs:
     surge: int = 1  # the Deployment's RollingUpdate maxSurge
     rollout_unavailable: int = 0  # and its maxUnavailable
     popular_every_tick: bool = True  # False: the popular request only when a move sends it
+    # The pods' readiness probes: the chart's (None), or every container's failureThreshold and
+    # periodSeconds as a Deployment written by hand sets them (Kubernetes' defaults are 3 and 10 s).
+    probes: tuple[int, int] | None = None
 
 
 @dataclass
@@ -414,9 +427,11 @@ class World:
         server = new_server(f"{name}-1", self.now, self.clock)
         load = 0.0 if ready_now else float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
         pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
-                  replaces=replaces, growth=growth)
+                  replaces=replaces, growth=growth, probe_phase=self.names)
         self.pods[name] = pod
         self.sidecars[name] = self._sidecar(pod)
+        if ready_now:  # a workload running already: its pods Ready
+            pod.ready_seen, pod.containers_ready = True, dict.fromkeys(PROBE_FAILURES, True)
         return pod
 
     def _sidecar(self, pod: Pod) -> Sidecar:
@@ -539,12 +554,29 @@ class World:
             self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template,
                          node=pod.node if by_us else None)
 
-    def ready(self, pod: Pod) -> bool:
-        """The pod's Ready condition: what its sidecar's `/readyz` answers (`views.ready`) and its server
-        admitting, as the kubelet probes both."""
+    def answers(self, pod: Pod) -> dict[str, bool]:
+        """What each container's readiness probe answers now: the sidecar's `/readyz` (`views.ready`),
+        the server admitting."""
         car = self.sidecars.get(pod.name)
-        return pod.alive and car is not None and views.ready(car.settings, car.history, self.now)[0] \
-            and pod.server.admits(self.now)
+        return {"watchdog": pod.alive and car is not None and views.ready(car.settings, car.history, self.now)[0],
+                "inference": pod.alive and pod.server.admits(self.now)}
+
+    def ready(self, pod: Pod) -> bool:
+        """The pod's Ready condition as the API server holds it: set by the kubelet's probes."""
+        return pod.alive and pod.ready_seen
+
+    def _probe(self) -> None:
+        """The kubelet probes each pod whose period comes round this second: a container is Ready
+        after one success, unready after its failureThreshold in a row; the pod, while all are."""
+        failures, period = self.knobs.probes or (None, PROBE_PERIOD_S)
+        for pod in self.alive():
+            if round(self.now) % period != pod.probe_phase % period:
+                continue
+            for container, ok in self.answers(pod).items():
+                pod.probe_failures[container] = 0 if ok else pod.probe_failures[container] + 1
+                if ok or pod.probe_failures[container] >= (failures or PROBE_FAILURES[container]):
+                    pod.containers_ready[container] = ok
+            pod.ready_seen = all(pod.containers_ready.values())
 
     def drain(self, pod: Pod) -> None:
         """Someone else removes a pod (a node drain): its ReplicaSet makes a stand-in elsewhere."""
@@ -835,6 +867,7 @@ class World:
         that serves and does not refuse it (it is popular: others send it all the time)."""
         self.now += STEP_S
         self.steps += 1
+        self._probe()
         self._controller()
         if self.knobs.popular_every_tick:
             self.popular_traffic()

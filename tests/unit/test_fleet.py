@@ -506,6 +506,26 @@ def test_a_restart_asked_that_the_cluster_does_not_show_yet_is_counted() -> None
     assert held.outcome == UNAVAILABLE_LIMIT and held.detail["restarting"] == ["a"]
 
 
+def test_a_failure_its_sidecar_saw_before_the_kubelet_did_is_not_serving() -> None:
+    """8 replicas wanted, 9 pods (a scale-down not done yet), max_unavailable 1; found by the
+    simulation once its kubelet probed readiness as the chart sets it. z's restart was granted and b,
+    hung, waits for a slot; z's slot is back (z gone, its replacement i still loading), and b's Ready
+    condition still says True (two failed probes, 5 s apart, before the kubelet says otherwise). c's
+    hang must wait: counting b as serving made the budget's count 1 (7 of 8 serving once c goes) and
+    let c go with i loading and b hung: two out because of restarts, 6 serving."""
+    ledger, _ = ask(Ledger(), "z", census(8, ready="bcdefghxz"))
+    ledger, waits = ask(ledger, "b", census(8, ready="bcdefghxz"))
+    assert waits.outcome == UNAVAILABLE_LIMIT and [w.pod for w in ledger.waiting] == ["b"]
+    ledger = fleet.give_back(ledger, "z", restarted=True)
+    seen = census(8, ready="bcdefghx", unready="i")
+    _, held = ask(ledger, "c", seen)
+    assert held.outcome == UNAVAILABLE_LIMIT and held.detail["failing_waiting"] == ["b"]
+    assert held.detail["serving"] == 6 and held.detail["unavailable"] == 2
+    # Once i serves, c may go: b is out by its own fault, not by a restart.
+    _, verdict = ask(ledger, "c", census(8, ready="bcdefghxi"))
+    assert verdict.granted
+
+
 def test_a_slot_whose_pod_is_gone_holds_nobody() -> None:
     """A scale-down removed the pod holding a slot (or a replacement gave back nothing, its node's
     clock being off): the next hang is not held for slot_timeout, the census counts what stands."""

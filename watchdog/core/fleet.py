@@ -142,18 +142,20 @@ def out_after(census: Census, ledger: Ledger, pod: str) -> tuple[int, dict[str, 
     the smaller of two counts, each enough on its own to keep `max_unavailable`.
 
     - As a PodDisruptionBudget counts: the desired replicas less those serving once `pod` goes
-      (Ready, not terminating, and holding no slot: a restart asked for may not show yet).
+      (Ready, not terminating, holding no slot and not waiting for one: a restart asked for, or a
+      failure its own sidecar has seen, shows in the pod's Ready condition only after the kubelet's
+      next failed probes, up to `periodSeconds x failureThreshold` later).
     - Out by restarts: every other pod that does not serve, the ones being restarted (a slot's pod
       going away included) and whoever else made them (a replacement loading, a drain's stand-in, a
       rollout's surge, a scale-up), plus the replicas not created yet, plus `pod`. Not counted are
-      the replicas that already cannot serve and wait for a slot of their own (not Ready, in the
-      ledger's waiting list): they are out by their fault, not by a restart, and one of them must be
+      the replicas that already cannot serve and wait for a slot of their own (in the ledger's
+      waiting list, Ready or not yet unready): they are out by their fault, not by a restart, and one of them must be
       let go first (two hung replicas would otherwise each wait for the other, for good)."""
     held = {s.pod for s in ledger.slots}
     waiting = {w.pod for w in ledger.waiting}
     others = [p for p in census.pods if p.name != pod]
-    serving = [p for p in others if p.ready and not p.terminating and p.name not in held]
-    failing = [p for p in others if not p.ready and not p.terminating and p.name in waiting and p.name not in held]
+    serving = [p for p in others if p.ready and not p.terminating and p.name not in held and p.name not in waiting]
+    failing = [p for p in others if not p.terminating and p.name in waiting and p.name not in held]
     not_serving = [p for p in others if p not in serving and p not in failing
                    and (not p.terminating or p.name in held)]
     missing = max(0, census.desired - sum(1 for p in census.pods if not p.terminating))
