@@ -41,7 +41,9 @@ def name(k: Knobs) -> str:
     extra = [f"{label}{value}" for label, value in (("lost", k.lost_rate), ("race", k.race_rate), ("skew", k.skew_s),
                                                      ("surge", k.surge if k.surge != 1 else 0)) if value]
     return "-".join([f"{k.replicas}x", f"mu{k.max_unavailable}", f"d{k.decoys}", f"err{k.api_error_rate}", *extra,
-                     *(["pdb"] if k.pdb else []), *([f"probes{k.probes[0]}x{k.probes[1]}s"] if k.probes else []), *([] if k.strategy == "evict" else [k.strategy]),
+                     *(["pdb"] if k.pdb else []),
+                     *([f"probes{k.probes[0]}x{k.probes[1]}s"] if k.probes else []),
+                     *([] if k.strategy == "evict" else [k.strategy]),
                      *([] if k.popular_every_tick else ["popular-once"])])
 
 
