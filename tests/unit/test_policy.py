@@ -101,6 +101,20 @@ def test_poisoned_flag_is_context_loss() -> None:
     assert actions(decide(settings(), h, 1.5)) == [("restart", "context_loss", True)]
 
 
+def test_a_poisoned_flag_of_a_process_that_another_replaced_decides_nothing() -> None:
+    # The server exited on its poisoned context and its container started it again in place: the
+    # last reading of the allocator is still the old process's until the new one is read.
+    h = history()
+    h.torch.append(torch(1, poisoned=True))
+    h.canaries.append(replace(ok(2), instance_id="i1"))  # the poisoned process still answers: no cure
+    assert actions(decide(settings(), h, 2.5)) == [("restart", "context_loss", True)]
+    h.canaries.append(failed(3, "unreachable"))
+    h.canaries.append(replace(ok(9), instance_id="i2"))
+    assert decide(settings(), h, 9.5) == []
+    h.torch.append(replace(torch(10, poisoned=True), instance_id="i2"))  # the new one poisoned too
+    assert actions(decide(settings(), h, 10.5)) == [("restart", "context_loss", True)]
+
+
 def test_xid_app_fault_for_our_gpu_is_context_loss_other_gpu_ignored() -> None:
     h = history()
     h.torch.append(torch(1))
