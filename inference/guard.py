@@ -69,6 +69,7 @@ class Guard:
         # Fingerprints in flight and the quarantine list (the query of death): one key per model.
         self.screen = Screen(self.instance_id, model, faults)
         self.screen.on_refused = self.metrics.quarantined.inc
+        self.screen.in_force = self.check_list_in_force
         # Whether new work is refused: the control API's drains and the shutdown's.
         self.drain = Drain(clock)
         self.oom_count = 0
@@ -108,6 +109,12 @@ class Guard:
         self.check_alive()
         if self.drain.active:
             raise Draining("the server is draining")
+        self.check_list_in_force()
+
+    def check_list_in_force(self) -> None:
+        """A 503 while this process still waits for its sidecar's quarantine list. Asked before a
+        request is checked against the list as well as at admission: a request checked against the
+        empty list and admitted once the list came would run whatever the list says."""
         left = self.awaiting_quarantine()
         if left > 0:
             raise Draining(f"the server waits for its sidecar's quarantine list before it serves"

@@ -372,6 +372,8 @@ class Screen:
         self.refused = 0
         self.would_refuse = 0  # requests a shadow entry would have refused, served
         self.on_refused: Callable[[], None] | None = None  # the metrics' counter
+        # Raises while the list is not in force yet (`Guard.check_list_in_force`): asked before each check.
+        self.in_force: Callable[[], None] = lambda: None
         # The model's tokenizer where the server has one (the causal LM's engine sets it): a prompt
         # sent as token ids has the input fingerprint of the text it reads as.
         self.decode: Callable[[list[int]], str] | None = None
@@ -465,6 +467,7 @@ class Screen:
         """A fingerprinted request (`prints`): refused if quarantined, else booked in flight, its booking
         set for the request's task (`BOOKING`) for the engine to tell what ran at a failure."""
         account.fingerprint, account.input_fingerprint = fp, input_fp
+        self.in_force()
         self.check(fp, input_fp)
         account.ticket = self.admit(fp, input_fp)
         BOOKING.set(account.ticket)

@@ -6,6 +6,7 @@ waits for the watchdog's read only as long as its bound."""
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -16,10 +17,11 @@ from gpu_watchdog.inference import model as model_mod
 from gpu_watchdog.inference import poison
 from gpu_watchdog.inference.engine import Engine
 from gpu_watchdog.inference.engine_api import GenRequest
-from gpu_watchdog.inference.errors import FatalCudaError, InferenceOOM
+from gpu_watchdog.inference.errors import Draining, FatalCudaError, InferenceOOM
 from gpu_watchdog.inference.faults import FaultInjector
 from gpu_watchdog.inference.guard import Guard
 from gpu_watchdog.inference.handlers.causal_lm import CausalLM
+from gpu_watchdog.inference.screen import Entry, QuarantinedRequest, RequestAccount
 
 
 @pytest.fixture
@@ -82,3 +84,22 @@ def test_the_exit_waits_for_the_watchdogs_read_and_never_past_its_bound(terminat
 
     assert asyncio.run(lingered(report=True)) == (poison.EXIT_POISONED, True)
     assert asyncio.run(lingered(report=False)) == (poison.EXIT_POISONED, False)
+
+
+def test_a_request_is_checked_against_the_quarantine_only_once_the_list_is_in_force() -> None:
+    """A new process waiting for its sidecar's list refuses a request before checking it against
+    the empty list: checked then, and admitted once the list came, a killer the list names ran."""
+    now = [100.0]
+    guard = Guard(clock=lambda: now[0])
+    guard.quarantine_wait = 60.0
+    guard.serving()
+    killer = {"prompt": "the killer's prompt", "max_tokens": 4}
+    fp, input_fp = guard.screen.prints(killer)
+    with pytest.raises(Draining, match="quarantine list"):
+        guard.screen.screened(RequestAccount(), fp, input_fp)
+    assert input_fp is not None
+    guard.screen.quarantine.replace([Entry(input_fp, until=time.time() + 600)])
+    with pytest.raises(QuarantinedRequest):
+        guard.screen.screened(RequestAccount(), fp, input_fp)
+    guard.screen.screened(RequestAccount(), *guard.screen.prints({"prompt": "an innocent", "max_tokens": 4}))
+    guard.check_admitting()
