@@ -87,7 +87,7 @@ test: install tools vllm offline lint
 	GPU_WATCHDOG_VLLM_PYTHON=$(abspath $(VLLM_VENV))/bin/python \
 	GPU_WATCHDOG_OFFLINE_PYTHON=$(abspath $(OFFLINE_VENV))/bin/python \
 	GPU_WATCHDOG_OFFLINE_WHEELS=$(abspath $(OFFLINE_WHEELS)) \
-	$(VENV)/bin/pytest -n auto --dist loadgroup
+	$(VENV)/bin/pytest -n auto
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(OFFLINE_VENV) $(OFFLINE_WHEELS) .pytest_cache .mypy_cache .ruff_cache .site

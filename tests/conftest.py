@@ -4,7 +4,7 @@ which tests `pytest -n` must run one at a time."""
 
 from __future__ import annotations
 
-from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -18,10 +18,27 @@ pytest.register_assert_rewrite("tests.e2e.up_stack", "tests.integration.workers"
 # functions, the simulation, the chart, the docs) share the other workers. Two of them side by side
 # on a small machine would each be judged under the other's load.
 REAL_TIME = ("e2e/", "fleet/", "integration/", "docs/test_runnable.py", "dashboards/test_dashboard_queries.py")
+# ... but for these, whose processes are judged by what they answer, however late: a script's steps,
+# the official clients' answers, an install, a locked-down start, a model read from a folder.
+NOT_REAL_TIME = ("e2e/test_gpu_check_dry_run.py", "integration/test_openai_sdk.py",
+                 "integration/test_open_model_surface.py", "integration/test_install_beside.py",
+                 "integration/test_lockdown.py", "integration/test_local_model_dir.py",
+                 "integration/test_log_lines.py")
 
 
-def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    tests = Path(__file__).parent
-    for item in items:
-        if item.path.relative_to(tests).as_posix().startswith(REAL_TIME):
-            item.add_marker(pytest.mark.xdist_group("real_time"))
+def real_time(nodeid: str) -> bool:
+    where = nodeid.split("::", 1)[0].removeprefix("tests/")
+    return where.startswith(REAL_TIME) and not where.startswith(NOT_REAL_TIME)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config: pytest.Config, log: Any) -> Any:
+    """pytest-xdist's scheduling by scope, the real-time tests one scope (the largest: it starts first,
+    on one worker), every other test a scope of its own."""
+    from xdist.scheduler import LoadScopeScheduling
+
+    class RealTimeApart(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return "real_time" if real_time(nodeid) else nodeid
+
+    return RealTimeApart(config, log)
