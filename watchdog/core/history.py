@@ -99,6 +99,22 @@ class History:
         restart waits, the server serves as before and is watched as before."""
         return self.restart_in_progress and not self.restart_waiting
 
+    def served_anew(self, instance_id: str | None, since: float) -> CanarySample | None:
+        """The first canary served by a new process that started after `since`: one of another
+        instance id than `instance_id`; where either side names none, one that served after the port
+        refused connections (the process went away). The same process serving again is not a new
+        one: a poisoned context can still answer."""
+        went_away = False
+        for c in self.canaries:
+            if c.started_at < since:
+                continue
+            if c.error_class == "unreachable":
+                went_away = True
+            elif c.served and (c.instance_id != instance_id if instance_id is not None and c.instance_id is not None
+                               else went_away):
+                return c
+        return None
+
     def canaries_since_epoch(self) -> list[CanarySample]:
         # `_gone` inlined: every rule reads this at every decision, over up to 256 canaries.
         epoch, gone = self.epoch, self.gone_instance

@@ -604,7 +604,9 @@ def _context_loss(h: History) -> Decision | None:
         return Decision("restart", CONTEXT_LOSS, {"evidence": "canary", "error": c.error}, drain=False,
                         instance_id=c.instance_id)
     torch = h.torch_since_epoch()
-    if torch and torch[-1].poisoned and not _served_since_by_another(h, torch[-1].at, torch[-1].instance_id):
+    # Not once a new process has served since: the poisoned one exited (its container restarted in
+    # place), and its last reading is about a process that is gone.
+    if torch and torch[-1].poisoned and h.served_anew(torch[-1].instance_id, torch[-1].at) is None:
         t = torch[-1]
         return Decision("restart", CONTEXT_LOSS, {"evidence": "poisoned_flag", "error": t.poison_reason},
                         drain=False, instance_id=t.instance_id)
@@ -614,15 +616,6 @@ def _context_loss(h: History) -> Decision | None:
                             instance_id=_latest_instance(h))
     xids = _our_xids(h)  # what is left of them: Xids a new process cures (RESTART_APP)
     return _xid_restart(h, *xids[0]) if xids else None
-
-
-def _served_since_by_another(h: History, since: float, instance_id: str | None) -> bool:
-    """Whether a process other than `instance_id` served a canary after `since`: the poisoned one
-    exited (a container restarted in place) and what it last said is about a process that is gone.
-    The same process answering again is no cure: a poisoned context can still answer."""
-    return instance_id is not None and any(
-        c.ok and c.at > since and c.instance_id is not None and c.instance_id != instance_id
-        for c in h.canaries_since_epoch())
 
 
 def _startup_timeout(settings: PolicySettings, h: History, now: float) -> Decision | None:

@@ -176,22 +176,9 @@ def next_step(s: PolicySettings, h: History, p: Procedure, f: Facts) -> Step | N
 
 
 def served_anew(h: History, d: Decision, since: float) -> CanarySample | None:
-    """The watched target's first canary served by a new process since `since`, where the decision's
-    cure is a new process (`RUNG_CONTAINER`); None otherwise. A new process is one of another instance
-    id; where either side names none, one that served after the port refused connections (the process
-    went away). The same process serving again is no cure: a poisoned context can still answer."""
-    if d.rung != RUNG_CONTAINER:
-        return None
-    went_away = False
-    for c in h.canaries:
-        if c.started_at < since:
-            continue
-        if c.error_class == "unreachable":
-            went_away = True
-        elif c.served and (c.instance_id != d.instance_id if d.instance_id is not None and c.instance_id is not None
-                           else went_away):
-            return c
-    return None
+    """The watched target's first canary served by a new process since `since` (`History.served_anew`),
+    where the decision's cure is a new process (`RUNG_CONTAINER`); None otherwise."""
+    return h.served_anew(d.instance_id, since) if d.rung == RUNG_CONTAINER else None
 
 
 def slot_wait_left(d: Decision, f: Facts) -> float:
