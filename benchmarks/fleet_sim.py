@@ -6,7 +6,8 @@ raced writes the runs went through, and
 F (the killer's failures in the records when it was refused) at 0, 4 and 8 decoys and at the bundled
 server's admission limit on a CPU (64 in one step: the killer, 61 decoys, the popular request and a
 one-off), the killer sending another sampler or spelling at each try, and how often the popular
-request (answered all along) was refused.
+request (answered all along) was refused; with keep-out on, the node taint writes and the
+restarts whose taint the bound refused.
 
     python -m gpu_watchdog.benchmarks.fleet_sim [--runs N] [--steps N] [--seed S]
 
@@ -36,7 +37,8 @@ from gpu_watchdog.inference.settings import ServeSettings
 from tests.sim.machine import machine
 from tests.sim.world import Knobs
 
-CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
+CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0),
+           Knobs(replicas=6, max_unavailable="2", decoys=4, strategy="container"),
            Knobs(replicas=5, max_unavailable="1", decoys=8), Knobs(replicas=8, max_unavailable="2", decoys=8,
                                                                    api_error_rate=0.1),
            Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
@@ -45,6 +47,10 @@ CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, m
            # The API refusing, losing answers and racing writes; clocks up to a minute off.
            Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
                  skew_s=60, strategy="delete"),
+           # Keep-out on, another workload keeping its own cards out of our nodes; then with the API hostile.
+           Knobs(replicas=4, max_unavailable="1", placement=True, neighbour=True),
+           Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
+                 skew_s=60, strategy="delete", placement=True, neighbour=True),
            # The admission limit: `serve`'s default concurrency on a CPU (`cpu_default_concurrency`).
            Knobs(replicas=4, max_unavailable="1", decoys=ServeSettings().cpu_default_concurrency - 3))
 
@@ -53,7 +59,7 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
     figures: dict[str, Any] = {"runs": 0, "ticks": 0, "sidecar_steps": 0, "evictions": 0, "budget_blocks": 0,
                                "killer_failures": 0, "races": 0, "lost_answers": 0, "api_errors": 0, "drains": 0,
                                "leases_lost": 0, "killer_tries_refused": 0,
-                               "popular_refused": 0, "F": Counter()}
+                               "popular_refused": 0, "node_taint_writes": 0, "taints_capped": 0, "F": Counter()}
     base = machine(knobs)
 
     class Counted(base):  # type: ignore[misc, valid-type]
@@ -73,6 +79,8 @@ def explore(knobs: Knobs, runs: int, steps: int, seed: int) -> dict[str, Any]:
             figures["leases_lost"] += w.leases_lost
             figures["killer_tries_refused"] += w.killer_refused
             figures["popular_refused"] += len(w.popular_refused)
+            figures["node_taint_writes"] += sum(1 for x in w.cluster.node_writes if x.owner is not None)
+            figures["taints_capped"] += w.metrics_capped()
             figures["F"].update(w.killer_f)
 
     started = time.perf_counter()

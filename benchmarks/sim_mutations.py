@@ -1,7 +1,8 @@
 """Whether the simulation catches a broken rule: each mutation breaks one production function the
 simulated sidecars run (a slot never given back, any pod taken for a replacement, a budget never
 spent, ties never taken, lifts ignored, answered requests never cleared, the unavailable count
-zeroed, the pod evicted before its restart Event is written), the seeded runs go again, then the
+zeroed, the pod evicted before its restart Event is written, keep-out's cap off, a node taint never
+lifted, another workload's entry taken with ours), the seeded runs go again, then the
 regression traces (`tests/sim/test_regressions.py`, each a run that once broke an invariant), and
 the first invariant that broke is named with what broke it. A mutation nothing
 catches is a hole in the simulation or its invariants, printed as such (`survived`); one the
@@ -38,16 +39,18 @@ from hypothesis.stateful import run_state_machine_as_test
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from gpu_watchdog.watchdog.core import fleet, policy, quarantine
+from gpu_watchdog.watchdog.core import fleet, placement, policy, quarantine
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.edge.effects.restart import DrainHandle, KubeRestarter, RestartOutcome
 from tests.sim.machine import machine
 from tests.sim.world import Knobs
 
-CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0), Knobs(replicas=6, max_unavailable="2", decoys=4),
+CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0),
+           Knobs(replicas=6, max_unavailable="2", decoys=4, strategy="container"),
            Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
            Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
-                 skew_s=60, strategy="delete"))
+                 skew_s=60, strategy="delete"),
+           Knobs(replicas=4, max_unavailable="1", placement=True, neighbour=True))
 
 
 def _give_back_drops_every_slot(ledger: fleet.Ledger, pod: str, restarted: bool) -> fleet.Ledger:
@@ -76,6 +79,14 @@ async def _evict_then_record(self: KubeRestarter, decision: Decision, drain: Dra
     return RestartOutcome(True, f"{self.strategy} accepted", recorded=True)
 
 
+def _whole_taint_lifted(taints: list[dict[str, Any]], owner: str, now: float, card: str | None = None,
+                        force: bool = False) -> list[dict[str, Any]] | None:
+    """A node's taint holding our expired entry lifted whole: another workload's entry in force goes too."""
+    kept = [t for t in taints if not (t.get("key") == placement.NODE_TAINT_KEY and (
+        (entries := placement.node_entries(t.get("value"))) and owner in entries and (entries[owner] <= now or force)))]
+    return kept if len(kept) != len(taints) else None
+
+
 def _lift_ignored(records: quarantine.Records, fingerprint: str, now: float) -> tuple[quarantine.Records, bool]:
     return records, True
 
@@ -90,7 +101,9 @@ MUTATIONS: dict[str, list[tuple[Any, str, Any]] | str] = {
     "lifts are ignored": [(quarantine, "lift_records", _lift_ignored)],
     "the cleared set is dropped": [(quarantine, "cleared_in", lambda *a, **k: set())],
     "evicting before the Event": [(KubeRestarter, "restart", _evict_then_record)],
-    "placement's cap off": "the simulation places nothing: placement is not part of it",
+    "placement's cap off": [(placement, "cap", lambda settings, scope: 64)],
+    "a node taint never lifted": [(placement, "without_node_taint", lambda *a, **k: None)],
+    "another workload's entry lifted with ours": [(placement, "without_node_taint", _whole_taint_lifted)],
 }
 
 

@@ -29,6 +29,8 @@ from gpu_watchdog.watchdog.edge.kube.kube_api import JSON_TYPE, ApiError, KubeAp
 if TYPE_CHECKING:
     from tests.sim.world import World
 
+NODE_TAINT_KEY = "gpu-watchdog.io/gpu-suspect"  # as the chart's and the docs' name it: the invariants' spelling
+
 NS = "sim"
 WORKLOAD = "sim-model"
 EVENT_TTL_S = 3600.0  # the API server's default `--event-ttl`
@@ -51,6 +53,20 @@ class Logged:
     status: int
 
 
+@dataclass(frozen=True)
+class NodeWrite:
+    """One write of a node's taints the server applied."""
+
+    at: float
+    caller: str
+    node: str
+    before: tuple[dict[str, Any], ...]
+    after: tuple[dict[str, Any], ...]
+    owner: str | None  # the writer's workload's `<owner>` (None: an operator's)
+    held: int  # the nodes holding an entry of that owner in force, once it was written
+    scope: int  # the nodes the writer's workload ran on then
+
+
 @dataclass
 class Cluster:
     """The API server's store and its log. `faults(caller, method, path)` says what happens to a
@@ -68,6 +84,12 @@ class Cluster:
     # for an eviction to be allowed (None: there is none, every eviction is allowed).
     pdb_max_unavailable: int | None = None
     evicted: Callable[[str, str], None] = lambda pod, caller: None  # the world removes it
+    # The nodes, each with its taints, and every write of a node's taints the server applied (the ground
+    # truth I9 reads: who changed which taints, from what to what, at which server time).
+    nodes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    node_writes: list[NodeWrite] = field(default_factory=list)
+    # Other workloads' pods and Deployments (their placement's scope): name -> (node, app label).
+    others: dict[str, tuple[str, str]] = field(default_factory=dict)
 
     def next_version(self) -> str:
         self.version += 1
@@ -101,9 +123,15 @@ class Cluster:
         if parts[:4] == ["apis", "events.k8s.io", "v1", "namespaces"] and parts[5:6] == ["events"]:
             return self._events(method, parts[4], body, query)
         if parts[:4] == ["apis", "apps", "v1", "namespaces"] and len(parts) == 7:
-            if parts[5] == "deployments" and parts[6] == WORKLOAD and method == "GET":
-                return self._deployment()
+            if parts[5] == "deployments" and method == "GET" and (
+                    parts[6] == WORKLOAD or parts[6] in {app for _, app in self.others.values()}):
+                return self._deployment(parts[6])
             raise api_error(404, "Not Found", f'{parts[5]}.apps "{parts[6]}" not found')
+        if parts[:3] == ["api", "v1", "nodes"] and len(parts) == 4:
+            return self._node(caller, method, parts[3], body)
+        if parts[:2] == ["apis", "resource.k8s.io"] and len(parts) == 3:
+            # Discovery: this cluster serves no DeviceTaintRule (device-plugin GPUs: node taints).
+            raise api_error(404, "Not Found", "the server could not find the requested resource")
         if parts[:3] == ["api", "v1", "namespaces"] and parts[4:5] == ["pods"]:
             return self._pods(caller, method, parts[5] if len(parts) > 5 else None,
                               parts[6] if len(parts) > 6 else None, query)
@@ -161,19 +189,55 @@ class Cluster:
                     "metadata": {"continue": str(start + limit)} if more else {}}
         raise api_error(405, "Method Not Allowed", f"{method} events")
 
-    def _deployment(self) -> dict[str, Any]:
+    def _deployment(self, name: str = WORKLOAD) -> dict[str, Any]:
         w = self.world
-        return {"kind": "Deployment", "metadata": {"name": WORKLOAD, "namespace": NS},
-                "spec": {"replicas": w.desired, "selector": {"matchLabels": {"app": WORKLOAD}}}}
+        replicas = w.desired if name == WORKLOAD else sum(1 for _, app in self.others.values() if app == name)
+        return {"kind": "Deployment", "metadata": {"name": name, "namespace": NS},
+                "spec": {"replicas": replicas, "selector": {"matchLabels": {"app": name}}}}
+
+    def add_node(self, name: str, taints: list[dict[str, Any]]) -> None:
+        if name not in self.nodes:
+            self.nodes[name] = {"kind": "Node", "metadata": {"name": name, "resourceVersion": self.next_version()},
+                                "spec": {"taints": taints}}
+
+    def _node(self, caller: str, method: str, name: str, body: Any) -> dict[str, Any]:
+        found = self.nodes.get(name)
+        if found is None:
+            raise api_error(404, "Not Found", f'nodes "{name}" not found')
+        if method == "GET":
+            return copy.deepcopy(found)
+        if method == "PATCH":
+            meta = (body or {}).get("metadata") or {}
+            # A merge patch that names a resourceVersion is a compare-and-swap (409 on a stale one).
+            stale = meta.get("resourceVersion") not in (None, found["metadata"]["resourceVersion"])
+            if stale:
+                raise api_error(409, "Conflict", f'Operation cannot be fulfilled on nodes "{name}": the object has'
+                                " been modified; please apply your changes to the latest version and try again")
+            spec = (body or {}).get("spec") or {}
+            if "taints" in spec:
+                before = tuple(copy.deepcopy(found["spec"].get("taints") or []))
+                found["spec"]["taints"] = list(spec["taints"] or [])
+                owner = self.world.owner(caller)
+                held = sum(1 for node in self.nodes.values() if any(
+                    owner is not None and taint_entries(t).get(owner, 0) > self.world.now
+                    for t in node["spec"].get("taints") or [] if t.get("key") == NODE_TAINT_KEY))
+                self.node_writes.append(NodeWrite(self.world.now, caller, name, before,
+                                                  tuple(copy.deepcopy(found["spec"]["taints"])), owner, held,
+                                                  self.world.scope(caller)))
+            found["metadata"]["resourceVersion"] = self.next_version()
+            return copy.deepcopy(found)
+        raise api_error(405, "Method Not Allowed", f"{method} nodes")
 
     def _pods(self, caller: str, method: str, name: str | None, sub: str | None,
               query: Mapping[str, Any]) -> dict[str, Any]:
         w = self.world
         if name is None and method == "GET":
             wanted = dict(t.split("=", 1) for t in str(query.get("labelSelector") or "").split(",") if "=" in t)
-            items = [self.pod_json(p.name) for p in w.alive()]
+            items = [self.pod_json(p.name) for p in w.alive()] + [self.other_json(n) for n in self.others]
             return {"kind": "PodList",
                     "items": [i for i in items if all(i["metadata"]["labels"].get(k) == v for k, v in wanted.items())]}
+        if name in self.others and method == "GET" and sub is None:
+            return self.other_json(name)
         pod = w.pods.get(name or "")
         if pod is None or not pod.alive or name is None:
             raise api_error(404, "Not Found", f'pods "{name}" not found')
@@ -212,6 +276,23 @@ class Cluster:
                                                   "controller": True}]},
                 "spec": {"nodeName": p.node},
                 "status": {"conditions": [{"type": "Ready", "status": "True" if w.ready(p) else "False"}]}}
+
+
+    def other_json(self, name: str) -> dict[str, Any]:
+        node, app = self.others[name]
+        return {"kind": "Pod", "metadata": {"name": name, "namespace": NS, "labels": {"app": app}},
+                "spec": {"nodeName": node}, "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
+
+def taint_entries(taint: Mapping[str, Any]) -> dict[str, int]:
+    """A gpu-watchdog node taint's entries as its value spells them (`<owner>-<expiry>`, dot-separated),
+    read here on their own: the checker does not trust the parser it checks."""
+    out: dict[str, int] = {}
+    for part in str(taint.get("value") or "").split("."):
+        owner, _, until = part.partition("-")
+        if until.isdigit():
+            out[owner] = max(out.get(owner, 0), int(until))
+    return out
 
 
 def api_error(status: int, reason: str, message: str) -> ApiError:

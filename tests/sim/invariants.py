@@ -4,11 +4,13 @@ broke. Checked after every step of every run (`test_invariants.py`) and of the b
 from __future__ import annotations
 
 import bisect
+import math
 
 from gpu_watchdog.watchdog.core import fleet, quarantine
 from gpu_watchdog.watchdog.core.names import FLEET_HOLDS
 from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S
-from tests.sim.world import STEP_S, Sidecar, World
+from tests.sim.api import NODE_TAINT_KEY, taint_entries
+from tests.sim.world import LIFT_BOUND_S, PLACEMENT, STEP_S, WORKLOAD, Sidecar, World
 
 # A killer with up to MAX_TIED - 2 decoys (and a popular request beside it) is refused by then.
 KILLER_FAILURES = 3
@@ -147,9 +149,75 @@ def i8_lift_holds(world: World) -> None:
                          f" with {len(after)} failures after it")
 
 
+def _ours(taints: tuple[dict[str, object], ...]) -> dict[tuple[object, str], int]:
+    """Each entry of our key's taints: (effect, owner) -> expiry."""
+    return {(t.get("effect"), owner): until for t in taints if t.get("key") == NODE_TAINT_KEY
+            for owner, until in taint_entries(t).items()}
+
+
+def i9_never_anothers_and_capped(world: World) -> None:
+    """I9, at each write of a node's taints the API server applied (its log): no write by a workload's
+    sidecar takes away or shortens another workload's entry still in force, nor changes a taint that is
+    not gpu-watchdog's; and once a write leaves an entry of the writer's workload in force, the nodes
+    holding one are at most `max_nodes` and `max_percent` (rounded up) of the nodes the workload runs on
+    (the bound as documented), unless one of them is a taint its sidecars cannot see (`_unseen`)."""
+    s = PLACEMENT
+    start, world.node_writes_checked = world.node_writes_checked, len(world.cluster.node_writes)
+    for w in world.cluster.node_writes[start:]:
+        if w.owner is None:
+            continue
+        theirs = [t for t in w.before if t.get("key") != NODE_TAINT_KEY]
+        if any(t not in w.after for t in theirs):
+            raise Broken(f"I9: {w.caller} changed {w.node}'s taints that are not gpu-watchdog's: {theirs} -> {w.after}")
+        after = _ours(w.after)
+        for (effect, owner), until in _ours(w.before).items():
+            if owner != w.owner and until > w.at and after.get((effect, owner), 0) < until:
+                raise Broken(f"I9: {w.caller} took another workload's entry {owner}-{until} ({effect}) off"
+                             f" {w.node} at {w.at:.0f}, in force until then")
+        cap = max(0, min(s.max_nodes, math.ceil(max(w.scope, 1) * s.max_percent / 100.0)))
+        added = any(owner == w.owner and until > w.at for (_, owner), until in after.items())
+        if added and w.held > cap and not _unseen(world, w.owner):
+            raise Broken(f"I9: {w.caller} left {w.held} nodes tainted for its workload at {w.at:.0f}"
+                         f" (cap {cap} of {w.scope} nodes)")
+
+
+def _lost_at(world: World, owner: str) -> list[float]:
+    return world.leases_lost_at if owner == world.owner_of(WORKLOAD) else world.neighbour_leases_lost_at
+
+
+def _unseen(world: World, owner: str, node: str | None = None) -> bool:
+    """The documented exception: a node taint of this owner's (on `node`, or any) whose records were lost
+    (its workload's Lease deleted since it was written) on a node where no pod of that workload runs:
+    no sidecar of the workload has a reason to read that node."""
+    for name, o, until in world.our_entries():
+        if o != owner or (node is not None and name != node):
+            continue
+        placed = world.placed_at(name, owner, until)
+        runs_there = any(p.node == name for p in world.alive()) if owner == world.owner_of(WORKLOAD) else any(
+            n.node == name for n in world.neighbours.values())
+        if not runs_there and any(placed <= lost for lost in _lost_at(world, owner)):
+            return True
+    return False
+
+
+def i9_lifted(world: World) -> None:
+    """I9 once settled (every taint's expiry and LIFT_BOUND_S after it passed, the sidecars stepping):
+    no gpu-watchdog taint on a node whose entries all expired more than LIFT_BOUND_S ago, but for the
+    documented exception (`_unseen`)."""
+    for node, body in world.cluster.nodes.items():
+        for t in body["spec"].get("taints") or []:
+            if t.get("key") != NODE_TAINT_KEY:
+                continue
+            entries = taint_entries(t)
+            owner, until = max(entries.items(), key=lambda e: e[1]) if entries else ("?", 0)
+            if until + LIFT_BOUND_S < world.now and not _unseen(world, owner, node):
+                raise Broken(f"I9: {node}'s taint {t.get('value')} ({t.get('effect')}) still there at"
+                             f" {world.now:.0f}, {world.now - until:.0f}s past its expiry")
+
+
 EVERY_STEP = (i1_max_unavailable, i2_event_first, i5_lineage_bounded, i6_answered_is_never_refused,
-              i7_killer_refused, i8_lift_holds)
-SETTLED = (i4_no_zombie, i6_settled)
+              i7_killer_refused, i8_lift_holds, i9_never_anothers_and_capped)
+SETTLED = (i4_no_zombie, i6_settled, i9_lifted)
 
 
 def check(world: World) -> None:

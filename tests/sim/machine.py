@@ -79,6 +79,16 @@ class FleetMachine(RuleBasedStateMachine):
         if pods:
             self.world.clock_steps(pods[which % len(pods)], float(seconds))
 
+    @rule(which=st.integers(0, 63), count=st.integers(1, 4))
+    def cards_fail(self, which: int, count: int) -> None:
+        pods = self.world.alive()
+        if pods and self.knobs.placement:
+            self.world.cards_fail([pods[(which + i) % len(pods)] for i in range(min(count, len(pods)))])
+
+    @rule(which=st.integers(0, 63))
+    def a_neighbours_card_fails(self, which: int) -> None:
+        self.world.neighbours_card_fails(which)
+
     @rule()
     def the_lease_is_lost(self) -> None:
         self.world.lease_lost()

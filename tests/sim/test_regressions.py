@@ -13,7 +13,7 @@ from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim import invariants
 from tests.sim.invariants import KILLER_FAILURES
 from tests.sim.machine import machine
-from tests.sim.world import DETECT_S, Knobs, World
+from tests.sim.world import DETECT_S, WORKLOAD, Knobs, World
 
 Move = tuple[str, dict[str, Any]]
 
@@ -365,3 +365,53 @@ def test_i8_a_lift_holds_against_failures_a_fast_clock_stamped_after_it() -> Non
         m.the_killer_tries()
     m.holds()
     assert not w.killer_prints & {q.fingerprint for q in quarantine.active(w.records(), w.now)}
+
+
+# -- I9: keep-out's bound and lifts, with the records lost and the API refusing ----------------------------
+
+PLACING = Knobs(replicas=4, max_unavailable="1", placement=True, neighbour=True)
+
+
+def _tainted(world: World, owner: str) -> set[str]:
+    return {node for node, o, until in world.our_entries() if o == owner and until > world.now}
+
+
+def test_i9_a_lease_deleted_is_no_licence_to_taint_past_the_bound() -> None:
+    """Broke I9 (2 nodes tainted, cap 1 of the neighbour's 2): one neighbour tainted its node, the Lease
+    was deleted, and the other, which had never read the records, counted nothing held and tainted
+    its own. A decision now reads the taints of every node the workload runs on."""
+    world = replay(PLACING, 0, [("a_neighbours_card_fails", {"which": 1}), ("the_lease_is_lost", {}),
+                                ("a_neighbours_card_fails", {"which": 0})])
+    assert world.neighbour_leases_lost_at  # the records were there, and lost
+
+
+def test_i9_a_node_that_cannot_be_read_taints_nothing() -> None:
+    """Broke I9 the same way with the records there: the node holding the other taint could not be read
+    (a 500), the count went on without it. A count for a decision is whole or taints nothing."""
+    m = machine(PLACING)()
+    m.seeded(seed=0)
+    world = m.world
+    world.neighbours_card_fails(1)
+    world.lease_lost()
+    first = world.neighbours["neighbour-2"].node
+    refuse = world.cluster.faults
+    world.cluster.faults = lambda caller, method, path: (
+        "refused" if method == "GET" and path.endswith(f"/nodes/{first}") else refuse(caller, method, path))
+    world.neighbours_card_fails(0)
+    m.holds()
+    assert _tainted(world, world.owner_of("neighbour")) == {first}
+    world.cluster.faults = refuse
+    m.teardown()
+
+
+def test_i9_a_card_kept_out_is_lifted_at_its_expiry_and_its_replacement_placed_elsewhere() -> None:
+    """The whole path on the production edge: a card reported Unhealthy, its node tainted before the
+    eviction, the replacement scheduled on another node, the taint lifted within a pass of its expiry."""
+    world = replay(Knobs(replicas=4, max_unavailable="1", placement=True), 0, [
+        ("cards_fail", {"which": 0, "count": 1}), ("time_passes_with_every_sidecar_acting", {"seconds": 6})])
+    ours = world.owner_of(WORKLOAD)
+    evicted = next(r for r in world.removals if r.by_us)
+    tainted = [w for w in world.cluster.node_writes if w.node == evicted.node and w.owner == ours]
+    assert tainted and tainted[0].at <= evicted.at  # tainted, and before the pod went
+    assert all(p.node != evicted.node for p in world.alive())
+    assert not _tainted(world, ours) and not world.our_entries()  # settled: lifted

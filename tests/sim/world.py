@@ -2,8 +2,10 @@
 with their servers, a request mix and a simulated clock; each pod's sidecar is the production core
 *and* edge: the real fold (`state.reduce`), policy (`policy.decide`), restart procedure and its
 performer (`watchdog.runtime.restarting.Restarts`), the executor (`watchdog.edge.executor`) with
-the real Kubernetes clients (`LeaseLedger`, `PodActions` and `KubeRestarter`, `NodeReporter`'s read
-of the restart Events) and the readiness view (`views.ready`, what `/readyz` answers).
+the real Kubernetes clients (`LeaseLedger`, `PodActions` and `KubeRestarter`, `ContainerRestarter`'s
+verdict under `container`, `NodeReporter`'s read of the restart Events), keep-out (`KeepOut` and
+its `Placer`, `Knobs.placement`) and the readiness view (`views.ready`, what `/readyz` answers). A
+second workload (`Knobs.neighbour`) shares our nodes: its pods' sidecars run their keep-out alone.
 
 What is simulated is only what lies outside the sidecar's process:
 - the Kubernetes API server (`tests/sim/api.py`): `resourceVersion` compare-and-swap, creation times
@@ -14,7 +16,9 @@ What is simulated is only what lies outside the sidecar's process:
   the server's real request record and quarantine list, `inference.screen`);
 - each sidecar's clocks: the world's time, its wall clock skewed by `Knobs.skew_s` at most;
 - the kubelet and the scheduler (a pod we restarted is replaced on its node: the lineage a restart
-  loop is bounded in), and the Deployment controller.
+  loop is bounded in, unless a taint keeps new pods off it; a card gone bad reported Unhealthy; the
+  inference container's liveness probe on our verdict, which restarts it in place), the nodes and
+  their taints, and the Deployment controller.
 
 The world is advanced by its scheduler (Hypothesis's stateful testing picks the moves and shrinks a
 failing run to the shortest one). A sidecar's move is one step of its loop (a restart's next step,
@@ -29,12 +33,17 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import dataclasses
+import hashlib
+import itertools
 import json
+import os
 import random
+import tempfile
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass, field
 from typing import Any
 
+from gpu_watchdog import contract
 from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
 from gpu_watchdog.inference.screen import (
     QuarantinedRequest,
@@ -44,31 +53,38 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog.core import edges, fleet, policy, quarantine, state, views
+from gpu_watchdog.watchdog.core import fleet, policy, quarantine, state, views
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.core.procedure import Procedure
-from gpu_watchdog.watchdog.core.samples import CanarySample, DecisionRecord
+from gpu_watchdog.watchdog.core.samples import DecisionRecord, DeviceHealth, DeviceHealthSample
 from gpu_watchdog.watchdog.core.settings import (
     FleetSettings,
     KubernetesSettings,
+    PlacementSettings,
     PolicySettings,
     QuarantineSettings,
     RestartSettings,
     Settings,
 )
-from gpu_watchdog.watchdog.core.state import Outcome, RestartBegun
+from gpu_watchdog.watchdog.core.state import Outcome, PodGpus, RestartBegun
 from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S, QUARANTINE_SYNC_S
 from gpu_watchdog.watchdog.edge.control_client import ControlError
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, lease_name
 from gpu_watchdog.watchdog.edge.effects.node import NodeReporter
-from gpu_watchdog.watchdog.edge.effects.restart import KubeRestarter
+from gpu_watchdog.watchdog.edge.effects.placement import Placer
+from gpu_watchdog.watchdog.edge.effects.restart import ContainerRestarter, KubeRestarter
 from gpu_watchdog.watchdog.edge.executor import Executor
+from gpu_watchdog.watchdog.edge.keep_out import KeepOut, lift_interval
 from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
+from gpu_watchdog.watchdog.edge.samplers.assembly import Samplers
+from gpu_watchdog.watchdog.edge.samplers.canary import CanarySampler
+from gpu_watchdog.watchdog.runtime.episodes import Episodes
 from gpu_watchdog.watchdog.runtime.restarting import Restarts
-from tests.sim.api import NS, WORKLOAD, Cluster, SimApi
+from gpu_watchdog.watchdog.runtime.sampling import Sampling
+from tests.sim.api import NODE_TAINT_KEY, NS, WORKLOAD, Cluster, SimApi, taint_entries
 
 STEP_S = 1.0  # the clock advances this much per tick
 CANARY_S = 1.0  # each sidecar's canary runs once a tick; on a hung server it times out after this long
@@ -81,6 +97,14 @@ LOAD_S = (2.0, 12.0)  # a new pod's model loads for this long before it serves (
 PROBE_PERIOD_S = 5
 PROBE_FAILURES = {"watchdog": 1, "inference": 2}
 RESTART_IN_PLACE_S = 2.0  # a crashed server is started again in its pod after this long
+# `restart.strategy: container` (the chart's default): the inference container's liveness probe as the
+# chart sets it (every 10 s, failureThreshold 2), failing on a verdict the sidecar wrote after the
+# container started (by more than 2 s) and within its time to live, each in the node's clock
+# (helm/gpu-watchdog/files/verdict-probe.sh); the kubelet then starts the container again.
+LIVENESS_PERIOD_S, LIVENESS_FAILURES = 10, 2
+VERDICT_TTL_S = 300
+VERDICTS = tempfile.TemporaryDirectory(prefix="gpu-watchdog-sim-")  # the pods' emptyDirs, one file each
+WORLDS = itertools.count()  # each world's own files: never another's (an id can be reused)
 SYNC_S = QUARANTINE_SYNC_S  # each sidecar reads the quarantine and pushes it to its server this often
 # A new server process waits this long at most for its sidecar's list before it serves without it
 # (`serve --quarantine-wait`, as the chart starts it).
@@ -89,6 +113,17 @@ MODEL = WORKLOAD  # every replica's: one fingerprint key for the workload
 KILLER_PROMPT = "compute the shape that wedges the kernel"
 LEASE = lease_name(WORKLOAD)
 TIMEOUT_S = 5.0  # each API call's deadline (never reached: the simulated server answers at once)
+START = 1_790_000_000.0  # the world's clock at the start: epoch seconds (a node taint states its expiry in them)
+# Keep-out (`Knobs.placement`): node taints of device-plugin GPUs, each for this long (short enough that
+# a run sees them placed, expire and lifted); one pass of the sidecars' reconcile then lifts them.
+PLACEMENT = PlacementSettings(strategy="node", ttl=30.0)
+LIFT_PASS_S = lift_interval(PLACEMENT.ttl)
+# I9's bound past a taint's expiry: one pass, the expiry rounded up to a whole second, and the tick the
+# sidecar's pass falls in.
+LIFT_BOUND_S = LIFT_PASS_S + 2 * STEP_S
+NEIGHBOUR = "neighbour"  # the second workload whose pods share our nodes (`Knobs.neighbour`)
+# Someone else's taint on every node (a node pool's): never ours to lift.
+OPERATOR_TAINT = {"key": "example.com/pool", "value": "inference", "effect": "PreferNoSchedule"}
 
 
 Prints = tuple[str | None, str | None]  # a request's fingerprint and input fingerprint (`Screen.prints`)
@@ -209,6 +244,8 @@ class Pod:
     growth: bool = False  # ground truth: created by a scale-up or a rollout's surge, not a replacement
     first_served_at: float | None = None  # ground truth: when it first could serve
     probe_phase: int = 0  # its kubelet probes it at this second modulo the period: spread by name, not drawn
+    out_in_place: bool = False  # ground truth: its container restarted on our verdict, not serving again yet
+    liveness_failures: int = 0
     ready_seen: bool = False  # its Ready condition as the kubelet last set it
     # Per container: Ready as the kubelet last set it, and its failed probes in a row.
     containers_ready: dict[str, bool] = field(default_factory=lambda: dict.fromkeys(PROBE_FAILURES, False))
@@ -235,6 +272,20 @@ class SimControl:
         if not pod.alive or pod.server.down_until is not None:
             raise ControlError(f"{path}: connection refused", "unreachable")
         return pod.server
+
+    def set_token(self, token: str | None) -> None:
+        """The token file read again after a refusal: the simulated server asks for none."""
+
+    async def canary(self, timeout: float) -> dict[str, Any]:
+        """`POST /control/canary`: one token from a serving model; a hung one never answers (the client's
+        deadline passes), one down or still loading its model refuses the connection."""
+        pod = self.world.pods[self.pod]
+        server = self._server("POST /control/canary")
+        if server.hung_since is not None:
+            raise ControlError(f"POST /control/canary: no answer within {timeout + 2.0:g}s", "timeout")
+        if self.world.now < pod.ready_at:
+            raise ControlError("POST /control/canary: connection refused", "unreachable")
+        return contract.CanaryResult(True, 0.05, None).to_json(server.process, server.drained)
 
     async def requests(self, timeout: float = 3.0, evidence: bool = False) -> dict[str, Any]:
         return self._server("GET /control/requests").screen.book.report(evidence)
@@ -287,13 +338,17 @@ class Knobs:
     race_rate: float = 0.0  # of the Lease's writes: another writer's lands first (409, decided again)
     skew_s: float = 0.0  # each sidecar's wall clock is off by up to this much, either way (seeded)
     pdb: bool = False  # a PodDisruptionBudget with the fleet's max_unavailable guards evictions
-    strategy: str = "evict"  # `restart.strategy`: evict (the budget answers) or delete (nothing but our rules)
+    # `restart.strategy`: evict (the budget answers), delete (nothing but our rules), or container (in place
+    # first, the chart's default; the pod rung evicts)
+    strategy: str = "evict"
     surge: int = 1  # the Deployment's RollingUpdate maxSurge
     rollout_unavailable: int = 0  # and its maxUnavailable
     popular_every_tick: bool = True  # False: the popular request only when a move sends it
     # The pods' readiness probes: the chart's (None), or every container's failureThreshold and
     # periodSeconds as a Deployment written by hand sets them (Kubernetes' defaults are 3 and 10 s).
     probes: tuple[int, int] | None = None
+    placement: bool = False  # keep-out on: a card the kubelet calls Unhealthy gets its node tainted
+    neighbour: bool = False  # a second workload on our nodes, keeping its own cards out of them
 
 
 @dataclass
@@ -309,7 +364,12 @@ class Sidecar:
     proc: Procedure | None = None  # the restart under way
     blocked: bool = False  # its restart is blocked by the budget (said; decided again after the next read)
     synced_at: float = -1e9
-    served_news: bool = False  # a canary served since its ledger's bookkeeping last ran
+    sampling: Sampling = field(init=False)
+    # What its loop spawned beside a canary (the ledger's bookkeeping after one served): its own task,
+    # run at the sidecar's next step.
+    spawned: list[Coroutine[Any, Any, Any]] = field(default_factory=list)
+    keep_out: KeepOut | None = None
+    reconciled_at: float = -1e9
 
     def fold(self, outcome: Outcome) -> None:
         """As the loop folds (`Watchdog.fold`)."""
@@ -324,15 +384,44 @@ class Sidecar:
         return self.history.edge.fleet.slot_held
 
 
+def _folded(history: History, outcome: Outcome, settings: Settings) -> None:
+    state.reduce(history, outcome, settings.policy.admission)
+
+
+def gpu_of(node: str) -> str:
+    """The one GPU of a node, as its device plugin names it."""
+    return f"GPU-{node}"
+
+
+def card_failed(gpu: str, at: float) -> DeviceHealthSample:
+    """The kubelet's report of a card gone bad (KEP-4680's allocatedResourcesStatus)."""
+    return DeviceHealthSample(at, True, (DeviceHealth("inference", "nvidia.com/gpu", gpu, "Unhealthy",
+                                                      "Xid 79: GPU has fallen off the bus"),))
+
+
+@dataclass
+class Neighbour:
+    """A pod of the other workload on one of our nodes: its sidecar's keep-out alone (the production
+    `KeepOut` and `Placer` on its own Lease), the rest of that workload being outside this world."""
+
+    pod: str
+    node: str
+    keep_out: KeepOut
+    reconciled_at: float = -1e9
+
+
 class World:
     def __init__(self, knobs: Knobs, seed: int = 0, policy_settings: PolicySettings | None = None) -> None:
         self.knobs = knobs
+        self.serial = next(WORLDS)
         self.random = random.Random(seed)
-        self.now = 1000.0
+        self.now = START
         self.fleet_settings = FleetSettings(max_unavailable=knobs.max_unavailable)
         self.q_settings = QuarantineSettings()
         self.policy = dataclasses.replace(policy_settings or PolicySettings(), fleet=self.fleet_settings,
                                           quarantine=self.q_settings)
+        if knobs.placement:
+            self.policy = dataclasses.replace(self.policy, placement=PLACEMENT)
         self.settings = Settings(policy=self.policy, restart=RestartSettings(strategy=knobs.strategy),
                                  kubernetes=KubernetesSettings(pod_name="", namespace=NS, node_name="",
                                                                workload=WORKLOAD, request_timeout=TIMEOUT_S))
@@ -358,6 +447,7 @@ class World:
         self.drains = 0  # pods removed by someone else (a node drain)
         self.leases_lost = 0  # the Lease deleted (an operator's cleanup, an etcd restore)
         self.leases_lost_at: list[float] = []
+        self.neighbour_leases_lost_at: list[float] = []
         # The request mix's ground truth: real bodies, fingerprinted as every server does.
         self.key = workload_key(MODEL)
         self._prints: dict[str, Prints] = {}
@@ -397,13 +487,24 @@ class World:
         self.syncs: dict[str, list[tuple[int, float]]] = {}
         self.synced_count = 0
         self.sick: set[str] = set()  # nodes whose servers hang once they served
+        self.bad_cards: set[str] = set()  # nodes whose GPU the kubelet reports Unhealthy (and sick)
+        self.node_writes_checked = 0  # the node writes I9 has judged
+        self.neighbours: dict[str, Neighbour] = {}
         for _ in range(knobs.replicas):
             pod = self._create(growth=False, ready_now=True)
             pod.first_served_at = self.now
             pod.server.screen.quarantine.replace([])  # its sidecar's first list, before the run
+        if knobs.neighbour:  # the other workload's pods, one on each of our first two nodes
+            for pod in list(self.pods.values())[:2]:
+                self._neighbour(pod.node)
         self.canaries()  # the pods there before the run served: their sidecars saw it
         for name in list(self.sidecars):
             self.sidecar_step(name)  # and told their ledger so
+
+    def __del__(self) -> None:
+        for car in self.sidecars.values():  # a run ends with its sidecars' tasks, never run, ended too
+            for spawned in car.spawned:
+                spawned.close()
 
     # -- the loop the sidecars' coroutines run on ---------------------------------------------------
 
@@ -428,6 +529,7 @@ class World:
         load = 0.0 if ready_now else float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
         pod = Pod(name, template or self.template, node or f"n{self.names}", self.now, self.now + load, server,
                   replaces=replaces, growth=growth, probe_phase=self.names)
+        self.cluster.add_node(pod.node, [dict(OPERATOR_TAINT)])
         self.pods[name] = pod
         self.sidecars[name] = self._sidecar(pod)
         if ready_now:  # a workload running already: its pods Ready
@@ -441,6 +543,7 @@ class World:
             self.settings.kubernetes, pod_name=pod.name, node_name=pod.node))
         car = Sidecar(pod.name, History(started_at=self.now, epoch=self.now, pod=pod.name, node=pod.node,
                                         strategy=self.knobs.strategy, budget_from_events=True), settings, skew)
+        car.fold(PodGpus((gpu_of(pod.node),)))  # the kubelet's answer: the node's one GPU
 
         def local() -> float:
             return self.now + car.skew  # its node's clock (a test may set it off later, as a node's may step)
@@ -450,8 +553,11 @@ class World:
         api = SimApi(self.cluster, pod.name, local)
         wall = api.now
         ledger = LeaseLedger(api, NS, LEASE, WORKLOAD, pod.name, TIMEOUT_S, wall_clock=wall, sleep=lambda s: None)
-        restarter = KubeRestarter(PodActions(api, pod.name, NS, TIMEOUT_S, wall_clock=wall), settings.restart,
-                                  sleep=_nothing, workload=WORKLOAD, node=pod.node, wall_clock=wall)
+        evictor = KubeRestarter(PodActions(api, pod.name, NS, TIMEOUT_S, wall_clock=wall), settings.restart,
+                                sleep=_nothing, workload=WORKLOAD, node=pod.node, wall_clock=wall)
+        # As `build_restarter` wires it, under `container` the verdict stamped by the node's clock (the probe's).
+        restarter = ContainerRestarter(self.verdict_file(pod.name), evictor, wall_clock=local) \
+            if self.knobs.strategy == "container" else evictor
         control = SimControl(self, pod.name)
         history = lambda: car.history  # noqa: E731 - the fold as it stands at each read
         ex = car.executor = Executor(
@@ -460,22 +566,110 @@ class World:
             restart_events=NodeReporter(api, NS, pod.node, TIMEOUT_S, node_condition=False, node_event=False),
             workload=WORKLOAD, ledger=ledger)
 
+        if self.knobs.placement:
+            car.keep_out = KeepOut(settings=settings, placer=Placer(api, NS, pod.name, pod.node, WORKLOAD, TIMEOUT_S),
+                                   ledger=ledger, metrics=self.metrics, wall_clock=wall, workload=WORKLOAD,
+                                   history=history, fold=car.fold, clock=self.clock)
+
         async def read_budget() -> None:
             car.fold(await ex.read_budget())
 
         def record_decision(d: Decision, outcome: str, now: float) -> None:
             car.fold(DecisionRecord(round(now - car.history.started_at, 3), d.action, d.reason, outcome, d.detail))
 
+        car.sampling = Sampling(
+            settings=settings, samplers=Samplers(nvml=None, canary=CanarySampler(control, self.clock, CANARY_S),  # type: ignore[arg-type]
+                                                 control=control, allocator=None, server_metrics=None,  # type: ignore[arg-type]
+                                                 device_health=None),
+            executor=ex, restarter=restarter, metrics=self.metrics, episodes=Episodes(self.metrics), history=history,
+            fold=car.fold, evaluate=_nothing, spawn=car.spawned.append, clock=self.clock, wall_clock=local,  # type: ignore[arg-type]
+            read_token=lambda: None, token=None, server_metrics_url=None)
         car.restarts = Restarts(
             settings=settings, executor=ex, metrics=self.metrics, fold=car.fold, record_decision=record_decision,
-            clock=self.clock, history=history, read_budget=read_budget, keep_out=None,
+            clock=self.clock, history=history, read_budget=read_budget, keep_out=car.keep_out,
             worker_control=lambda k: control if k == 0 else None,  # type: ignore[arg-type, return-value]
             spawn=_spawn, restarted=lambda ended: None, escalate=_nothing,
             sleep=_nothing)
         return car
 
+    def _neighbour(self, node: str) -> None:
+        name = f"{NEIGHBOUR}-{len(self.neighbours) + 1}"
+        self.cluster.others[name] = (node, NEIGHBOUR)
+        settings = dataclasses.replace(self.settings, kubernetes=dataclasses.replace(
+            self.settings.kubernetes, pod_name=name, node_name=node, workload=NEIGHBOUR))
+        history = History(started_at=self.now, epoch=self.now, pod=name, node=node)
+        api = SimApi(self.cluster, name, self.clock)
+        ledger = LeaseLedger(api, NS, lease_name(NEIGHBOUR), NEIGHBOUR, name, TIMEOUT_S, wall_clock=api.now,
+                             sleep=lambda s: None)
+        self.neighbours[name] = Neighbour(name, node, KeepOut(
+            settings=settings, placer=Placer(api, NS, name, node, NEIGHBOUR, TIMEOUT_S), ledger=ledger,
+            metrics=self.metrics, wall_clock=api.now, workload=NEIGHBOUR, history=lambda: history,
+            fold=lambda o: _folded(history, o, settings), clock=self.clock))
+
+    def owner(self, caller: str) -> str | None:
+        """The workload whose placement a caller's writes are (its `<owner>` in a node taint's value)."""
+        workload = WORKLOAD if caller in self.pods else NEIGHBOUR if caller in self.neighbours else None
+        return None if workload is None else self.owner_of(workload)
+
+    @staticmethod
+    def owner_of(workload: str) -> str:
+        """As the docs define it: sha256 of `namespace/workload`, its first 8 hex digits."""
+        return hashlib.sha256(f"{NS}/{workload}".encode()).hexdigest()[:8]
+
+    def placed_at(self, node: str, owner: str, until: int) -> float:
+        """When the API server first held this entry on the node (its log of node writes)."""
+        return next((w.at for w in self.cluster.node_writes
+                     if w.node == node and any(taint_entries(t).get(owner) == until for t in w.after)), self.now)
+
+    def scope(self, caller: str) -> int:
+        """The nodes the caller's workload runs on now (what its keep-out's bound is a share of)."""
+        if caller in self.neighbours:
+            return len({n.node for n in self.neighbours.values()})
+        return len({p.node for p in self.alive()})
+
     def clock(self) -> float:
         return self.now
+
+    def verdict_file(self, pod: str) -> str:
+        return os.path.join(VERDICTS.name, f"{self.serial}-{pod}")
+
+    def _liveness(self, pod: Pod) -> None:
+        """The inference container's liveness probe under `container`: two failures in a row, and the
+        kubelet kills it; the server starts again in place (its model loading anew)."""
+        car = self.sidecars.get(pod.name)
+        if car is None or round(self.now) % LIVENESS_PERIOD_S != pod.probe_phase % LIVENESS_PERIOD_S:
+            return
+        try:
+            with open(self.verdict_file(pod.name), encoding="ascii") as fh:
+                at = int(fh.read().split()[0])
+        except (OSError, ValueError, IndexError):
+            at = None
+        node_now = self.now + car.skew
+        started = pod.server.started_at + car.skew
+        failing = at is not None and at > int(started) + 2 and node_now - at < VERDICT_TTL_S
+        pod.liveness_failures = pod.liveness_failures + 1 if failing else 0
+        if pod.liveness_failures < LIVENESS_FAILURES:
+            return
+        pod.liveness_failures = 0
+        self._went_out(pod, "restarted in place", by_us=True)
+        pod.out_in_place = True
+        # Its new process (made at the sidecar's next step past this, as after a crash) loads the model first.
+        pod.server.down_until = self.now + float(self.random.randint(int(LOAD_S[0]), int(LOAD_S[1])))
+        self.trace.append(f"{self.now:.0f} container of {pod.name} restarted in place")
+
+    def _went_out(self, pod: Pod, reason: str, by_us: bool) -> None:
+        """Ground truth as a pod leaves, or its server is restarted in place: what I1 judges."""
+        others = [p for p in self.alive() if p is not pod]
+        out = len({p.replaces for p in others if p.replaces is not None and p.first_served_at is None}) + sum(
+            1 for p in others if p.out_in_place)
+        self.removals.append(Removal(pod.name, pod.node, self.now, reason, by_us, self.desired,
+                                     sum(1 for p in others if p.serves(self.now)),
+                                     out + int(by_us), self.cluster.version))
+
+    def metrics_capped(self) -> int:
+        """Restarts whose taint the bound refused, as the sidecars counted them (a benchmark's figure)."""
+        value = self.metrics.registry.get_sample_value("gpu_watchdog_placement_actions_total", {"action": "capped"})
+        return int(value or 0)
 
     def _synced(self, pod: str) -> None:
         self.synced_count += 1
@@ -544,15 +738,20 @@ class World:
             # A stopping sidecar says what its server answered (`run_until_signal`: `Executor.leaving`).
             self._synced(pod.name)
             self.run(car.executor.leaving())
+            for spawned in car.spawned:  # its tasks end with its process
+                spawned.close()
+        self._went_out(pod, reason, by_us)
         pod.removed_at = self.now
-        out = len({p.replaces for p in self.alive() if p.replaces is not None and p.first_served_at is None})
-        self.removals.append(Removal(pod.name, pod.node, self.now, reason, by_us, self.desired,
-                                     sum(1 for p in self.alive() if p.serves(self.now)), out + int(by_us),
-                                     self.cluster.version))
         if len([p for p in self.alive() if p.template == pod.template]) < self.rs.get(pod.template, 0):
             # Where the pod's GPU frees, its replacement goes: a restart loop stays on one node.
-            self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template,
-                         node=pod.node if by_us else None)
+            # (unless the node is tainted: the scheduler places it on another).
+            node = pod.node if by_us and not self.keeps_out(pod.node) else None
+            self._create(growth=False, replaces=pod.name if by_us else None, template=pod.template, node=node)
+
+    def keeps_out(self, node: str) -> bool:
+        """The scheduler's view: a taint on the node that a pod without tolerations may not be placed under."""
+        return any(t.get("effect") in ("NoSchedule", "NoExecute")
+                   for t in self.cluster.nodes[node]["spec"].get("taints") or [])
 
     def answers(self, pod: Pod) -> dict[str, bool]:
         """What each container's readiness probe answers now: the sidecar's `/readyz` (`views.ready`),
@@ -570,6 +769,8 @@ class World:
         after one success, unready after its failureThreshold in a row; the pod, while all are."""
         failures, period = self.knobs.probes or (None, PROBE_PERIOD_S)
         for pod in self.alive():
+            if self.knobs.strategy == "container":
+                self._liveness(pod)
             if round(self.now) % period != pod.probe_phase % period:
                 continue
             for container, ok in self.answers(pod).items():
@@ -589,6 +790,8 @@ class World:
         if self.cluster.leases.pop(LEASE, None) is not None:
             self.leases_lost += 1
             self.leases_lost_at.append(self.now)
+        if self.cluster.leases.pop(lease_name(NEIGHBOUR), None) is not None:
+            self.neighbour_leases_lost_at.append(self.now)
         # The operator's lifts were records of that Lease: gone with it (I8 holds for recorded lifts).
         self.lifted_after.clear()
         self.trace.append(f"{self.now:.0f} lease lost")
@@ -661,6 +864,33 @@ class World:
         replaced there and hangs again, a restart loop the lineage's budget must bound (I5)."""
         self.sick.add(node)
         self.trace.append(f"{self.now:.0f} sick {node}")
+
+    def cards_fail(self, pods: list[Pod]) -> None:
+        """These pods' cards go bad at once (a driver rollout gone wrong, a rack's power): the kubelet
+        reports each Unhealthy and its server hangs, on that node, until the node is left alone."""
+        for pod in pods:
+            self.bad_cards.add(pod.node)
+            self.sick.add(pod.node)
+            self.hang(pod)
+            self._card_report(pod)
+        self.trace.append(f"{self.now:.0f} cards fail on {', '.join(p.node for p in pods)}")
+
+    def _card_report(self, pod: Pod) -> None:
+        car = self.sidecars.get(pod.name)
+        if car is not None and pod.node in self.bad_cards:
+            car.fold(card_failed(gpu_of(pod.node), self.now))
+
+    def neighbours_card_fails(self, which: int) -> None:
+        """A card of the other workload's, on one of our nodes, goes bad: its sidecar keeps it out before
+        its own restart (which is that workload's, outside this world)."""
+        if not self.neighbours:
+            return
+        n = list(self.neighbours.values())[which % len(self.neighbours)]
+        gpu = f"GPU-{n.pod}"
+        decision = Decision("restart", CONTEXT_LOSS, {"evidence": "device_health", "uuid": gpu,
+                                                      "resource_id": gpu, "resource": "nvidia.com/gpu"})
+        self.run(n.keep_out.before_pod_rung(decision, (gpu,), ()))
+        self.trace.append(f"{self.now:.0f} neighbour's card fails on {n.node}")
 
     def popular_traffic(self, only: Pod | None = None) -> None:
         """The popular request answered by every replica that takes requests and does not refuse it
@@ -778,13 +1008,13 @@ class World:
         ex, h = car.executor, car.history
         if car.proc is not None:
             return self._restart_step(car)
-        if car.served_news:
-            # `Sampling.canary`: a canary served with no restart in progress, the ledger told beside it.
-            car.served_news = False
-            car.blocked = False  # no restart wanted: nothing held back any more
-            return ex.target_served()
+        if car.spawned:
+            return car.spawned.pop(0)  # what `Sampling.canary` spawned (the ledger told a canary served)
         if policy.hold_over(self.policy, h, self.now, True):
             return ex.end_hold()  # as `Watchdog.evaluate` spawns it
+        if car.keep_out is not None and self.now - car.reconciled_at >= LIFT_PASS_S:
+            car.reconciled_at = self.now  # `run_until_signal`'s periodic placement pass
+            return car.keep_out.reconcile()
         if self.now - car.synced_at >= SYNC_S:
             car.synced_at = self.now
             self._synced(car.pod)
@@ -817,45 +1047,44 @@ class World:
         car.fold(await car.executor.read_budget())
 
     def canaries(self) -> None:
-        """Each sidecar's canary, folded into its history as `Sampling.canary` folds it."""
+        """Each sidecar's canary, taken and folded by its `Sampling.canary` (the loop evaluates at its own
+        step, `_next`)."""
         for pod in self.alive():
             car = self.sidecars.get(pod.name)
-            if car is None or car.history.restart_acting:
+            if car is None:
                 continue
-            server = pod.server
-            if pod.serves(self.now):
-                sample = CanarySample(self.now, True, 0.05, None, instance_id=server.process, draining=server.drained)
-            elif server.hung_since is not None:
-                sample = CanarySample(self.now, False, CANARY_S, "timeout", "canary timed out",
-                                      instance_id=server.process)
-            else:  # down after a crash, or still loading its model
-                sample = CanarySample(self.now, False, 0.0, "unreachable", "connection refused",
-                                      instance_id=server.process)
-            if edges.push_due(car.executor.edge, 0, sample.ok, sample.instance_id):
-                self.run(car.executor.push_quarantine(sample.instance_id))  # before this pod reads ready again
-            car.fold(sample)
-            if sample.served and not car.history.restart_in_progress:
-                car.served_news = True
+            self.run(car.sampling.canary())
+            last = car.history.canaries[-1] if car.history.canaries else None
+            if last is not None and last.at == self.now and last.served and not car.history.restart_in_progress:
+                car.blocked = False  # no restart wanted: nothing held back any more
 
     # -- time --------------------------------------------------------------------------------------
 
     def settle(self, rounds: int = 600) -> None:
         """No new faults; time passes and every sidecar acts until no replica that served is hung
         (each restart waits its turn for a slot: a replacement loading, a scale-up's pods serving
-        first), 30 s at least and `rounds` at most."""
+        first) and no taint of ours is left before its expiry and a pass of the sidecars' reconcile
+        after it (I9 is judged on what is left then), 30 s at least and `rounds` at most."""
         for n in range(rounds):
             # Past the first 30 s (every sidecar has synced a few times), until none is left hung but
             # those the budget blocks (for the rest of its window).
             if n >= 30 and not any(p.server.hung_since is not None and self.seen_serving(p)
                                    and not (self.sidecars[p.name].blocked
                                             and self.sidecars[p.name].history.workload_restarts is not None)
-                                   for p in self.alive()):
+                                   for p in self.alive()) \
+                    and all(until + LIFT_BOUND_S < self.now for _, _, until in self.our_entries()):
                 break  # the rest is held by a budget it read, for the rest of its window
             self.tick()
             self.popular_traffic()
             for _ in range(3):
                 for name in list(self.sidecars):
                     self.sidecar_step(name)
+
+    def our_entries(self) -> list[tuple[str, str, int]]:
+        """Every `<owner>-<expiry>` entry of a gpu-watchdog taint on a node now: (node, owner, expiry)."""
+        return [(name, owner, until) for name, node in self.cluster.nodes.items()
+                for t in node["spec"].get("taints") or [] if t.get("key") == NODE_TAINT_KEY
+                for owner, until in taint_entries(t).items()]
 
     def seen_serving(self, pod: Pod) -> bool:
         """Its sidecar saw it serve (one that never did is still starting: `policy.startup_timeout`)."""
@@ -874,6 +1103,13 @@ class World:
         for pod in self.alive():
             if pod.first_served_at is None and pod.serves(self.now):
                 pod.first_served_at = self.now
+            if pod.out_in_place and pod.serves(self.now):
+                pod.out_in_place = False
             if pod.node in self.sick and self.seen_serving(pod):
                 self.hang(pod)
+            self._card_report(pod)
+        for n in self.neighbours.values():
+            if self.now - n.reconciled_at >= LIFT_PASS_S:
+                n.reconciled_at = self.now
+                self.run(n.keep_out.reconcile())
         self.canaries()

@@ -4,6 +4,7 @@ what is evidence about the card, the repeat offender over days, the bound, expir
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 
 import pytest
@@ -107,6 +108,21 @@ def taint_of(card: Card, at: float = T0, settings: PlacementSettings = S) -> Tai
     wanted = placement.plan(settings, card, "pod-1", "the kubelet reports the device Unhealthy", at)
     assert wanted is not None
     return wanted
+
+
+def test_a_taints_record_expires_with_the_taint_the_cluster_holds_not_a_fraction_before() -> None:
+    """A node entry states its expiry in whole seconds, rounded up: a record expiring half a second
+    earlier was lifted while the node's taint still held (the simulation's bound counted it out, a third
+    node was tainted with a cap of 2)."""
+    node = dataclasses.replace(S, strategy="node")
+    t = taint_of(PLUGIN, at=T0 + 0.5, settings=node)
+    assert t.until == float(math.ceil(T0 + 0.5 + node.ttl))
+    [entry] = placement.with_node_taint([], t, "0123abcd", T0 + 0.5) or []
+    assert placement.node_entries(entry["value"]) == {"0123abcd": int(t.until)}
+    records = Records(taints=(t,))
+    assert placement.expired(records, t.until - 0.1) == []  # the entry is in force: so is its record
+    assert placement.expired(records, t.until) == [t]
+    assert placement.without_node_taint([entry], "0123abcd", t.until) == []  # and both go together
 
 
 def test_a_dra_card_gets_its_device_a_plugin_card_its_node_only_where_the_node_is_allowed() -> None:

@@ -242,7 +242,9 @@ def plan(settings: PlacementSettings, card: Card, pod: str, evidence: str, now: 
     allows a node (`node`); None where neither may be tainted (a device-plugin GPU under `device`).
     `shadow`: a device's taint of effect None (the API counts what it would evict); a node has no such
     effect, and its taint is only reported."""
-    until, evidence = now + settings.ttl, evidence[:EVIDENCE_KEPT]
+    # A whole second, as the cluster states it (a node entry's expiry, a rule's annotation): the record and
+    # the taint expire together, so no taint is in force for the fraction of a second past its record.
+    until, evidence = float(node_expiry(now + settings.ttl)), evidence[:EVIDENCE_KEPT]
     if card.dra:
         # NoExecute evicts whatever uses the device, our pod included, bypassing its Event and its
         # disruption budget: it keeps placements away first (NoSchedule), and becomes NoExecute once

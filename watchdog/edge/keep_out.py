@@ -45,12 +45,12 @@ class CardPlacer(Protocol):
     """The cluster's side (blocking; see `watchdog.edge.effects.placement.Placer`)."""
 
     def cards(self, pod_gpus: tuple[str, ...] | None, named: str | None = None) -> list[Card]: ...
-    def scope(self, kind: str, cards_per_pod: int) -> int: ...
+    def scope(self, kind: str, cards_per_pod: int) -> tuple[int, frozenset[str]]: ...
     def place(self, taint: Taint, card: Card, now: float | None = None) -> str: ...
     def ensure(self, taint: Taint, now: float | None = None) -> str: ...
     def present(self, taint: Taint) -> bool: ...
     def lift(self, taint: Taint, now: float | None = None, force: bool = True) -> str: ...
-    def held(self, nodes: Iterable[str], now: float) -> tuple[list[Taint], set[str]]: ...
+    def held(self, nodes: Iterable[str], now: float, strict: bool = False) -> tuple[list[Taint], set[str]]: ...
     def sweep_node(self, name: str, now: float) -> str: ...
     def rules(self) -> list[dict[str, Any]]: ...
 
@@ -164,9 +164,11 @@ class KeepOut:
                         action="reported only" if wanted is not None else
                         "a device-plugin GPU is kept out by its node's taint: policy.placement.strategy node")
             return action
-        scope = await asyncio.to_thread(self.placer.scope, wanted.kind, len(cards))
-        # The bound counts what the cluster holds of ours too, not only the records (which may be lost).
-        found = await asyncio.to_thread(self._held_quietly, records, now)
+        scope, nodes = await asyncio.to_thread(self.placer.scope, wanted.kind, len(cards))
+        # The bound counts what the cluster holds of ours too, not only the records (which may be lost, or
+        # new since a Lease was deleted): on every node the workload runs on as well as those we know of.
+        # A count that cannot be made whole taints nothing (`placement_failed`): never past the bound blind.
+        found = await asyncio.to_thread(self._held_now, records, now, nodes)
 
         def decide(rec: Records, at: float) -> tuple[Records, Verdict]:
             rebuilt = placement.adopt(placement.remember(s, rec, remedied, at), found, at)
@@ -288,13 +290,13 @@ class KeepOut:
                 self._nodes[node] = max(self._nodes.get(node, 0.0), now)
         return {n for n in (self.node, *self._nodes) if n}
 
-    def _held_quietly(self, records: Records, now: float) -> list[Taint]:
-        """`held` for a decision: what the cluster shows of ours, or nothing where it cannot be read (the
-        records alone bound it then)."""
-        try:
-            found, _ = self.placer.held(self._watched(records, now), now)
-        except Exception:
-            return []
+    def _held_now(self, records: Records, now: float, nodes: frozenset[str]) -> list[Taint]:
+        """`held` for a decision: what the cluster shows of ours, on `nodes` too (the workload's); raises
+        where any of it cannot be read."""
+        watched = self._watched(records, now)
+        if self.settings.policy.placement.strategy == "node":
+            watched |= nodes
+        found, _ = self.placer.held(watched, now, strict=True)
         return found
 
     async def _from_cluster(self, records: Records | None, found: list[Taint], clear: set[str],

@@ -97,18 +97,20 @@ class Placer:
             cards = [Card(uuid, node) for uuid in uuids]
         return cards
 
-    def scope(self, kind: str, cards_per_pod: int) -> int:
+    def scope(self, kind: str, cards_per_pod: int) -> tuple[int, frozenset[str]]:
         """What the bound is a share of: the workload's nodes (its pods' distinct nodes) for node taints,
-        its cards (pods x our pod's cards) for device taints. Unreadable: 1, the smallest bound."""
+        its cards (pods x our pod's cards) for device taints; and those nodes, whose taints a decision
+        reads (one of ours there, its record lost, still counts). Unreadable: 1, the smallest bound."""
         selector = self._selector()
         if selector is None:
-            return 1
+            return 1, frozenset()
         pods = self.api.get(pod_path(self.namespace), query={"labelSelector": selector},
                             timeout=self.timeout).get("items") or []
         alive = [p for p in pods if isinstance(p, dict) and not (p.get("metadata") or {}).get("deletionTimestamp")]
+        nodes = frozenset(str(p["spec"]["nodeName"]) for p in alive if (p.get("spec") or {}).get("nodeName"))
         if kind == placement.NODE:
-            return max(1, len({p["spec"]["nodeName"] for p in alive if (p.get("spec") or {}).get("nodeName")}))
-        return max(1, len(alive) * max(1, cards_per_pod))
+            return max(1, len(nodes)), nodes
+        return max(1, len(alive) * max(1, cards_per_pod)), nodes
 
     def _selector(self) -> str | None:
         return selector_text(read_workload(self.api, self.workload, self.namespace, self.timeout))
@@ -205,11 +207,12 @@ class Placer:
             raise
         return "lifted"
 
-    def held(self, nodes: Iterable[str], now: float) -> tuple[list[Taint], set[str]]:
+    def held(self, nodes: Iterable[str], now: float, strict: bool = False) -> tuple[list[Taint], set[str]]:
         """What the cluster holds of this workload's, whatever the records say: its DeviceTaintRules (the
         workload and namespace in their annotations) and its entries in the taints of `nodes` (a node
         cannot be listed: those the caller knows of), each with the expiry the cluster states; and the
-        nodes of `nodes` that hold nothing of ours (or are gone). A node that cannot be read is neither."""
+        nodes of `nodes` that hold nothing of ours (or are gone). A node that cannot be read is neither, or
+        raises where `strict` (a count for a decision must be whole)."""
         found: list[Taint] = []
         clear: set[str] = set()
         for rule in self.rules():
@@ -220,6 +223,8 @@ class Placer:
             try:
                 node, taints = self._node_taints(name)
             except Exception as exc:  # one node unreadable: the others still are; it is read again next time
+                if strict:
+                    raise
                 log.debug("placement_node_unreadable", node=name, error=str(exc)[:200])
                 continue
             held = placement.node_held(taints, self.owner) if node is not None else []
