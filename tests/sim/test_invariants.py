@@ -13,10 +13,10 @@ from tests.sim.world import Knobs
 # Seeded runs of each fleet, 60 moves each, within CI's 3 minutes; each run's settling (30 simulated
 # seconds at least, every sidecar stepping 3 times a second) is most of its cost. The benchmark
 # (`gpu_watchdog.benchmarks.fleet_sim`) runs thousands more.
-RUNS = 50
-SLOW = 40  # the fleet of 8, whose moves cost twice as much, and the API that refuses 10 % (its retries)
-PLACING = 36  # keep-out on: each run settles until its taints' expiry has passed (twice the cost)
-HOSTILE = 25  # the API that refuses, loses answers and races, clocks a minute off, keep-out on
+RUNS = 40
+SLOW = 32  # the fleet of 8, whose moves cost twice as much, and the API that refuses 10 % (its retries)
+PLACING = 30  # keep-out on: each run settles until its taints' expiry has passed (twice the cost)
+HOSTILE = 22  # the API that refuses, loses answers and races, clocks a minute off, keep-out on
 
 
 def runs(n: int) -> settings:

@@ -53,12 +53,12 @@ from gpu_watchdog.inference.screen import (
     parse_entry,
     workload_key,
 )
-from gpu_watchdog.watchdog.core import fleet, policy, quarantine, state, views
+from gpu_watchdog.watchdog.core import fleet, quarantine, state, views
 from gpu_watchdog.watchdog.core.history import History
 from gpu_watchdog.watchdog.core.names import CONTEXT_LOSS
 from gpu_watchdog.watchdog.core.policy import Decision
 from gpu_watchdog.watchdog.core.procedure import Procedure
-from gpu_watchdog.watchdog.core.samples import DecisionRecord, DeviceHealth, DeviceHealthSample
+from gpu_watchdog.watchdog.core.samples import DeviceHealth, DeviceHealthSample
 from gpu_watchdog.watchdog.core.settings import (
     FleetSettings,
     KubernetesSettings,
@@ -68,7 +68,7 @@ from gpu_watchdog.watchdog.core.settings import (
     RestartSettings,
     Settings,
 )
-from gpu_watchdog.watchdog.core.state import Outcome, PodGpus, RestartBegun
+from gpu_watchdog.watchdog.core.state import Outcome, PodGpus
 from gpu_watchdog.watchdog.core.timing import BUDGET_READ_S, QUARANTINE_SYNC_S
 from gpu_watchdog.watchdog.edge.control_client import ControlError
 from gpu_watchdog.watchdog.edge.effects.fleet import LeaseLedger, lease_name
@@ -81,6 +81,7 @@ from gpu_watchdog.watchdog.edge.kube.kube import PodActions
 from gpu_watchdog.watchdog.edge.metrics import WatchdogMetrics
 from gpu_watchdog.watchdog.edge.samplers.assembly import Samplers
 from gpu_watchdog.watchdog.edge.samplers.canary import CanarySampler
+from gpu_watchdog.watchdog.runtime.app import Watchdog
 from gpu_watchdog.watchdog.runtime.episodes import Episodes
 from gpu_watchdog.watchdog.runtime.restarting import Restarts
 from gpu_watchdog.watchdog.runtime.sampling import Sampling
@@ -370,6 +371,17 @@ class Sidecar:
     spawned: list[Coroutine[Any, Any, Any]] = field(default_factory=list)
     keep_out: KeepOut | None = None
     reconciled_at: float = -1e9
+    watchdog: Watchdog = field(init=False)
+    proc_new: bool = False  # begun by the evaluation of this move: its first step is taken in it
+    world: World | None = None
+
+    def decided(self, now: float, decisions: list[Decision], core: str = "") -> None:
+        """What `Watchdog.evaluate` decided, observed (its recorder's hook): a restart the budget blocks."""
+        restart = next((d for d in decisions if d.action == "restart"), None)
+        if restart is not None and not restart.allowed:
+            if not self.blocked and self.world is not None:
+                self.world.budget_blocks += 1
+            self.blocked = True
 
     def fold(self, outcome: Outcome) -> None:
         """As the loop folds (`Watchdog.fold`)."""
@@ -408,6 +420,21 @@ class Neighbour:
     node: str
     keep_out: KeepOut
     reconciled_at: float = -1e9
+
+
+class Stepwise:
+    """What `Watchdog` reaches through `running`: the executor, and the restarts, whose `run` begins the
+    restart as `Restarts.run` does; its steps are then taken one a move by the sidecar (`World._next`),
+    so that other sidecars and the world move between them."""
+
+    def __init__(self, car: Sidecar, executor: Executor) -> None:
+        self.car = car
+        self.executor = executor
+        self.restarts = self
+
+    async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
+        self.car.proc = self.car.restarts.begin(worker, decision, asked_again)
+        self.car.proc_new = True
 
 
 class World:
@@ -472,6 +499,7 @@ class World:
         # between).
         self.killer_f: list[int] = []
         self._killer_in_force = False
+        self._observed: tuple[str | None, float, int] | None = None
         # When each failure with the popular request in flight first stood in the Lease (ground truth of
         # the API server's store): from then on the records hold against it, and a sync can clear it.
         self.popular_suspected: dict[tuple[str, str], tuple[float, int]] = {}
@@ -543,6 +571,7 @@ class World:
             self.settings.kubernetes, pod_name=pod.name, node_name=pod.node))
         car = Sidecar(pod.name, History(started_at=self.now, epoch=self.now, pod=pod.name, node=pod.node,
                                         strategy=self.knobs.strategy, budget_from_events=True), settings, skew)
+        car.world = self
         car.fold(PodGpus((gpu_of(pod.node),)))  # the kubelet's answer: the node's one GPU
 
         def local() -> float:
@@ -559,23 +588,26 @@ class World:
         restarter = ContainerRestarter(self.verdict_file(pod.name), evictor, wall_clock=local) \
             if self.knobs.strategy == "container" else evictor
         control = SimControl(self, pod.name)
+        events = NodeReporter(api, NS, pod.node, TIMEOUT_S, node_condition=False, node_event=False)
         history = lambda: car.history  # noqa: E731 - the fold as it stands at each read
         ex = car.executor = Executor(
             settings=settings, restarter=restarter, metrics=self.metrics, clock=self.clock, wall_clock=wall,
             control=control, history=history, fold=car.fold,  # type: ignore[arg-type]
-            restart_events=NodeReporter(api, NS, pod.node, TIMEOUT_S, node_condition=False, node_event=False),
-            workload=WORKLOAD, ledger=ledger)
+            restart_events=events, workload=WORKLOAD, ledger=ledger)
+        # The loop's own object, as `gpu-watchdog run` makes it: its evaluation and its effects' bookkeeping
+        # (`Watchdog.evaluate`), on this sidecar's history, clock and executor; a restart it starts is
+        # stepped by the world's moves (`Stepwise`).
+        wd = car.watchdog = Watchdog(settings, restarter, pod_gpus=lambda: None, wall_clock=local,
+                                     restart_events=events, workload=WORKLOAD, ledger=ledger, cluster_clock=wall,
+                                     metrics=self.metrics)
+        wd.history, wd.clock = car.history, self.clock
+        wd._run = Stepwise(car, ex)  # type: ignore[assignment]
+        wd.decided = car.decided  # type: ignore[method-assign]
 
         if self.knobs.placement:
             car.keep_out = KeepOut(settings=settings, placer=Placer(api, NS, pod.name, pod.node, WORKLOAD, TIMEOUT_S),
                                    ledger=ledger, metrics=self.metrics, wall_clock=wall, workload=WORKLOAD,
                                    history=history, fold=car.fold, clock=self.clock)
-
-        async def read_budget() -> None:
-            car.fold(await ex.read_budget())
-
-        def record_decision(d: Decision, outcome: str, now: float) -> None:
-            car.fold(DecisionRecord(round(now - car.history.started_at, 3), d.action, d.reason, outcome, d.detail))
 
         car.sampling = Sampling(
             settings=settings, samplers=Samplers(nvml=None, canary=CanarySampler(control, self.clock, CANARY_S),  # type: ignore[arg-type]
@@ -585,8 +617,8 @@ class World:
             fold=car.fold, evaluate=_nothing, spawn=car.spawned.append, clock=self.clock, wall_clock=local,  # type: ignore[arg-type]
             read_token=lambda: None, token=None, server_metrics_url=None)
         car.restarts = Restarts(
-            settings=settings, executor=ex, metrics=self.metrics, fold=car.fold, record_decision=record_decision,
-            clock=self.clock, history=history, read_budget=read_budget, keep_out=car.keep_out,
+            settings=settings, executor=ex, metrics=self.metrics, fold=car.fold, record_decision=wd.record_decision,
+            clock=self.clock, history=history, read_budget=wd.read_budget, keep_out=car.keep_out,
             worker_control=lambda k: control if k == 0 else None,  # type: ignore[arg-type, return-value]
             spawn=_spawn, restarted=lambda ended: None, escalate=_nothing,
             sleep=_nothing)
@@ -963,7 +995,12 @@ class World:
 
     def _observe_killer(self) -> None:
         """F, when the killer comes in force in the Lease's records: its failures recorded there then;
-        and when a failure that holds the popular request first stood there."""
+        and when a failure that holds the popular request first stood there. Once per version of the
+        Lease and second: nothing else changes what it finds."""
+        seen = (self._lease_annotation(quarantine.ANNOTATION)[0], self.now, len(self.lifted_after))
+        if seen == self._observed:
+            return
+        self._observed = seen
         records = self.records()
         popular = self.prints(self.popular_body)
         for f in records.failures:
@@ -1010,8 +1047,6 @@ class World:
             return self._restart_step(car)
         if car.spawned:
             return car.spawned.pop(0)  # what `Sampling.canary` spawned (the ledger told a canary served)
-        if policy.hold_over(self.policy, h, self.now, True):
-            return ex.end_hold()  # as `Watchdog.evaluate` spawns it
         if car.keep_out is not None and self.now - car.reconciled_at >= LIFT_PASS_S:
             car.reconciled_at = self.now  # `run_until_signal`'s periodic placement pass
             return car.keep_out.reconcile()
@@ -1021,30 +1056,21 @@ class World:
             return ex.sync_quarantine()
         read_at = h.workload_read_at
         if read_at is None or self.now - read_at >= BUDGET_READ_S:
-            return self._read_budget(car)  # as the loop reads the Events again every BUDGET_READ_S
-        # `Watchdog.evaluate`: the real policy on what this sidecar folded.
-        restart = next((d for d in policy.decide(self.policy, h, self.now, True) if d.action == "restart"), None)
-        if restart is None:
-            return None
-        if not restart.allowed:  # blocked by the budget: said once, decided again after the next read
-            if not car.blocked:
-                self.budget_blocks += 1
-            car.blocked = True
-            return None
-        if not ex.begin(0):
-            return None
-        car.fold(RestartBegun(self.now))
-        car.proc = car.restarts.begin(0, restart, asked_again=h.edge.fleet.held is not None)
-        return self._restart_step(car)
+            return car.watchdog.read_budget()  # as the loop reads the Events again every BUDGET_READ_S
+        return self._evaluate(car)
+
+    async def _evaluate(self, car: Sidecar) -> None:
+        """`Watchdog.evaluate` on what this sidecar folded; a restart it starts takes its first step at once,
+        as `Restarts.run` does."""
+        await car.watchdog.evaluate()
+        if car.proc is not None and car.proc_new:
+            car.proc_new = False
+            await self._restart_step(car)
 
     @staticmethod
     async def _restart_step(car: Sidecar) -> None:
         assert car.proc is not None
         car.proc = await car.restarts.step(car.proc)
-
-    @staticmethod
-    async def _read_budget(car: Sidecar) -> None:
-        car.fold(await car.executor.read_budget())
 
     def canaries(self) -> None:
         """Each sidecar's canary, taken and folded by its `Sampling.canary` (the loop evaluates at its own

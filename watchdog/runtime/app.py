@@ -59,7 +59,7 @@ class Watchdog:
                  node: NodeReporter | None = None, wall_clock: Callable[[], float] = time.time,
                  restart_events: RestartEvents | None = None, workload: str | None = None,
                  ledger: FleetLedger | None = None, placer: CardPlacer | None = None,
-                 cluster_clock: Callable[[], float] | None = None) -> None:
+                 cluster_clock: Callable[[], float] | None = None, metrics: WatchdogMetrics | None = None) -> None:
         self.settings = settings
         self.restarter = restarter
         self.node = node
@@ -82,7 +82,8 @@ class Watchdog:
         self.pod_gpus = pod_gpus if pod_gpus is not None else pod_gpus_reader(settings)
         self.clock: Callable[[], float] = lambda: 0.0
         self.history = History(started_at=0.0)
-        self.metrics = WatchdogMetrics(self.snapshot)
+        # Its own registry, unless the caller shares one (a simulation of many sidecars in one process).
+        self.metrics = metrics or WatchdogMetrics(self.snapshot)
         self.episodes = Episodes(self.metrics)
         self._last_tick = 0.0
         self._actions: set[asyncio.Task[Any]] = set()
