@@ -13,7 +13,7 @@ What is simulated is only what lies outside the sidecar's process:
   Events that expire, a PodDisruptionBudget;
 - each server's HTTP: its canary's answer (served, timed out on a hung server, refused by one down or
   loading) and its control API (`SimControl`: the answers of `inference.http_control`'s routes, from
-  the server's real request record and quarantine list, `inference.screen`);
+  the server's real request record and quarantine list, `inference.screen`, behind its real guard);
 - each sidecar's clocks: the world's time, its wall clock skewed by `Knobs.skew_s` at most;
 - the kubelet and the scheduler (a pod we restarted is replaced on its node: the lineage a restart
   loop is bounded in, unless a taint keeps new pods off it; a card gone bad reported Unhealthy; the
@@ -45,6 +45,8 @@ from typing import Any
 
 from gpu_watchdog import contract
 from gpu_watchdog.inference.fingerprint import fingerprint, input_fingerprint
+from gpu_watchdog.inference.guard import Guard
+from gpu_watchdog.inference.metrics import InferenceMetrics
 from gpu_watchdog.inference.screen import (
     QuarantinedRequest,
     QuarantineList,
@@ -167,25 +169,29 @@ def _spawn(work: Awaitable[Any]) -> None:
 
 @dataclass
 class Server:
-    """A pod's inference process: serving, hung, or down after a crash; its screen (the request
-    record and the quarantine list) is the real one, on the world's clock."""
+    """A pod's inference process: serving, hung, or down after a crash; its guard (the screen: the
+    request record and the quarantine list; the wait for its sidecar's list) is the real one, on the
+    world's clock."""
 
     process: str
     started_at: float
-    screen: Screen
+    guard: Guard
     hung_since: float | None = None
     down_until: float | None = None  # crashed: started again in place at this time
     drained: bool = False  # its sidecar drained it before a restart (`POST /control/drain`)
+
+    @property
+    def screen(self) -> Screen:
+        return self.guard.screen
 
     def serving(self, now: float) -> bool:
         """Its model answers (the control canary too)."""
         return self.hung_since is None and self.down_until is None
 
     def admits(self, now: float) -> bool:
-        """It takes clients' requests: serving, and its sidecar's quarantine list in force (or the
-        wait for it over)."""
-        return self.serving(now) and not self.drained and (
-            self.screen.quarantine.received or now - self.started_at >= QUARANTINE_WAIT_S)
+        """It takes clients' requests: serving, and its sidecar's quarantine list in force, or the wait
+        for it over (`Guard.awaiting_quarantine`, as `serve --quarantine-wait` sets it)."""
+        return self.serving(now) and not self.drained and self.guard.awaiting_quarantine() == 0
 
     def refuses(self, prints: Prints) -> bool:
         try:
@@ -212,11 +218,16 @@ class Server:
         return tickets
 
 
+SERVER_METRICS = InferenceMetrics()  # every simulated server's: the figures are the world's log, not these
+
+
 def new_server(process: str, now: float, clock: Callable[[], float]) -> Server:
-    screen = Screen(process, MODEL)
-    screen.book = RequestBook(process, clock)
-    screen.quarantine = QuarantineList(clock)
-    return Server(process, now, screen)
+    guard = Guard(model=MODEL, instance_id=process, clock=clock, metrics=SERVER_METRICS)
+    guard.screen.book = RequestBook(process, clock)
+    guard.screen.quarantine = QuarantineList(clock)
+    guard.quarantine_wait = QUARANTINE_WAIT_S
+    guard.serving()  # its model loaded: the wait counts from now
+    return Server(process, now, guard)
 
 
 def killer_body(rnd: random.Random) -> dict[str, object]:
