@@ -151,7 +151,13 @@ def run_regressions() -> str | None:
     catch = _FirstFailure()
     with redirect_stdout(sys.stderr):  # stdout carries the JSON alone
         pytest.main(["-q", "-x", "-p", "no:cacheprovider", str(REGRESSIONS)], plugins=[catch])
+    quiet()  # the tests' configuration of the logs is theirs: the seeds that follow log nothing again
     return catch.broke
+
+
+def quiet() -> None:
+    """The simulated sidecars log each decision by the thousand: the figures are the output here."""
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
 
 
 def first_broken(runs: int, steps: int) -> str | None:
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [n for n in args.only or () if n not in MUTATIONS]
     if unknown:
         parser.error(f"--only: no mutation named {unknown[0]!r}; one of: {', '.join(MUTATIONS)}")
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
+    quiet()
     started = time.perf_counter()
     out: dict[str, Any] = {"runs": args.runs, "steps": args.steps, "configs": len(CONFIGS)}
     baseline = first_broken(args.runs, args.steps)
