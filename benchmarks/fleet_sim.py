@@ -100,8 +100,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--steps", type=int, default=100, help="moves per run at most")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
-    # The servers' screens log each refusal, thousands a run: the figures are the output here.
-    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.ERROR))
+    # The servers' screens log each refusal and the sidecars each decision, thousands a run: the figures
+    # are the output here.
+    structlog.configure(wrapper_class=structlog.make_filtering_bound_logger(logging.CRITICAL))
     if args.runs < 1 or args.steps < 1:
         parser.error("--runs and --steps must be at least 1")
     failed = False
