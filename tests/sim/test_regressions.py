@@ -13,7 +13,7 @@ from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim import invariants
 from tests.sim.invariants import KILLER_FAILURES
 from tests.sim.machine import machine
-from tests.sim.world import DETECT_S, WORKLOAD, Knobs, World
+from tests.sim.world import DETECT_S, LIFT_BOUND_S, WORKLOAD, Knobs, World
 
 Move = tuple[str, dict[str, Any]]
 
@@ -415,3 +415,32 @@ def test_i9_a_card_kept_out_is_lifted_at_its_expiry_and_its_replacement_placed_e
     assert tainted and tainted[0].at <= evicted.at  # tainted, and before the pod went
     assert all(p.node != evicted.node for p in world.alive())
     assert not _tainted(world, ours) and not world.our_entries()  # settled: lifted
+
+
+def test_i9_our_expiry_never_lifts_a_node_taint_the_other_workload_still_holds() -> None:
+    """Two workloads keep a card out of one node: ours expires first, and the taint stays, holding the
+    other's entry until its own expiry; then it is lifted (the mutation that lifts the whole taint at
+    our expiry broke I9 here)."""
+    m = machine(PLACING)()
+    m.seeded(seed=0)
+    world = m.world
+    first = next(p for p in world.alive() if p.node == world.neighbours["neighbour-1"].node)
+    world.cards_fail([first])
+    ours, theirs = world.owner_of(WORKLOAD), world.owner_of("neighbour")
+    for _ in range(20):  # detected, kept out before its pod goes
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+        if ours in {o for node, o, _ in world.our_entries() if node == first.node}:
+            break
+    for _ in range(10):  # the other workload's card on that node fails later: its entry outlives ours
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+    world.neighbours_card_fails(0)
+    m.holds()
+    entries = {o: until for node, o, until in world.our_entries() if node == first.node}
+    assert set(entries) == {ours, theirs} and entries[ours] < entries[theirs]
+    while world.now <= min(entries[ours] + LIFT_BOUND_S, entries[theirs] - 2):  # ours expired, lifted
+        m.time_passes_with_every_sidecar_acting(seconds=1)
+        m.holds()
+    assert {o for node, o, _ in world.our_entries() if node == first.node} >= {theirs}  # still keeps it out
+    m.teardown()  # and lifted at its own expiry (I9, settled)
+    assert not world.our_entries()
