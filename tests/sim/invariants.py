@@ -21,7 +21,8 @@ class Broken(AssertionError):
 
 
 def i1_max_unavailable(world: World) -> None:
-    """I1, judged as each pod we restart leaves, on which pods serve then: never more than
+    """I1, judged as each pod we restart leaves (or its container is killed on our verdict, to start
+    again in place), on which pods serve then: never more than
     `max_unavailable` replicas out because of us (restarted, their stand-in not serving yet) while
     fewer than the desired replicas less `max_unavailable` serve once it is gone (as a
     PodDisruptionBudget counts: pods a rollout surged or a scale-down has not removed yet stand in),
@@ -37,9 +38,9 @@ def i1_max_unavailable(world: World) -> None:
 
 
 def i2_event_first(world: World) -> None:
-    """I2: no restart without its recorded Event: every pod its sidecar evicted had a restart Event
-    (a Warning regarding it) in the API server when the eviction was accepted (in the server's own
-    order of writes: both may fall in one second)."""
+    """I2: no restart without its recorded Event: every pod its sidecar evicted (or whose container the
+    kubelet killed on its verdict) had a restart Event (a Warning regarding it) in the API server when
+    the eviction was accepted (in the server's own order of writes: both may fall in one second)."""
     events = world.restart_events()
     for r in world.removals:
         if r.by_us and not any(e["regarding"].get("name") == r.pod
@@ -48,9 +49,9 @@ def i2_event_first(world: World) -> None:
 
 
 def i5_lineage_bounded(world: World) -> None:
-    """I5: the pods of one lineage (here a node: a pod we restarted is replaced on its node) that their
-    sidecars evicted within `restart_budget.window` are at most `max_restarts`, however many
-    generations of pods took part."""
+    """I5: the restarts of one lineage (here a node: a pod we restarted is replaced on its node) within
+    `restart_budget.window`, pods their sidecars evicted and containers restarted in place on their
+    verdict, are at most `max_restarts`, however many generations of pods took part."""
     b = world.policy.restart_budget
     recent: dict[str, int] = {}
     for r in world.removals:
