@@ -88,12 +88,14 @@ def i4_no_zombie(world: World) -> None:
 def i6_answered_is_never_refused(world: World) -> None:
     """I6, on what happened: a request a replica answered is refused by no server whose sidecar has
     synced since the answering replica's sidecar said so, within the quarantine's window of the
-    answer. A sidecar says what its server answered at its first sync after both the answer and the
-    request falling under suspicion (a failure it was in flight at standing in the Lease, within the
-    window), or as it stops, into the Lease; a Lease lost since loses what it said (until it says it
-    again). So the reach is two syncs (5 s each) at the sidecars' cadence, however long a starved
-    sidecar takes to make them; a replica that left before anything suspected the request took its
-    answer along. Order is the world's (syncs counted), not seconds, which many moves share."""
+    answer. A sync is one whose read of the Lease the API server answered (a refused read keeps the
+    list last read and says nothing). A sidecar says what its server answered at its first sync
+    after both the answer and the request falling under suspicion (a failure it was in flight at
+    standing in the Lease, within the window), or as it stops, into the Lease; a Lease lost since
+    loses what it said (until it says it again). So the reach is two syncs (5 s each) at the
+    sidecars' cadence, however long a starved sidecar takes to make them; a replica that left before
+    anything suspected the request took its answer along. Order is the world's (syncs counted), not
+    seconds, which many moves share."""
     window = world.q_settings.window
     start, world.i6_checked = world.i6_checked, len(world.popular_refused)
     for at, pod, after in world.popular_refused[start:]:  # each refusal judged once, as it happened

@@ -13,7 +13,7 @@ from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim import invariants
 from tests.sim.invariants import KILLER_FAILURES
 from tests.sim.machine import machine
-from tests.sim.world import DETECT_S, LIFT_BOUND_S, WORKLOAD, Knobs, World
+from tests.sim.world import DETECT_S, LIFT_BOUND_S, SYNC_S, WORKLOAD, Knobs, World
 
 Move = tuple[str, dict[str, Any]]
 
@@ -444,3 +444,21 @@ def test_i9_our_expiry_never_lifts_a_node_taint_the_other_workload_still_holds()
     assert {o for node, o, _ in world.our_entries() if node == first.node} >= {theirs}  # still keeps it out
     m.teardown()  # and lifted at its own expiry (I9, settled)
     assert not world.our_entries()
+
+
+def test_i6_a_sync_whose_read_was_refused_is_no_sync() -> None:
+    """Broke I6 as the checker stood (the long run, the API refusing 10 %): a sidecar whose read of the
+    Lease the API refused kept its server's list as last read, and the checker took that attempt for a
+    sync that had carried the answer's word. Now a sync counts once its read was answered; the rules
+    were right: an unreadable Lease keeps the list in force."""
+    world = World(Knobs(replicas=4, max_unavailable="1", api_error_rate=1.0), 0)
+    before = dict(world.syncs)
+    world.now += SYNC_S
+    for name in list(world.sidecars):
+        world.sidecar_step(name)  # each comes to its sync: every read refused
+    assert world.syncs == before
+    world.cluster.faults = lambda caller, method, path: None
+    world.now += SYNC_S
+    for name in list(world.sidecars):
+        world.sidecar_step(name)
+    assert all(len(world.syncs.get(name, [])) > len(before.get(name, [])) for name in world.sidecars)

@@ -1053,7 +1053,7 @@ class World:
 
     def _next(self, car: Sidecar) -> Coroutine[Any, Any, None] | None:
         """The sidecar's next move as its loop's tasks would make it, None where it has nothing to do."""
-        ex, h = car.executor, car.history
+        h = car.history
         if car.proc is not None:
             return self._restart_step(car)
         if car.spawned:
@@ -1063,12 +1063,19 @@ class World:
             return car.keep_out.reconcile()
         if self.now - car.synced_at >= SYNC_S:
             car.synced_at = self.now
-            self._synced(car.pod)
-            return ex.sync_quarantine()
+            return self._sync(car)
         read_at = h.workload_read_at
         if read_at is None or self.now - read_at >= BUDGET_READ_S:
             return car.watchdog.read_budget()  # as the loop reads the Events again every BUDGET_READ_S
         return self._evaluate(car)
+
+    async def _sync(self, car: Sidecar) -> None:
+        """Its quarantine sync; one whose read of the Lease the API server answered is a sync (I6): a
+        refused read keeps the list last read, and says nothing of what its server answered."""
+        answered = self.cluster.lease_reads.get(car.pod, 0)
+        await car.executor.sync_quarantine()
+        if self.cluster.lease_reads.get(car.pod, 0) > answered:
+            self._synced(car.pod)
 
     async def _evaluate(self, car: Sidecar) -> None:
         """`Watchdog.evaluate` on what this sidecar folded; a restart it starts takes its first step at once,
