@@ -462,3 +462,4 @@ def test_i6_a_sync_whose_read_was_refused_is_no_sync() -> None:
     for name in list(world.sidecars):
         world.sidecar_step(name)
     assert all(len(world.syncs.get(name, [])) > len(before.get(name, [])) for name in world.sidecars)
+

@@ -1081,6 +1081,7 @@ class World:
         """`Watchdog.evaluate` on what this sidecar folded; a restart it starts takes its first step at once,
         as `Restarts.run` does."""
         await car.watchdog.evaluate()
+        await asyncio.sleep(0)  # the restart it spawned begins (`Stepwise.run`)
         if car.proc is not None and car.proc_new:
             car.proc_new = False
             await self._restart_step(car)
