@@ -383,7 +383,6 @@ class Sidecar:
     keep_out: KeepOut | None = None
     reconciled_at: float = -1e9
     watchdog: Watchdog = field(init=False)
-    proc_new: bool = False  # begun by the evaluation of this move: its first step is taken in it
     world: World | None = None
 
     def decided(self, now: float, decisions: list[Decision], core: str = "") -> None:
@@ -395,8 +394,8 @@ class Sidecar:
             self.blocked = True
 
     def fold(self, outcome: Outcome) -> None:
-        """As the loop folds (`Watchdog.fold`)."""
-        state.reduce(self.history, outcome, self.settings.policy.admission)
+        """Through the loop's own fold (`Watchdog.fold`)."""
+        self.watchdog.fold(outcome)
 
     @property
     def held(self) -> str | None:
@@ -445,7 +444,6 @@ class Stepwise:
 
     async def run(self, worker: int, decision: Decision, asked_again: bool = False) -> None:
         self.car.proc = self.car.restarts.begin(worker, decision, asked_again)
-        self.car.proc_new = True
 
 
 class World:
@@ -583,7 +581,6 @@ class World:
         car = Sidecar(pod.name, History(started_at=self.now, epoch=self.now, pod=pod.name, node=pod.node,
                                         strategy=self.knobs.strategy, budget_from_events=True), settings, skew)
         car.world = self
-        car.fold(PodGpus((gpu_of(pod.node),)))  # the kubelet's answer: the node's one GPU
 
         def local() -> float:
             return self.now + car.skew  # its node's clock (a test may set it off later, as a node's may step)
@@ -601,10 +598,6 @@ class World:
         control = SimControl(self, pod.name)
         events = NodeReporter(api, NS, pod.node, TIMEOUT_S, node_condition=False, node_event=False)
         history = lambda: car.history  # noqa: E731 - the fold as it stands at each read
-        ex = car.executor = Executor(
-            settings=settings, restarter=restarter, metrics=self.metrics, clock=self.clock, wall_clock=wall,
-            control=control, history=history, fold=car.fold,  # type: ignore[arg-type]
-            restart_events=events, workload=WORKLOAD, ledger=ledger)
         # The loop's own object, as `gpu-watchdog run` makes it: its evaluation and its effects' bookkeeping
         # (`Watchdog.evaluate`), on this sidecar's history, clock and executor; a restart it starts is
         # stepped by the world's moves (`Stepwise`).
@@ -612,8 +605,13 @@ class World:
                                      restart_events=events, workload=WORKLOAD, ledger=ledger, cluster_clock=wall,
                                      metrics=self.metrics)
         wd.history, wd.clock = car.history, self.clock
-        wd._run = Stepwise(car, ex)  # type: ignore[assignment]
         wd.decided = car.decided  # type: ignore[method-assign]
+        ex = car.executor = Executor(
+            settings=settings, restarter=restarter, metrics=self.metrics, clock=self.clock, wall_clock=wall,
+            control=control, history=history, fold=car.fold,  # type: ignore[arg-type]
+            restart_events=events, workload=WORKLOAD, ledger=ledger)
+        wd._run = Stepwise(car, ex)  # type: ignore[assignment]
+        car.fold(PodGpus((gpu_of(pod.node),)))  # the kubelet's answer: the node's one GPU
 
         if self.knobs.placement:
             car.keep_out = KeepOut(settings=settings, placer=Placer(api, NS, pod.name, pod.node, WORKLOAD, TIMEOUT_S),
@@ -1082,8 +1080,7 @@ class World:
         as `Restarts.run` does."""
         await car.watchdog.evaluate()
         await asyncio.sleep(0)  # the restart it spawned begins (`Stepwise.run`)
-        if car.proc is not None and car.proc_new:
-            car.proc_new = False
+        if car.proc is not None:  # begun now: `_next` evaluates only while none is under way
             await self._restart_step(car)
 
     @staticmethod
