@@ -50,7 +50,9 @@ CONFIGS = (Knobs(replicas=4, max_unavailable="1", decoys=0),
            Knobs(replicas=4, max_unavailable="1", decoys=2, popular_every_tick=False),
            Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
                  skew_s=60, strategy="delete"),
-           Knobs(replicas=4, max_unavailable="1", placement=True, neighbour=True))
+           Knobs(replicas=4, max_unavailable="1", placement=True, neighbour=True),
+           # The admission limit: the killer with 61 decoys in one step of `serve`'s CPU default of 64.
+           Knobs(replicas=4, max_unavailable="1", decoys=61))
 
 
 def _give_back_drops_every_slot(ledger: fleet.Ledger, pod: str, restarted: bool) -> fleet.Ledger:
@@ -97,7 +99,7 @@ MUTATIONS: dict[str, list[tuple[Any, str, Any]] | str] = {
     "replaced takes any pod": [(fleet, "replaced", _replaced_takes_any_pod)],
     "out_after counts nothing out": [(fleet, "out_after", _nothing_out)],
     "the budget is never spent": [(policy, "budget_remaining", lambda *a, **k: 99)],
-    "ties are never taken": [(quarantine, "MAX_TIED", 1)],
+    "ties are never taken": [(quarantine, "MAX_TIED", 1), (quarantine, "MAX_TOGETHER", 1)],
     "lifts are ignored": [(quarantine, "lift_records", _lift_ignored)],
     "the cleared set is dropped": [(quarantine, "cleared_in", lambda *a, **k: set())],
     "evicting before the Event": [(KubeRestarter, "restart", _evict_then_record)],

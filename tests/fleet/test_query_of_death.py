@@ -35,7 +35,8 @@ SERVE_ARGS = ("--quarantine-wait", "60")  # as the chart starts the bundled serv
 CONFIG = {
     "canary": {"interval": "300ms", "timeout": "2s"},
     "sampling": {"torch_interval": "300ms"},
-    "policy": {"quarantine": {"enabled": True, "failures": 2, "window": "1h", "ttl": "1h"}},
+    # The wait for the replicas' word (`confirm`) shortened: the tests wait it out in real time.
+    "policy": {"quarantine": {"enabled": True, "failures": 2, "window": "1h", "ttl": "1h", "confirm": "2s"}},
 }
 
 

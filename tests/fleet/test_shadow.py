@@ -33,7 +33,8 @@ SHADOW = {
     "sampling": {"torch_interval": "300ms", "device_health_interval": "300ms"},
     "restart": {"strategy": "evict"},
     "policy": {"enforce": "shadow", "hang": {"consecutive_timeouts": 2, "no_evidence_after": "1s"},
-               "quarantine": {"failures": 2, "window": "1h", "ttl": "1h"}, "placement": {"strategy": "device"}},
+               "quarantine": {"failures": 2, "window": "1h", "ttl": "1h", "confirm": "2s"},
+               "placement": {"strategy": "device"}},
 }
 
 

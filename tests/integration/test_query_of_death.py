@@ -231,7 +231,7 @@ def test_a_failure_the_budget_blocks_the_restart_of_is_still_recorded_and_quaran
         "sampling": {"torch_interval": "300ms", "server_interval": "1s"},
         "canary": {"interval": "500ms", "timeout": "2s"},
         "policy": {"restart_budget": {"max_restarts": 1, "window": "1h"},
-                   "quarantine": {"enabled": True, "failures": 2, "window": "1h", "ttl": "1h"}},
+                   "quarantine": {"enabled": True, "failures": 2, "window": "1h", "ttl": "1h", "confirm": "2s"}},
         "restart": {"strategy": "container", "verdict_file": str(verdict)},
         "kubernetes": {"pod_name": "", "namespace": ""},
         "server": {"host": "127.0.0.1", "port": wport},

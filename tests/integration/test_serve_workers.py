@@ -219,7 +219,7 @@ async def test_a_request_that_hangs_two_workers_is_refused_by_every_worker(tmp_p
             [q] = [e for e in logs if e["event"] == "request_quarantined"]
             await async_wait(lambda: _true(all(
                 [e["fingerprint"] for e in tree.ctl(k, "GET", "/control/quarantine").json()["entries"]]
-                == [q["fingerprint"]] for k in (0, 1))), 30, "the quarantine in every worker")
+                == [q["fingerprint"]] for k in (0, 1))), 45, "the quarantine in every worker")
         for _ in range(4):  # whichever worker takes it
             refused = await asyncio.to_thread(send, wedge)
             assert refused.status_code == 422 and refused.json()["error"]["code"] == "request_quarantined"

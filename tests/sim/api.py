@@ -79,7 +79,6 @@ class Cluster:
     events: list[dict[str, Any]] = field(default_factory=list)
     posted: list[dict[str, Any]] = field(default_factory=list)  # every Event ever written, expired ones too
     log: list[Logged] = field(default_factory=list)
-    lease_reads: dict[str, int] = field(default_factory=dict)  # the reads of a Lease answered, by caller
     faults: Callable[[str, str, str], str | None] = lambda caller, method, path: None
     # A PodDisruptionBudget on the workload's pods: at most this many of the desired may be unready
     # for an eviction to be allowed (None: there is none, every eviction is allowed).
@@ -108,8 +107,6 @@ class Cluster:
         fault = self.faults(caller, method, path) if query.get("dryRun") is None else None
         if fault == "refused":
             raise api_error(500, "Internal Server Error", "etcdserver: request timed out")
-        if method == "GET" and parts[5:6] == ["leases"]:
-            self.lease_reads[caller] = self.lease_reads.get(caller, 0) + 1  # answered, if only with a 404
         if fault == "raced" and parts[-1] in self.leases:
             self.leases[parts[-1]]["metadata"]["resourceVersion"] = self.next_version()
         answer = self._route(caller, method, parts, body, query)

@@ -13,7 +13,7 @@ from gpu_watchdog.watchdog.core.names import FLEET_UNAVAILABLE_LIMIT
 from tests.sim import invariants
 from tests.sim.invariants import KILLER_FAILURES
 from tests.sim.machine import machine
-from tests.sim.world import DETECT_S, LIFT_BOUND_S, SYNC_S, WORKLOAD, Knobs, World
+from tests.sim.world import DETECT_S, LIFT_BOUND_S, WORKLOAD, Knobs, World
 
 Move = tuple[str, dict[str, Any]]
 
@@ -31,6 +31,7 @@ def replay(knobs: Knobs, seed: int, moves: list[Move]) -> Any:
 
 KILLER = ("the_killer_tries", {})
 SIDECARS = ("every_sidecar_steps", {})
+CONFIRMED = ("time_passes_with_every_sidecar_acting", {"seconds": 6})  # twice: `confirm` (12 s) passes
 
 
 def test_i1_a_rollouts_pod_never_gives_back_the_slot_of_a_replacement_still_loading() -> None:
@@ -93,9 +94,42 @@ def test_i7_decoys_refused_with_a_lifted_killer_do_not_hide_its_new_failures() -
     """Broke I7 after a lift: the decoys, still refused, were at more failures than the killer's new
     ones and took the top; the killer was never refused again."""
     world = replay(Knobs(replicas=6, max_unavailable="2", decoys=4), 0, [
-        KILLER, SIDECARS, KILLER, SIDECARS, KILLER, SIDECARS, ("an_operator_lifts_the_killer", {}),
-        ("time_passes", {"ticks": 1}), KILLER, SIDECARS, KILLER, SIDECARS, KILLER, SIDECARS])
+        KILLER, SIDECARS, KILLER, SIDECARS, KILLER, SIDECARS, CONFIRMED, CONFIRMED,
+        ("an_operator_lifts_the_killer", {}), ("time_passes", {"ticks": 1}), KILLER, SIDECARS, KILLER, SIDECARS,
+        KILLER, SIDECARS, CONFIRMED, CONFIRMED])
     assert len(world.killer_f) == 2
+
+
+def test_i7_a_killer_with_decoys_up_to_the_admission_limit_is_refused_with_them() -> None:
+    """Broke I7 in the benchmark's first run at the admission limit (64 in one step on a CPU): the
+    killer's input tied with its 61 decoys at 3 failures, more than MAX_TIED, and none was taken. All
+    were in flight together at the very same failures: they are taken together (MAX_TOGETHER)."""
+    world = replay(Knobs(replicas=4, max_unavailable="1", decoys=61), 0, [KILLER, KILLER, KILLER, CONFIRMED, CONFIRMED])
+    assert world.killer_f == [3] and world.popular_refused == []
+    refused = {q.fingerprint for q in quarantine.active(world.records(), world.now)}
+    assert {world.prints(d)[0] for d in world.decoys} <= refused and world.popular not in refused
+
+
+def test_i6_the_innocent_beside_the_killer_is_heard_before_anyone_refuses_it() -> None:
+    """The popular request, in flight beside the killer at three failures of processes that never
+    answered it (the fleet had just started), tied with it and was refused by the three replicas
+    restarted in place, in force at once. A decision now waits `confirm` (12 s), served meanwhile:
+    the replicas answer it, their sidecars say so, and it is dropped before anyone refused it."""
+    world = replay(Knobs(replicas=4, max_unavailable="1"), 0, [
+        KILLER, KILLER, KILLER, ("a_node_is_drained", {"which": 0}), CONFIRMED, CONFIRMED])
+    assert world.popular_refused == [] and world.killer_f == [3]
+
+
+def test_i6_a_stopping_sidecar_says_what_its_server_answered_against_failures_it_had_not_read() -> None:
+    """Broke I6 (the chart's container rung): p1 answered the popular request, the killer crashed three
+    others with it in flight, and a scale-down to 1 removed p1 before its sidecar had read those
+    failures. Stopping, it cleared what its server answered against the records it had last read
+    (none), so said nothing; the survivor refused the popular request. It reads them first now."""
+    world = replay(Knobs(replicas=6, max_unavailable="2", decoys=4, strategy="container"), 5075, [
+        ("the_popular_request_sent_to_one_replica", {"which": 0}), KILLER, KILLER, KILLER, ("scaled", {"replicas": 1}),
+        CONFIRMED, CONFIRMED])
+    assert world.popular_answers[0][1] == "p1" and world.popular_refused == []
+    assert any(c.fingerprint == world.popular and c.pod == "p1" for c in world.records().cleared)
 
 
 HOSTILE = Knobs(replicas=6, max_unavailable="2", decoys=4, api_error_rate=0.05, lost_rate=0.05, race_rate=0.2,
@@ -336,10 +370,12 @@ def test_i7_a_killer_during_the_window_after_the_lease_was_lost_is_caught_once_i
         m.time_passes_with_every_sidecar_acting(seconds=6)
         m.holds()
     tries = w.tries
-    while not w.killer_prints & {q.fingerprint for q in quarantine.active(w.records(), w.now)}:
+    while not w.killer_prints & {q.fingerprint for q in quarantine.standing(w.records(), w.now)}:
         m.the_killer_tries()
         m.holds()
     assert w.tries - tries <= KILLER_FAILURES
+    m.time_passes_with_every_sidecar_acting(seconds=int(w.q_settings.confirm) + 1)
+    assert w.killer_prints & {q.fingerprint for q in quarantine.active(w.records(), w.now)}
 
 
 def test_i8_a_lift_holds_against_failures_a_fast_clock_stamped_after_it() -> None:
@@ -355,7 +391,7 @@ def test_i8_a_lift_holds_against_failures_a_fast_clock_stamped_after_it() -> Non
         car.skew = 45.0
         api = car.executor.ledger.api  # type: ignore[union-attr]
         api.clock_offset, api.learn_time = 0.0, lambda date: None
-    while not w.killer_prints & {q.fingerprint for q in quarantine.active(w.records(), w.now)}:
+    while not w.killer_prints & {q.fingerprint for q in quarantine.standing(w.records(), w.now)}:
         m.the_killer_tries()
     assert all(f.at > w.now + 40 for f in w.records().failures)
     m.an_operator_lifts_the_killer()
@@ -364,7 +400,7 @@ def test_i8_a_lift_holds_against_failures_a_fast_clock_stamped_after_it() -> Non
     while w.tries == tries:
         m.the_killer_tries()
     m.holds()
-    assert not w.killer_prints & {q.fingerprint for q in quarantine.active(w.records(), w.now)}
+    assert not w.killer_prints & {q.fingerprint for q in quarantine.standing(w.records(), w.now)}
 
 
 # -- I9: keep-out's bound and lifts, with the records lost and the API refusing ----------------------------
@@ -444,22 +480,3 @@ def test_i9_our_expiry_never_lifts_a_node_taint_the_other_workload_still_holds()
     assert {o for node, o, _ in world.our_entries() if node == first.node} >= {theirs}  # still keeps it out
     m.teardown()  # and lifted at its own expiry (I9, settled)
     assert not world.our_entries()
-
-
-def test_i6_a_sync_whose_read_was_refused_is_no_sync() -> None:
-    """Broke I6 as the checker stood (the long run, the API refusing 10 %): a sidecar whose read of the
-    Lease the API refused kept its server's list as last read, and the checker took that attempt for a
-    sync that had carried the answer's word. Now a sync counts once its read was answered; the rules
-    were right: an unreadable Lease keeps the list in force."""
-    world = World(Knobs(replicas=4, max_unavailable="1", api_error_rate=1.0), 0)
-    before = dict(world.syncs)
-    world.now += SYNC_S
-    for name in list(world.sidecars):
-        world.sidecar_step(name)  # each comes to its sync: every read refused
-    assert world.syncs == before
-    world.cluster.faults = lambda caller, method, path: None
-    world.now += SYNC_S
-    for name in list(world.sidecars):
-        world.sidecar_step(name)
-    assert all(len(world.syncs.get(name, [])) > len(before.get(name, [])) for name in world.sidecars)
-

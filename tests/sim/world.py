@@ -496,11 +496,11 @@ class World:
         self.decoys = tuple({"prompt": f"decoy {i}", "max_tokens": 8} for i in range(knobs.decoys))
         self.popular_body = {"prompt": "the popular question", "max_tokens": 8}
         self.popular = fingerprint(self.key, self.popular_body)
-        # Ground truth: (when, by which pod, after how many syncs of the fleet's sidecars) it was refused.
-        self.popular_refused: list[tuple[float, str, int]] = []
+        # Ground truth: when it was refused, by which pod.
+        self.popular_refused: list[tuple[float, str]] = []
         self.i6_checked = 0  # the refusals I6 has judged (each once, right after the move it happened in)
-        # Ground truth: when it was answered, by which pod, after how many syncs of the fleet's sidecars.
-        self.popular_answers: list[tuple[float, str, int]] = []
+        # Ground truth: when it was answered, by which pod.
+        self.popular_answers: list[tuple[float, str]] = []
         self.tries = 0
         self.killer_refused = 0  # tries refused (ground truth: what the servers answered)
         self.killer_failures = 0  # failures the killer caused
@@ -509,9 +509,6 @@ class World:
         self.killer_f: list[int] = []
         self._killer_in_force = False
         self._observed: tuple[str | None, float, int] | None = None
-        # When each failure with the popular request in flight first stood in the Lease (ground truth of
-        # the API server's store): from then on the records hold against it, and a sync can clear it.
-        self.popular_suspected: dict[tuple[str, str], tuple[float, int]] = {}
         self._records: tuple[str | None, quarantine.Records] = (None, quarantine.Records())
         self.answered_at: dict[str, float] = {}  # fingerprint -> last success anywhere
         self.lifted: dict[str, float] = {}  # an operator's lifts
@@ -519,10 +516,6 @@ class World:
         self.crashed_at: dict[tuple[str, str], float] = {}
         self.lifted_after: dict[str, int] = {}  # a lifted fingerprint: how many crashes came before its lift
         self.trace: list[str] = []
-        # Ground truth of the sidecars' cadence: each pod's syncs (and its leaving, which says what its
-        # server answered as a sync does), in the order they happened, as (order, time).
-        self.syncs: dict[str, list[tuple[int, float]]] = {}
-        self.synced_count = 0
         self.sick: set[str] = set()  # nodes whose servers hang once they served
         self.bad_cards: set[str] = set()  # nodes whose GPU the kubelet reports Unhealthy (and sick)
         self.node_writes_checked = 0  # the node writes I9 has judged
@@ -712,10 +705,6 @@ class World:
         value = self.metrics.registry.get_sample_value("gpu_watchdog_placement_actions_total", {"action": "capped"})
         return int(value or 0)
 
-    def _synced(self, pod: str) -> None:
-        self.synced_count += 1
-        self.syncs.setdefault(pod, []).append((self.synced_count, self.now))
-
     def prints(self, body: dict[str, object]) -> Prints:
         """`Screen.prints` of a body, as every server computes it (one key for the workload), once per
         body: the simulation sends the same few bodies thousands of times."""
@@ -777,7 +766,6 @@ class World:
         car = self.sidecars.pop(pod.name, None)
         if car is not None:
             # A stopping sidecar says what its server answered (`run_until_signal`: `Executor.leaving`).
-            self._synced(pod.name)
             self.run(car.executor.leaving())
             for spawned in car.spawned:  # its tasks end with its process
                 spawned.close()
@@ -940,11 +928,11 @@ class World:
             if not (pod.serves(self.now) and pod.server.admits(self.now)):
                 continue
             if pod.server.refuses(self.prints(self.popular_body)):
-                self.popular_refused.append((self.now, pod.name, self.synced_count))
+                self.popular_refused.append((self.now, pod.name))
                 continue
             pod.server.run([self.prints(self.popular_body)], ok=True)
             self.answered_at[self.popular] = self.now
-            self.popular_answers.append((self.now, pod.name, self.synced_count))
+            self.popular_answers.append((self.now, pod.name))
 
     def killer_try(self) -> None:
         """The killer's client: the killer (its sampler or spelling new each try), its decoys in flight
@@ -980,7 +968,7 @@ class World:
     def lift_killer(self) -> None:
         """An operator lifts what refuses the killer (`gpu-watchdog quarantine lift FP`, each entry)."""
         lifted: list[str] = []
-        for q in quarantine.active(self.records(), self.now):
+        for q in quarantine.standing(self.records(), self.now):
             if q.fingerprint not in self.killer_prints:
                 continue
 
@@ -1003,19 +991,13 @@ class World:
         return any(lost <= at < lost + self.q_settings.window + STEP_S for lost in self.leases_lost_at)
 
     def _observe_killer(self) -> None:
-        """F, when the killer comes in force in the Lease's records: its failures recorded there then;
-        and when a failure that holds the popular request first stood there. Once per version of the
-        Lease and second: nothing else changes what it finds."""
+        """F, when the killer comes in force in the Lease's records: its failures recorded there then.
+        Once per version of the Lease and second: nothing else changes what it finds."""
         seen = (self._lease_annotation(quarantine.ANNOTATION)[0], self.now, len(self.lifted_after))
         if seen == self._observed:
             return
         self._observed = seen
         records = self.records()
-        popular = self.prints(self.popular_body)
-        for f in records.failures:
-            held = popular[0] in f.inflight or popular[1] in f.inputs
-            if held and (f.pod, f.process) not in self.popular_suspected:
-                self.popular_suspected[(f.pod, f.process)] = (self.now, self.synced_count)
         in_force = bool(self.killer_prints & {q.fingerprint for q in quarantine.active(records, self.now)})
         if in_force and not self._killer_in_force:
             self.killer_f.append(len(self.killer_failures_recorded(records)))
@@ -1061,19 +1043,11 @@ class World:
             return car.keep_out.reconcile()
         if self.now - car.synced_at >= SYNC_S:
             car.synced_at = self.now
-            return self._sync(car)
+            return car.executor.sync_quarantine()
         read_at = h.workload_read_at
         if read_at is None or self.now - read_at >= BUDGET_READ_S:
             return car.watchdog.read_budget()  # as the loop reads the Events again every BUDGET_READ_S
         return self._evaluate(car)
-
-    async def _sync(self, car: Sidecar) -> None:
-        """Its quarantine sync; one whose read of the Lease the API server answered is a sync (I6): a
-        refused read keeps the list last read, and says nothing of what its server answered."""
-        answered = self.cluster.lease_reads.get(car.pod, 0)
-        await car.executor.sync_quarantine()
-        if self.cluster.lease_reads.get(car.pod, 0) > answered:
-            self._synced(car.pod)
 
     async def _evaluate(self, car: Sidecar) -> None:
         """`Watchdog.evaluate` on what this sidecar folded; a restart it starts takes its first step at once,
@@ -1150,6 +1124,7 @@ class World:
             if pod.node in self.sick and self.seen_serving(pod):
                 self.hang(pod)
             self._card_report(pod)
+        self._observe_killer()  # an entry decided comes in force by the clock alone (`confirm`)
         for n in self.neighbours.values():
             if self.now - n.reconciled_at >= LIFT_PASS_S:
                 n.reconciled_at = self.now

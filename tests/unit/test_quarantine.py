@@ -13,6 +13,7 @@ from gpu_watchdog.watchdog.core.quarantine import (
     INFLIGHT_KEPT,
     LIFTS_KEPT,
     MAX_TIED,
+    MAX_TOGETHER,
     Failure,
     Quarantined,
     Records,
@@ -36,7 +37,8 @@ from gpu_watchdog.watchdog.core.quarantine import (
 from gpu_watchdog.watchdog.core.timing import FUTURE_S
 from gpu_watchdog.watchdog.edge.config import QuarantineSettings
 
-S = QuarantineSettings()
+# The rules as decided, in force at once: the wait for the replicas' word is tested on its own below.
+S = QuarantineSettings(confirm=0.0)
 
 
 def failure(at: float, pod: str, inflight: tuple[str, ...], newest: str | None = None,
@@ -97,12 +99,46 @@ def test_a_killer_with_decoys_of_its_own_is_refused_with_them_at_the_third_failu
 
 
 def test_more_alike_than_max_tied_are_none_of_them_taken() -> None:
-    many = tuple(f"fp{i}" for i in range(MAX_TIED + 1))
-    fs = [failure(100 + 30 * n, pod, many) for n, pod in enumerate("abc")]
-    assert decide(S, fs, [], 161.0) == []
+    """Retried requests that each met three failures, but not the same three (every replica failing
+    at once, their clients retrying them): more than MAX_TIED is no one request's doing."""
+    many = [f"fp{i}" for i in range(MAX_TIED + 1)]
+    # Each at three of four failures, each missing from another one.
+    fs = [failure(100 + 30 * n, pod, tuple(fp for i, fp in enumerate(many) if i % 4 != n))
+          for n, pod in enumerate("abcd")]
+    assert decide(S, fs, [], 201.0) == []
     # Bystanders come and go: the next failure has the culprit alone of them.
-    fs.append(failure(190, "d", ("fp7", "new-bystander")))
-    assert [q.fingerprint for q in decide(S, fs, [], 191.0)] == ["fp7"]
+    fs.append(failure(210, "e", ("fp7", "new-bystander")))
+    assert [q.fingerprint for q in decide(S, fs, [], 211.0)] == ["fp7"]
+
+
+def test_a_killer_with_decoys_up_to_the_admission_limit_is_taken_with_them() -> None:
+    """Its client sends the killer with 61 decoys of its own each time (the bundled server's admission
+    limit on a CPU: 64 in one step, with a one-off and a request answered elsewhere): all were in flight
+    together at the very same failures, and are taken together once they tie at one failure more than
+    needed; more than MAX_TOGETHER are not."""
+    group = (*(f"decoy{i}" for i in range(61)), "qod")
+    fs = [failure(100 + 30 * n, pod, (*group, "answered", f"one-off{n}")) for n, pod in enumerate("abc")]
+    assert decide(S, fs[:2], [], 131.0) == []
+    taken = decide(S, fs, [], 161.0, cleared=["answered"])
+    assert sorted(q.fingerprint for q in taken) == sorted(group)
+    records, _ = record(S, Records(tuple(fs[:2])), fs[2], 161.0)
+    assert len(dump(records)) <= ANNOTATION_BUDGET
+    too_many = tuple(f"decoy{i}" for i in range(MAX_TOGETHER + 1))
+    assert decide(S, [failure(100 + 30 * n, pod, too_many) for n, pod in enumerate("abc")], [], 161.0) == []
+    # A client that varies its decoys (each missing from one try) leaves the killer alone at the most.
+    apart = [failure(100 + 30 * n, pod, tuple(fp for i, fp in enumerate(group) if fp == "qod" or i % 3 != n))
+             for n, pod in enumerate("abc")]
+    assert [q.fingerprint for q in decide(S, apart, [], 161.0)] == ["qod"]
+
+
+def test_a_group_of_the_largest_size_fits_the_annotations_budget() -> None:
+    group = tuple(f"{i:016x}" for i in range(MAX_TOGETHER))
+    records = Records()
+    for n, pod in enumerate("abc"):
+        failed = Failure(100.0 + 30 * n, f"model-6f7c9d8b5-{pod}xk2p", f"{n:032x}", "context_loss", group,
+                         group[-1], (), tuple(f"{i:016x}"[::-1] for i in range(MAX_TOGETHER)))
+        records, new = record(S, records, failed, 100.0 + 30 * n)
+    assert len(new) == MAX_TOGETHER and len(dump(records)) <= ANNOTATION_BUDGET
 
 
 def test_a_popular_request_sent_right_after_the_killer_is_never_framed() -> None:
@@ -200,7 +236,7 @@ def test_a_failure_from_the_servers_report_prefers_what_was_in_flight_at_the_fai
     assert entries == [{"fingerprint": "q", "until": 2.0 + S.ttl, "failures": 2, "pods": ["a", "b"]}]
 
 
-SHORT_TTL = QuarantineSettings(ttl=600.0, window=3600.0)
+SHORT_TTL = QuarantineSettings(ttl=600.0, window=3600.0, confirm=0.0)
 
 
 def test_a_lift_holds_past_the_entrys_ttl_until_new_evidence_after_it() -> None:
@@ -447,3 +483,35 @@ def test_records_lost_with_their_lease_quarantine_nothing_new_for_a_window() -> 
     after = 1000.0 + S.window + 1
     records, new = record(S, records, failure(after - 2, "c", ("qod",), "qod"), after)
     assert [q.fingerprint for q in new] == ["qod"]
+
+
+def test_a_new_entry_waits_for_the_replicas_word_then_every_replica_refuses_it() -> None:
+    """Decided at the third failure with the killer and the request beside it tied: both wait
+    `confirm`, served meanwhile and held against (a replica that answers one says so); the one a
+    replica answered goes before anyone refused it, the other is in force from then until its TTL."""
+    s = QuarantineSettings()
+    fs = [failure(100 + 30 * n, pod, ("qod", "innocent")) for n, pod in enumerate("abc")]
+    records, _ = record(s, Records(tuple(fs[:2])), fs[2], 161.0)
+    pending = [q for q in records.quarantined if q.pending(161.0)]
+    assert sorted(q.fingerprint for q in pending) == ["innocent", "qod"]
+    assert all(q.in_force_at == 161.0 + s.confirm and q.until == q.in_force_at + s.ttl for q in pending)
+    assert server_entries(records, 161.0) == [] and {"qod", "innocent"} <= held_against(s, records, 165.0)
+    records, removed = clear(s, records, ["innocent"], "d", 166.0)
+    assert [q.fingerprint for q in removed] == ["innocent"]
+    assert [e["fingerprint"] for e in server_entries(records, 161.0 + s.confirm - 0.5)] == []
+    assert [e["fingerprint"] for e in server_entries(records, 161.0 + s.confirm)] == ["qod"]
+    assert server_entries(records, 161.0 + s.confirm + s.ttl) == []
+    assert parse(dump(records)) == records
+
+
+def test_the_failures_decision_names_its_entries_while_they_wait() -> None:
+    s = QuarantineSettings()
+    records = Records((failure(100, "a", ("qod",)),))
+    records, new = record(s, records, failure(130, "b", ("qod",)), 131.0)
+    assert [(q.fingerprint, q.pending(131.0), q.active(131.0)) for q in new] == [("qod", True, False)]
+    # Another failure while it waits: it stays as decided, not decided again.
+    records, again = record(s, records, failure(135, "c", ("qod",)), 136.0)
+    assert again == [] and [q.in_force_at for q in records.quarantined] == [131.0 + s.confirm]
+    # An operator's lift while it waits: never in force.
+    lifted, was = lift_records(records, "qod", 137.0)
+    assert was and server_entries(lifted, 131.0 + s.confirm + 1) == []

@@ -22,12 +22,16 @@ processes, and that nothing clears:
   the culprit: the culprit is in every failure it caused and bystanders come and go. The suspects at
   the most failures are taken when one stands alone; where several tie, one failure more than
   `failures` is waited for (it tells a bystander apart), and then all that still tie are taken, at
-  most MAX_TIED: a client that sends the killer with decoys of its own in flight each time has them
-  refused too, and being newest before a fault counts for nothing (a popular request sent right
+  most MAX_TIED, or MAX_TOGETHER where all were in flight together at the very same failures: a client
+  that sends the killer with decoys of its own in flight each time (up to a server's admission limit)
+  has them refused too, and being newest before a fault counts for nothing (a popular request sent right
   after the killer would be framed). A killer that changes its settings or spelling at every try is
   one suspect (its input) at as many failures as a bystander beside it, never fewer;
 - a success forgotten within the window (a server's answers past its bound, or the records' past
   their budget) could be any suspect's: then nothing new is quarantined until it has left the window;
+- a quarantine decided is in force `confirm` later (served meanwhile, while every replica's sync says
+  whether it answered it, and dropped if one did: an innocent request beside the killer is not refused
+  before the replicas that answered it were heard);
 - every quarantine lasts `ttl` and is listed and liftable by an operator; a lift holds until new
   evidence after it, whatever the TTL: it is kept as long as the failures it covers can count.
 """
@@ -47,8 +51,12 @@ from gpu_watchdog.watchdog.core.settings import QuarantineSettings
 from gpu_watchdog.watchdog.core.timing import FUTURE_S
 
 # A bound on the damage: suspects that tie are all taken up to this many (a killer with up to 15
-# decoys of its own); more alike than that is no one request's doing, and none is taken.
+# decoys of its own); more alike than that is no one request's doing, and none is taken, unless they
+# were in flight together at the very same failures (a client sending the killer with decoys up to the
+# server's admission limit each time): then up to MAX_TOGETHER, whose entries fit the annotation's
+# budget beside the failures that are their evidence.
 MAX_TIED = 16
+MAX_TOGETHER = 128
 ANNOTATION = "gpu-watchdog.io/quarantine"  # on the workload's Lease, beside the fleet's ledger
 VERSION = 1
 FAILURES_KEPT = 64  # failures within the window, newest kept (and fewer where the budget says so)
@@ -115,15 +123,22 @@ class Quarantined:
     # failure stamped by a node whose clock runs ahead does not pass for one after the lift. None
     # (records written before this was kept): the stamps decide.
     lifted_over: tuple[str, ...] | None = None
+    # In force from then (`settings.confirm` after it was decided, on the API server's clock its writer
+    # learned): until then every replica serves it, and one that answers it says so and drops it. None
+    # (records written before this was kept): in force as written.
+    in_force_at: float | None = None
 
     @property
     def pods(self) -> list[str]:
         return sorted({f.pod for f in self.failures})
 
     def active(self, now: float) -> bool:
-        # In force from the moment it is written, whatever its writer's clock said: `since` from a node
-        # whose clock runs ahead would hold it back on every other node until theirs caught up.
-        return self.lifted_at is None and now < self.until
+        """Refused by every replica now."""
+        return self.lifted_at is None and (self.in_force_at is None or self.in_force_at <= now) and now < self.until
+
+    def pending(self, now: float) -> bool:
+        """Decided, and waiting for a replica's word that it answered it before it is refused."""
+        return self.lifted_at is None and self.in_force_at is not None and now < self.in_force_at
 
 
 def _distinct(failures: Iterable[Failure]) -> int:
@@ -193,9 +208,15 @@ def _suspects(settings: QuarantineSettings, failures: list[Failure], now: float,
         return []
     top = max(_distinct(fs) for _, fs, _ in qualified)
     best = [c for c in qualified if _distinct(c[1]) == top]
-    if len(best) > 1 and (top < need + 1 or len(best) > MAX_TIED):
+    if len(best) > 1 and (top < need + 1 or (len(best) > MAX_TIED and not _together(best))):
         return []
     return sorted(best, key=lambda c: (-max(f.at for f in c[1]), c[0]))
+
+
+def _together(tied: list[tuple[str, list[Failure], bool]]) -> bool:
+    """Whether these suspects were in flight at the very same failures, and are few enough to list."""
+    sets = {frozenset((f.pod, f.process, f.reason) for f in fs) for _, fs, _ in tied}
+    return len(sets) == 1 and len(tied) <= MAX_TOGETHER
 
 
 def cleared_in(settings: QuarantineSettings, records: Records, now: float) -> set[str]:
@@ -211,7 +232,7 @@ def _held(failures: Iterable[Failure], quarantined: Iterable[Quarantined]) -> se
 def held_against(settings: QuarantineSettings, records: Records, now: float) -> set[str]:
     """The fingerprints a replica's answers could clear: in flight at a failure within the window
     (requests' and inputs'), or quarantined now, and not cleared yet."""
-    return _held(_recent(settings, records.failures, now), active(records, now)) - cleared_in(settings, records, now)
+    return _held(_recent(settings, records.failures, now), standing(records, now)) - cleared_in(settings, records, now)
 
 
 def clear(settings: QuarantineSettings, records: Records, answered: Iterable[str], pod: str, now: float
@@ -226,7 +247,7 @@ def clear(settings: QuarantineSettings, records: Records, answered: Iterable[str
         return records, []
     kept = tuple(c for c in records.cleared if now - settings.window < c.at <= now + FUTURE_S)
     cleared = (*kept, *(Cleared(fp, now, pod) for fp in new))
-    removed = [q for q in records.quarantined if q.fingerprint in new and q.active(now)]
+    removed = [q for q in records.quarantined if q.fingerprint in new and (q.active(now) or q.pending(now))]
     quarantined = tuple(q for q in records.quarantined if q.fingerprint not in new)
     return _fit(Records(records.failures, quarantined, cleared, records.forgot_until)), removed
 
@@ -291,7 +312,9 @@ def decide(settings: QuarantineSettings, failures: list[Failure], current: list[
         out = [q for q in out if q.fingerprint != fp]
         evidence = tuple(dataclasses.replace(f, inflight=(), completed=(), inputs=())
                          for f in sorted(fs, key=lambda f: f.at))
-        out.append(Quarantined(fp, now, now + settings.ttl, evidence, input=of_input))
+        # Without a wait, in force as written, whatever its writer's clock said.
+        out.append(Quarantined(fp, now, now + settings.confirm + settings.ttl, evidence, input=of_input,
+                               in_force_at=now + settings.confirm if settings.confirm > 0 else None))
     return out
 
 
@@ -308,10 +331,15 @@ def active(records: Records, now: float) -> list[Quarantined]:
     return [q for q in records.quarantined if q.active(now)]
 
 
+def standing(records: Records, now: float) -> list[Quarantined]:
+    """The entries in force or waiting to be (`Quarantined.pending`): neither lifted nor expired."""
+    return [q for q in records.quarantined if q.active(now) or q.pending(now)]
+
+
 def record(settings: QuarantineSettings, records: Records, failure: Failure, now: float
            ) -> tuple[Records, list[Quarantined]]:
     """`failure` added (once per process and reason), and the quarantine decided again: the new
-    records and the entries this failure quarantined."""
+    records and the entries this failure quarantined (in force once confirmed: `Quarantined.pending`)."""
     if any((f.pod, f.process, f.reason) == (failure.pod, failure.process, failure.reason)
            for f in records.failures):
         return records, []
@@ -322,10 +350,10 @@ def record(settings: QuarantineSettings, records: Records, failure: Failure, now
                                inputs=failure.inputs[:INFLIGHT_KEPT],
                                completed=tuple(fp for fp in failure.completed if fp in suspects_now))
     failures = [*_recent(settings, records.failures, now), kept][-FAILURES_KEPT:]
-    before = {q.fingerprint for q in active(records, now)}
+    before = {q.fingerprint for q in standing(records, now)}
     quarantined = decide(settings, failures, list(records.quarantined), now, cleared_in(settings, records, now),
                          records.forgot_until)
-    new = [q for q in quarantined if q.active(now) and q.fingerprint not in before]
+    new = [q for q in quarantined if (q.active(now) or q.pending(now)) and q.fingerprint not in before]
     return _fit(Records(tuple(failures), tuple(quarantined), records.cleared, records.forgot_until)), new
 
 
@@ -365,7 +393,7 @@ def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Record
     """An operator's lift: the entry stays (lifted) until its TTL and, past it, for as long as the
     failures before the lift count (see `decide`), so the same evidence does not quarantine it again;
     True when it was active."""
-    was = any(q.fingerprint == fingerprint and q.active(now) for q in records.quarantined)
+    was = any(q.fingerprint == fingerprint and (q.active(now) or q.pending(now)) for q in records.quarantined)
     return dataclasses.replace(records, quarantined=tuple(lift(list(records.quarantined), fingerprint, now,
                                                                records.failures))), was
 
@@ -399,6 +427,8 @@ def _quarantined_json(q: Quarantined) -> dict[str, Any]:
         out["input"] = True
     if q.lifted_over is not None:
         out["lifted_over"] = list(q.lifted_over)
+    if q.in_force_at is not None:
+        out["in_force_at"] = q.in_force_at
     return out
 
 
@@ -482,7 +512,7 @@ def parse(text: str | None) -> Records:
         quarantined.append(Quarantined(_str(q, "fingerprint"), _num(q, "since"), _num(q, "until"),
                                        tuple(_failure(f) for f in _list(q, "failures")),
                                        _num(q, "lifted_at", optional=True), q.get("input", False),
-                                       _keys(q)))
+                                       _keys(q), _num(q, "in_force_at", optional=True)))
     cleared = []
     for c in _list(data, "cleared"):
         if not isinstance(c, dict):
@@ -494,7 +524,8 @@ def parse(text: str | None) -> Records:
 def describe(q: Quarantined, now: float) -> dict[str, Any]:
     """An entry as /status and the CLI show it: the evidence without the other fingerprints."""
     return {"fingerprint": q.fingerprint, "input": q.input, "since": q.since, "until": q.until,
-            "active": q.active(now), "lifted_at": q.lifted_at, "pods": q.pods,
+            "active": q.active(now), "pending": q.pending(now), "in_force_at": q.in_force_at,
+            "lifted_at": q.lifted_at, "pods": q.pods,
             "failures": [{"at": f.at, "pod": f.pod, "process": f.process, "reason": f.reason,
                           "newest": f.newest == q.fingerprint, "inflight": len(f.inflight)} for f in q.failures]}
 

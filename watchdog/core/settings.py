@@ -14,6 +14,7 @@ from typing import Any
 
 from gpu_watchdog.units import parse_duration, parse_ratio, parse_share, parse_size
 from gpu_watchdog.watchdog.core.names import ENFORCE_ALL, ENFORCE_SHADOW, ENFORCEABLE
+from gpu_watchdog.watchdog.core.timing import QUARANTINE_SYNC_S
 
 STRATEGIES = ("evict", "delete", "container", "local", "none")
 # Where the sidecar publishes a `container` verdict: an emptyDir the inference container's liveness
@@ -230,6 +231,12 @@ class QuarantineSettings:
         why="failures on two pods or processes"))
     window: float = field(default=3600.0, metadata=_duration("The window those failures are counted in."))
     ttl: float = field(default=3600.0, metadata=_duration("How long every replica refuses a quarantined request."))
+    # Two turns of the replicas' syncs (QUARANTINE_SYNC_S) to say they answered it, and a margin for
+    # the API server's clock each learned (1 s stamps): an innocent request in flight beside a killer
+    # is dropped before anyone refuses it.
+    confirm: float = field(default=2 * QUARANTINE_SYNC_S + 2.0, metadata=_duration(
+        "How long a new quarantine waits, served as before, for a replica to say it answered the request"
+        " (then it is dropped) before every replica refuses it; 0: at once.", positive=False))
 
 
 PROMPT_MAX = 2000  # characters of one probe prompt (the control API's bound)

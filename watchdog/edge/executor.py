@@ -289,8 +289,8 @@ class Executor:
             # read earlier, a node whose clock stepped (or a sidecar yet to hear the server) stamps it
             # that far off, and a failure stamped past FUTURE_S counts toward nothing.
             out, quarantined = quarantine.record(s, records, dataclasses.replace(failure, at=now), now)
-            still = {q.fingerprint for q in quarantine.active(out, now)}
-            return out, (out, quarantined, [q for q in quarantine.active(records, now) if q.fingerprint not in still])
+            still = {q.fingerprint for q in quarantine.standing(out, now)}
+            return out, (out, quarantined, [q for q in quarantine.standing(records, now) if q.fingerprint not in still])
 
         ledger = self.ledger
         try:
@@ -318,10 +318,11 @@ class Executor:
                 self.fold(state.would(self.history(), self.clock(), QUARANTINE, decision.reason,
                                       {"fingerprint": q.fingerprint, "pods": list(q.pods)}))
                 continue
-            log.error("request_quarantined", fingerprint=q.fingerprint, until=q.until, pods=q.pods,
-                      failures=len(q.failures), workload=self.workload,
-                      action="refused (422) by every replica until then; find the client by its fingerprint"
-                             " in the access log; lift with `gpu-watchdog quarantine lift`")
+            log.error("request_quarantined", fingerprint=q.fingerprint, in_force_at=q.in_force_at, until=q.until,
+                      pods=q.pods, failures=len(q.failures), workload=self.workload,
+                      action="refused (422) by every replica from in_force_at until then, unless a replica says"
+                             " first that it answered it; find the client by its fingerprint in the access log;"
+                             " lift with `gpu-watchdog quarantine lift`")
             self.metrics.quarantines.inc()
             if ledger is not None:
                 self._report(functools.partial(ledger.report_quarantine, q), "quarantine_event_failed")
@@ -369,8 +370,13 @@ class Executor:
         """The sidecar stops (its pod is removed): the suspects our server answered are cleared in the
         records once more, within LEAVING_WAIT_S, so that the evidence of a success leaves no sooner
         than the pod's grace period allows."""
+        async def say() -> None:
+            # Read first: the records last read may predate the failures that hold against what we answered.
+            await self.read_records()
+            await self._clear_answered()
+
         try:
-            await asyncio.wait_for(self._clear_answered(), LEAVING_WAIT_S)
+            await asyncio.wait_for(say(), LEAVING_WAIT_S)
         except Exception as exc:  # stopping goes on whatever the API says
             log.warning("quarantine_clear_not_recorded", error=repr(exc)[:300], action="stopping")
 

@@ -284,12 +284,17 @@ class LeaseLedger:
 
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None:
         """A Warning Event on the workload (its Deployment): a request fingerprint quarantined, or lifted."""
-        until = dt.datetime.fromtimestamp(q.until, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        def stamp(at: float) -> str:
+            return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
         if lifted:
             note = f"gpu-watchdog lifted the quarantine of request fingerprint {q.fingerprint} in {self.workload}."
         else:
+            start = "" if q.in_force_at is None else (
+                f" from {stamp(q.in_force_at)} (unless a replica says first that it answered it)")
             note = (f"gpu-watchdog refuses request fingerprint {q.fingerprint} on every replica of {self.workload}"
-                    f" until {until}: it was in flight at {len(q.failures)} failures (pods {', '.join(q.pods)})."
+                    f"{start} until {stamp(q.until)}: it was in flight at {len(q.failures)} failures"
+                    f" (pods {', '.join(q.pods)})."
                     " A request is killing replicas: find its client by this fingerprint in the access log;"
                     " lift with `gpu-watchdog quarantine lift`.")
         body = event_body(event_name(self.workload), self.namespace, self._regarding(),
