@@ -111,11 +111,13 @@ def main(argv: list[str] | None = None) -> int:
                         if k in ("replicas", "max_unavailable", "decoys") or v != getattr(Knobs(), k))
         try:
             out = explore(knobs, args.runs, args.steps, args.seed)
-        except AssertionError as exc:
+        except (AssertionError, ExceptionGroup) as exc:
             failed = True
-            # Hypothesis adds the shrunk moves to the exception as notes.
-            moves = [line for line in getattr(exc, "__notes__", []) if "holds()" not in line]
-            print(json.dumps({"config": name, "broken": str(exc).splitlines()[0], "moves": moves}), flush=True)
+            # Hypothesis adds the shrunk moves to the exception as notes; several distinct failures come
+            # as a group, each with its own.
+            for one in exc.exceptions if isinstance(exc, ExceptionGroup) else (exc,):
+                moves = [line for line in getattr(one, "__notes__", []) if "holds()" not in line]
+                print(json.dumps({"config": name, "broken": str(one).splitlines()[0], "moves": moves}), flush=True)
             continue
         print(json.dumps({"config": name, **out}), flush=True)
     return 1 if failed else 0
