@@ -175,6 +175,19 @@ def test_i6_a_request_cleared_in_the_records_is_not_framed_by_a_third_failure_be
     assert len(world.crashes) == KILLER_FAILURES and world.popular_refused == []
 
 
+def test_i6_the_word_of_a_replica_gone_since_still_clears_the_request() -> None:
+    """Only p1 answered the popular request; the killer crashed two others with it in flight, p1's
+    sidecar said so (`cleared` in the records), and a drain took p1 away. The third failure must not
+    decide the popular request with the killer: with the records' word of the answer gone (the
+    mutation check's `the cleared set is dropped`), it waits `confirm`, no replica left has answered
+    it to say so again, and it is refused."""
+    world = replay(Knobs(replicas=4, max_unavailable="1", popular_every_tick=False), 0, [
+        ("the_popular_request_sent_to_one_replica", {"which": 0}), KILLER, KILLER, SIDECARS,
+        ("a_node_is_drained", {"which": 0}), KILLER, CONFIRMED, CONFIRMED, CONFIRMED, ("popular_traffic", {})])
+    assert [pod for pod, _ in world.crashes] == ["p2", "p4", "p3"] and world.popular_answers[0][1] == "p1"
+    assert world.popular_refused == [] and len(world.popular_answers) > 1
+
+
 def test_i1_a_scale_ups_pod_created_as_the_slot_was_taken_is_not_its_replacement() -> None:
     """Broke I1 (3 of 8 out with max_unavailable 2): two scale-ups' pods were created in the second
     the slot was taken (with the replicas wanted counting them already); the first to serve passed
