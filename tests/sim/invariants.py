@@ -95,9 +95,8 @@ def i6_answered_is_never_refused(world: World) -> None:
     start, world.i6_checked = world.i6_checked, len(world.popular_refused)
     for at, pod in world.popular_refused[start:]:
         first = bisect.bisect_left(world.popular_answers, at - window, key=lambda a: a[0])
-        for answered, by in world.popular_answers[first:]:
-            if answered > at:
-                break
+        if first < len(world.popular_answers) and world.popular_answers[first][0] <= at:
+            answered, by = world.popular_answers[first]
             raise Broken(f"I6: {pod} refused the popular request at {at:.0f}, answered at {answered:.0f} by {by}")
 
 

@@ -140,6 +140,10 @@ class Quarantined:
         """Decided, and waiting for a replica's word that it answered it before it is refused."""
         return self.lifted_at is None and self.in_force_at is not None and now < self.in_force_at
 
+    def standing(self, now: float) -> bool:
+        """In force or waiting to be (`pending`): neither lifted nor expired."""
+        return self.lifted_at is None and now < self.until
+
 
 def _distinct(failures: Iterable[Failure]) -> int:
     return len({(f.pod, f.process) for f in failures})
@@ -247,7 +251,7 @@ def clear(settings: QuarantineSettings, records: Records, answered: Iterable[str
         return records, []
     kept = tuple(c for c in records.cleared if now - settings.window < c.at <= now + FUTURE_S)
     cleared = (*kept, *(Cleared(fp, now, pod) for fp in new))
-    removed = [q for q in records.quarantined if q.fingerprint in new and (q.active(now) or q.pending(now))]
+    removed = [q for q in records.quarantined if q.fingerprint in new and q.standing(now)]
     quarantined = tuple(q for q in records.quarantined if q.fingerprint not in new)
     return _fit(Records(records.failures, quarantined, cleared, records.forgot_until)), removed
 
@@ -332,8 +336,8 @@ def active(records: Records, now: float) -> list[Quarantined]:
 
 
 def standing(records: Records, now: float) -> list[Quarantined]:
-    """The entries in force or waiting to be (`Quarantined.pending`): neither lifted nor expired."""
-    return [q for q in records.quarantined if q.active(now) or q.pending(now)]
+    """The entries in force or waiting to be (`Quarantined.standing`)."""
+    return [q for q in records.quarantined if q.standing(now)]
 
 
 def record(settings: QuarantineSettings, records: Records, failure: Failure, now: float
@@ -353,7 +357,7 @@ def record(settings: QuarantineSettings, records: Records, failure: Failure, now
     before = {q.fingerprint for q in standing(records, now)}
     quarantined = decide(settings, failures, list(records.quarantined), now, cleared_in(settings, records, now),
                          records.forgot_until)
-    new = [q for q in quarantined if (q.active(now) or q.pending(now)) and q.fingerprint not in before]
+    new = [q for q in quarantined if q.standing(now) and q.fingerprint not in before]
     return _fit(Records(tuple(failures), tuple(quarantined), records.cleared, records.forgot_until)), new
 
 
@@ -393,7 +397,7 @@ def lift_records(records: Records, fingerprint: str, now: float) -> tuple[Record
     """An operator's lift: the entry stays (lifted) until its TTL and, past it, for as long as the
     failures before the lift count (see `decide`), so the same evidence does not quarantine it again;
     True when it was active."""
-    was = any(q.fingerprint == fingerprint and (q.active(now) or q.pending(now)) for q in records.quarantined)
+    was = any(q.fingerprint == fingerprint and q.standing(now) for q in records.quarantined)
     return dataclasses.replace(records, quarantined=tuple(lift(list(records.quarantined), fingerprint, now,
                                                                records.failures))), was
 

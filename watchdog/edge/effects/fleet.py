@@ -7,7 +7,6 @@ gets 409 and is decided again on what the winner wrote, so a slot is taken once.
 
 from __future__ import annotations
 
-import datetime as dt
 import random
 import re
 import time
@@ -21,7 +20,15 @@ from gpu_watchdog.watchdog.core import correctness, fleet, placement, quarantine
 from gpu_watchdog.watchdog.core.fleet import LEDGER_ANNOTATION, Ledger
 from gpu_watchdog.watchdog.core.timing import API_RETRY_S, API_TRIES
 from gpu_watchdog.watchdog.edge.kube.kube import event_body, event_name, events_path, pod_path
-from gpu_watchdog.watchdog.edge.kube.kube_api import ApiError, KubeApi, api_of, micro_time, parse_time, path
+from gpu_watchdog.watchdog.edge.kube.kube_api import (
+    ApiError,
+    KubeApi,
+    api_of,
+    micro_time,
+    parse_time,
+    path,
+    second_time,
+)
 
 log = logs.get("watchdog.fleet")
 
@@ -284,16 +291,13 @@ class LeaseLedger:
 
     def report_quarantine(self, q: quarantine.Quarantined, lifted: bool = False) -> None:
         """A Warning Event on the workload (its Deployment): a request fingerprint quarantined, or lifted."""
-        def stamp(at: float) -> str:
-            return dt.datetime.fromtimestamp(at, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-
         if lifted:
             note = f"gpu-watchdog lifted the quarantine of request fingerprint {q.fingerprint} in {self.workload}."
         else:
             start = "" if q.in_force_at is None else (
-                f" from {stamp(q.in_force_at)} (unless a replica says first that it answered it)")
+                f" from {second_time(q.in_force_at)} (unless a replica says first that it answered it)")
             note = (f"gpu-watchdog refuses request fingerprint {q.fingerprint} on every replica of {self.workload}"
-                    f"{start} until {stamp(q.until)}: it was in flight at {len(q.failures)} failures"
+                    f"{start} until {second_time(q.until)}: it was in flight at {len(q.failures)} failures"
                     f" (pods {', '.join(q.pods)})."
                     " A request is killing replicas: find its client by this fingerprint in the access log;"
                     " lift with `gpu-watchdog quarantine lift`.")

@@ -21,7 +21,15 @@ from gpu_watchdog.watchdog.core.names import GPU_DRIVERS
 from gpu_watchdog.watchdog.core.placement import Card, Taint
 from gpu_watchdog.watchdog.edge.effects.fleet import read_workload, selector_text
 from gpu_watchdog.watchdog.edge.kube.kube import pod_path
-from gpu_watchdog.watchdog.edge.kube.kube_api import MERGE_PATCH, ApiError, KubeApi, api_of, parse_time, path
+from gpu_watchdog.watchdog.edge.kube.kube_api import (
+    MERGE_PATCH,
+    ApiError,
+    KubeApi,
+    api_of,
+    parse_time,
+    path,
+    second_time,
+)
 
 log = logs.get("watchdog.placement")
 
@@ -258,7 +266,7 @@ class Placer:
         version = self.version()
         if version is None:
             raise RuntimeError(f"this cluster serves no DeviceTaintRule ({GROUP} {', '.join(VERSIONS)})")
-        until = dt.datetime.fromtimestamp(taint.until, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        until = second_time(taint.until)
         spec = rule_spec(taint, card)
         body: dict[str, Any] = {
             "apiVersion": f"{GROUP}/{version}", "kind": "DeviceTaintRule",

@@ -92,6 +92,12 @@ def micro_time(when: dt.datetime | float | None = None) -> str:
     return (when or dt.datetime.now(dt.UTC)).astimezone(dt.UTC).strftime("%Y-%m-%dT%H:%M:%S.%fZ")
 
 
+def second_time(when: float) -> str:
+    """Epoch seconds as RFC 3339 to the second, UTC: as the Events' notes and our annotations state
+    a moment to a reader."""
+    return dt.datetime.fromtimestamp(when, dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
 class _TokenFile:
     """A bearer token read from a file, again whenever the file changes: the kubelet rotates a
     projected service-account token (about hourly), and the old one stops working."""
